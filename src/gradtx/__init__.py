@@ -1,0 +1,24 @@
+"""gradtx: pure, composable gradient transformations for PyTorch, exact under any sharding."""
+
+from gradtx import sharding, tree
+from gradtx.base import (
+    EmptyState,
+    GradientTransformation,
+    apply_updates,
+    identity,
+    stateless,
+    stateless_with_tree_map,
+)
+from gradtx.chains import chain, named_chain
+from gradtx.transforms import (
+    ClipByGlobalNormState,
+    adaptive_grad_clip,
+    clip,
+    clip_by_block_rms,
+    clip_by_global_norm,
+    clip_by_value,
+    global_norm,
+    unitwise_norm,
+)
+
+__version__ = "0.1.0"

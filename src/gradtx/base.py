@@ -1,0 +1,126 @@
+"""The core abstraction: a gradient transformation is a pair of pure functions.
+
+``init(params) -> state`` builds the state; ``update(updates, state, params=None, *, inplace=False)
+-> (updates, state)`` transforms a gradient pytree. ``update`` never mutates what it is given,
+unless the caller passes ``inplace=True`` and so donates ``updates`` and ``state`` (never ``params``)
+to be overwritten and reused; both paths give identical numbers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple
+
+import torch
+
+from gradtx import tree as tree_lib
+
+PyTree = Any
+Params = PyTree
+Updates = PyTree
+OptState = PyTree
+
+
+class TransformInitFn(Protocol):
+    def __call__(self, params: Params) -> OptState: ...
+
+
+class TransformUpdateFn(Protocol):
+    def __call__(
+        self, updates: Updates, state: OptState, params: Optional[Params] = None, *, inplace: bool = False
+    ) -> Tuple[Updates, OptState]: ...
+
+
+class GradientTransformation(NamedTuple):
+    """A pure gradient transformation: ``init(params)`` and ``update(updates, state, params, *, inplace)``."""
+
+    init: TransformInitFn
+    update: TransformUpdateFn
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation: a pytree with no leaves."""
+
+
+def _accepts_inplace(update_fn: Callable) -> bool:
+    try:
+        parameters = inspect.signature(update_fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == "inplace" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def with_inplace(tx: GradientTransformation) -> TransformUpdateFn:
+    """``tx.update``, made to accept the ``inplace`` keyword if it does not already.
+
+    Hand-written optax-style update functions ``(updates, state, params=None)`` thus work inside
+    combinators; they always take the pure path, which gives the same numbers. Decided once, when
+    the combinator is built, so nothing is inspected per step.
+    """
+    if _accepts_inplace(tx.update):
+        return tx.update
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        del inplace
+        return tx.update(updates, state, params)
+
+    return update_fn
+
+
+def identity() -> GradientTransformation:
+    """Leaves updates untouched."""
+
+    def init_fn(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        del params, inplace
+        return updates, state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def stateless(fn: Callable[[Updates, Optional[Params]], Updates]) -> GradientTransformation:
+    """Makes a transformation from a pure function ``fn(updates, params) -> updates``."""
+
+    def init_fn(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        del inplace
+        return fn(updates, params), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def stateless_with_tree_map(fn: Callable[[torch.Tensor], torch.Tensor]) -> GradientTransformation:
+    """Makes a transformation applying ``fn`` to every (non-``None``) leaf."""
+    return stateless(lambda updates, params: tree_lib.tree_map(fn, updates))
+
+
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """Returns ``params + updates``, each result cast back to its parameter's dtype.
+
+    Pure: neither tree is modified. A ``None`` update leaves its parameter as it is. The trees must
+    have the same structure; a mismatch is a ``ValueError`` naming the first differing path.
+    """
+    param_leaves, treedef = tree_lib.flatten(params)
+    update_leaves = tree_lib.flatten_like(updates, treedef, params, what="updates")
+    tree_lib.check_tensors(params, param_leaves, what="params", allow_none=True)
+    tree_lib.check_tensors(updates, update_leaves, what="updates", allow_none=True)
+    new_leaves = list(param_leaves)
+    for index, (param, update) in enumerate(zip(param_leaves, update_leaves)):
+        if update is not None and param is None:
+            raise ValueError(
+                f"apply_updates: leaf {tree_lib.path_at(params, index)!r} has an update but no parameter (None)"
+            )
+    pairs = [i for i, u in enumerate(update_leaves) if u is not None]
+    if pairs:
+        params_list = [param_leaves[i] for i in pairs]
+        updates_list = [update_leaves[i].to(param_leaves[i].device, param_leaves[i].dtype) for i in pairs]
+        for indices, (group_params, group_updates) in tree_lib.grouped(params_list, updates_list):
+            for i, value in zip(indices, tree_lib.foreach_add(group_params, group_updates)):
+                new_leaves[pairs[i]] = value
+    return tree_lib.unflatten(treedef, new_leaves)

@@ -1,0 +1,227 @@
+"""Pytree helpers: flattening with string paths, mapping, (device, dtype) groups, foreach norms.
+
+The backend is ``optree`` (measured faster than ``torch.utils._pytree`` for unflatten, map and
+flatten-with-path on a 500-leaf dict; see the README). ``None`` is a leaf meaning "no gradient":
+it keeps the tree's structure equal to the parameters' and is skipped by every computation.
+
+Foreach kernels (``torch._foreach_*``) do the arithmetic, one call per (device, dtype) group. Under
+``torch.func`` transforms (``vmap``, ``grad``) they have no batching rule, so the same functions
+fall back to one ordinary op per tensor there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import optree
+import torch
+from torch import Tensor
+
+PyTree = Any
+TreeSpec = optree.PyTreeSpec
+
+_NONE_IS_LEAF = True
+_NAMESPACE = "gradtx"
+
+
+# --------------------------------------------------------------------------- structure
+
+
+def flatten(tree: PyTree) -> tuple[list[Any], TreeSpec]:
+    """Flattens ``tree`` into its leaves (``None`` included) and its structure."""
+    return optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
+
+
+def unflatten(treedef: TreeSpec, leaves: Sequence[Any]) -> PyTree:
+    """Inverse of :func:`flatten`."""
+    return optree.tree_unflatten(treedef, leaves)
+
+
+def leaves(tree: PyTree) -> list[Any]:
+    """The leaves of ``tree``, ``None`` included."""
+    return optree.tree_leaves(tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
+
+
+def structure(tree: PyTree) -> TreeSpec:
+    return optree.tree_structure(tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
+
+
+def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
+    """Maps ``fn`` over the leaves of ``tree`` (and the matching leaves of ``rest``).
+
+    ``None`` leaves of ``tree`` stay ``None`` and ``fn`` is not called for them.
+    """
+
+    def visit(x, *xs):
+        return None if x is None else fn(x, *xs)
+
+    return optree.tree_map(visit, tree, *rest, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
+
+
+def join_path(path: Sequence[Any]) -> str:
+    """``("layers", 0, "qkv", "weight")`` -> ``"layers.0.qkv.weight"``."""
+    return ".".join(str(part) for part in path)
+
+
+def paths(tree: PyTree) -> list[str]:
+    """The dotted path of every leaf, in flattening order."""
+    return [join_path(p) for p in optree.tree_paths(tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)]
+
+
+def path_at(tree: PyTree, index: int) -> str:
+    """The dotted path of leaf number ``index`` (used to build error messages)."""
+    all_paths = paths(tree)
+    return all_paths[index] if 0 <= index < len(all_paths) else f"<leaf {index}>"
+
+
+def flatten_like(tree: PyTree, treedef: TreeSpec, reference: PyTree, *, what: str) -> list[Any]:
+    """Flattens ``tree``, which must have structure ``treedef`` (that of ``reference``).
+
+    A mismatch is a ``ValueError`` naming a path present in one tree and not the other.
+    """
+    tree_leaves, tree_def = flatten(tree)
+    if tree_def != treedef:
+        raise ValueError(f"{what} do not match the structure of the params: {describe_mismatch(tree, reference)}")
+    return tree_leaves
+
+
+def describe_mismatch(tree: PyTree, reference: PyTree) -> str:
+    """Names the first path found in one tree but not in the other."""
+    mine, theirs = paths(tree), paths(reference)
+    missing = [p for p in theirs if p not in set(mine)]
+    extra = [p for p in mine if p not in set(theirs)]
+    if missing:
+        return f"leaf {missing[0]!r} is missing"
+    if extra:
+        return f"leaf {extra[0]!r} is unexpected"
+    return f"same leaf paths but different containers ({structure(tree)} vs {structure(reference)})"
+
+
+def check_tensors(tree: PyTree, tree_leaves: Sequence[Any], *, what: str, allow_none: bool = True) -> None:
+    """Raises ``TypeError`` naming the first leaf that is neither a tensor nor (if allowed) ``None``."""
+    for index, leaf in enumerate(tree_leaves):
+        if isinstance(leaf, Tensor) or (allow_none and leaf is None):
+            continue
+        raise TypeError(
+            f"{what}: leaf {path_at(tree, index)!r} is a {type(leaf).__name__}, expected a torch.Tensor"
+            + (" or None" if allow_none else "")
+        )
+
+
+def tensor_leaves(tree: PyTree, *, what: str) -> tuple[list[Any], TreeSpec, list[int]]:
+    """Flattens ``tree``, checks its leaves, and returns the indices of the non-``None`` ones."""
+    tree_leaves, treedef = flatten(tree)
+    present = [i for i, leaf in enumerate(tree_leaves) if leaf is not None]
+    if len(present) != len(tree_leaves) or not all(isinstance(tree_leaves[i], Tensor) for i in present):
+        check_tensors(tree, tree_leaves, what=what)
+    return tree_leaves, treedef, present
+
+
+# --------------------------------------------------------------------------- groups and kernels
+
+
+def grouped(first: Sequence[Tensor], *others: Sequence[Tensor]) -> Iterator[tuple[list[int], tuple[list[Tensor], ...]]]:
+    """Groups parallel tensor lists by the (device, dtype) of ``first``.
+
+    Yields ``(indices, (first_group, *other_groups))`` so foreach kernels see uniform lists.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, tensor in enumerate(first):
+        groups.setdefault((tensor.device, tensor.dtype), []).append(index)
+    for indices in groups.values():
+        yield indices, tuple([seq[i] for i in indices] for seq in (first, *others))
+
+
+def uses_functorch(tensors: Sequence[Tensor]) -> bool:
+    """Whether any tensor is wrapped by a ``torch.func`` transform (foreach kernels can't run then).
+
+    Under ``torch.compile`` the tracer sees plain tensors, so the foreach path is always taken.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return any(is_wrapped(t) for t in tensors)
+
+
+def accumulation_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    """Float64 when any input is float64, else float32: norms never accumulate in half precision."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def foreach_norm(tensors: Sequence[Tensor], ord: float, dtype: torch.dtype) -> list[Tensor]:
+    """Per-tensor ``ord``-norms of same-(device, dtype) tensors, accumulated and returned in ``dtype``."""
+    if uses_functorch(tensors):
+        return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]
+    return list(torch._foreach_norm(list(tensors), ord, dtype=dtype))
+
+
+def foreach_mul(tensors: Sequence[Tensor], scalar: Tensor | float | Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
+    """``tensors * scalar`` (one scalar, or one per tensor), in place when ``inplace``."""
+    tensors = list(tensors)
+    per_tensor = isinstance(scalar, (list, tuple))
+    if uses_functorch(tensors) or (per_tensor and uses_functorch(scalar)):
+        factors = scalar if per_tensor else [scalar] * len(tensors)
+        if inplace:
+            return [t.mul_(s) for t, s in zip(tensors, factors)]
+        return [t * s for t, s in zip(tensors, factors)]
+    factor = list(scalar) if per_tensor else scalar
+    if inplace:
+        torch._foreach_mul_(tensors, factor)
+        return tensors
+    return list(torch._foreach_mul(tensors, factor))
+
+
+def foreach_add(first: Sequence[Tensor], second: Sequence[Tensor], *, inplace: bool = False) -> list[Tensor]:
+    """``first + second`` elementwise over two lists, in place into ``first`` when ``inplace``."""
+    first = list(first)
+    if uses_functorch(first) or uses_functorch(second):
+        if inplace:
+            return [a.add_(b) for a, b in zip(first, second)]
+        return [a + b for a, b in zip(first, second)]
+    if inplace:
+        torch._foreach_add_(first, list(second))
+        return first
+    return list(torch._foreach_add(first, list(second)))
+
+
+def local_norms(tensors: Sequence[Tensor], ord: float) -> list[Tensor]:
+    """Per-tensor norms of a mixed list, grouped for foreach, in float32 or wider, in input order."""
+    if not tensors:
+        return []
+    dtype = accumulation_dtype([t.dtype for t in tensors])
+    norms: list[Optional[Tensor]] = [None] * len(tensors)
+    for indices, (group,) in grouped(tensors):
+        for i, norm in zip(indices, foreach_norm(group, ord, dtype)):
+            norms[i] = norm
+    return norms  # type: ignore[return-value]
+
+
+def total_norm(tensors: Sequence[Tensor], ord: float) -> Tensor:
+    """The ``ord``-norm of all ``tensors`` seen as one vector, as ``torch.nn.utils.clip_grad_norm_`` computes it.
+
+    Accumulates in float32 (float64 if any input is float64) so half-precision gradients neither
+    overflow nor lose their sum. Returns a 0-d tensor on the first tensor's device.
+    """
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32)
+    first_device = tensors[0].device
+    norms = [n.to(first_device) for n in local_norms(tensors, ord)]
+    return torch.linalg.vector_norm(torch.stack(norms), ord)
+
+
+def scale_(tensors: Sequence[Tensor], factor: Tensor, *, inplace: bool) -> list[Tensor]:
+    """Multiplies every tensor by the 0-d ``factor`` (moved to each group's device), keeping dtypes."""
+    out: list[Optional[Tensor]] = [None] * len(tensors)
+    for indices, (group,) in grouped(tensors):
+        device_factor = factor.to(group[0].device)
+        for i, value in zip(indices, foreach_mul(group, device_factor, inplace=inplace)):
+            out[i] = value
+    return out  # type: ignore[return-value]
+
+
+def replace_present(tree_leaves: Sequence[Any], present: Sequence[int], values: Sequence[Any]) -> list[Any]:
+    """A copy of ``tree_leaves`` with ``values`` placed at the ``present`` indices."""
+    out = list(tree_leaves)
+    for i, value in zip(present, values):
+        out[i] = value
+    return out
