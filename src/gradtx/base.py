@@ -100,27 +100,38 @@ def stateless_with_tree_map(fn: Callable[[torch.Tensor], torch.Tensor]) -> Gradi
     return stateless(lambda updates, params: tree_lib.tree_map(fn, updates))
 
 
-def apply_updates(params: Params, updates: Updates) -> Params:
+def apply_updates(params: Params, updates: Updates, *, inplace: bool = False) -> Params:
     """Returns ``params + updates``, each result cast back to its parameter's dtype.
 
-    Pure: neither tree is modified. A ``None`` update leaves its parameter as it is. The trees must
-    have the same structure; a mismatch is a ``ValueError`` naming the first differing path.
+    Pure by default: neither tree is modified. With ``inplace=True`` the parameters are updated in
+    place (as a torch optimizer's ``step`` does) and the same tree is returned. A ``None`` update
+    leaves its parameter as it is. The trees must have the same structure; a mismatch is a
+    ``ValueError`` naming the first differing path.
     """
     param_leaves, treedef = tree_lib.flatten(params)
     update_leaves = tree_lib.flatten_like(updates, treedef, params, what="updates")
     tree_lib.check_tensors(params, param_leaves, what="params", allow_none=True)
     tree_lib.check_tensors(updates, update_leaves, what="updates", allow_none=True)
-    new_leaves = list(param_leaves)
+    pairs = []
     for index, (param, update) in enumerate(zip(param_leaves, update_leaves)):
-        if update is not None and param is None:
+        if update is None:
+            continue
+        if param is None:
             raise ValueError(
                 f"apply_updates: leaf {tree_lib.path_at(params, index)!r} has an update but no parameter (None)"
             )
-    pairs = [i for i, u in enumerate(update_leaves) if u is not None]
+        if update.shape != param.shape:
+            raise ValueError(
+                f"apply_updates: leaf {tree_lib.path_at(params, index)!r} has update shape {tuple(update.shape)} "
+                f"but parameter shape {tuple(param.shape)}"
+            )
+        pairs.append(index)
+    new_leaves = list(param_leaves)
     if pairs:
         params_list = [param_leaves[i] for i in pairs]
         updates_list = [update_leaves[i].to(param_leaves[i].device, param_leaves[i].dtype) for i in pairs]
         for indices, (group_params, group_updates) in tree_lib.grouped(params_list, updates_list):
-            for i, value in zip(indices, tree_lib.foreach_add(group_params, group_updates)):
+            summed = tree_lib.foreach_add(group_params, group_updates, inplace=inplace)
+            for i, value in zip(indices, summed):
                 new_leaves[pairs[i]] = value
-    return tree_lib.unflatten(treedef, new_leaves)
+    return params if inplace else tree_lib.unflatten(treedef, new_leaves)

@@ -117,6 +117,25 @@ def tensor_leaves(tree: PyTree, *, what: str) -> tuple[list[Any], TreeSpec, list
     return tree_leaves, treedef, present
 
 
+def mask_leaves(mask: Any, tree: PyTree, *, what: str = "mask") -> list[bool]:
+    """Resolves an optax-style mask against ``tree``: one bool per leaf of ``tree``.
+
+    ``mask`` is a pytree of bools with the structure of ``tree`` or a prefix of it (a bool at a
+    node covers every leaf below), or a callable ``tree -> such a pytree``. ``True`` selects a leaf.
+    """
+    if callable(mask):
+        mask = mask(tree)
+    try:
+        full = optree.tree_broadcast_prefix(mask, tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
+    except ValueError as error:
+        raise ValueError(f"{what} does not fit the tree: {describe_mismatch(mask, tree)} ({error})") from None
+    values = leaves(full)
+    for index, value in enumerate(values):
+        if not isinstance(value, (bool, int)) and not (isinstance(value, Tensor) and value.numel() == 1):
+            raise TypeError(f"{what}: leaf {path_at(tree, index)!r} has mask value {value!r}, expected a bool")
+    return [bool(value) for value in values]
+
+
 # --------------------------------------------------------------------------- groups and kernels
 
 
