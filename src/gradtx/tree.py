@@ -97,6 +97,15 @@ def describe_mismatch(tree: PyTree, reference: PyTree) -> str:
     return f"same leaf paths but different containers ({structure(tree)} vs {structure(reference)})"
 
 
+def _uncovered(prefix: PyTree, tree: PyTree) -> str:
+    """Names a leaf of ``tree`` that no node of the would-be prefix tree ``prefix`` covers."""
+    prefix_paths = paths(prefix)
+    for path in paths(tree):
+        if not any(p == "" or path == p or path.startswith(p + ".") for p in prefix_paths):
+            return f"leaf {path!r} is not covered"
+    return describe_mismatch(prefix, tree)
+
+
 def check_tensors(tree: PyTree, tree_leaves: Sequence[Any], *, what: str, allow_none: bool = True) -> None:
     """Raises ``TypeError`` naming the first leaf that is neither a tensor nor (if allowed) ``None``."""
     for index, leaf in enumerate(tree_leaves):
@@ -127,8 +136,8 @@ def mask_leaves(mask: Any, tree: PyTree, *, what: str = "mask") -> list[bool]:
         mask = mask(tree)
     try:
         full = optree.tree_broadcast_prefix(mask, tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
-    except ValueError as error:
-        raise ValueError(f"{what} does not fit the tree: {describe_mismatch(mask, tree)} ({error})") from None
+    except ValueError:
+        raise ValueError(f"{what} does not fit the tree: {_uncovered(mask, tree)}") from None
     values = leaves(full)
     for index, value in enumerate(values):
         if not isinstance(value, (bool, int)) and not (isinstance(value, Tensor) and value.numel() == 1):
