@@ -103,6 +103,10 @@ def _uncovered(prefix: PyTree, tree: PyTree) -> str:
     for path in paths(tree):
         if not any(p == "" or path == p or path.startswith(p + ".") for p in prefix_paths):
             return f"leaf {path!r} is not covered"
+    tree_paths = paths(tree)
+    for p in prefix_paths:
+        if not any(path == p or path.startswith(p + ".") for path in tree_paths):
+            return f"it has {p!r}, which the tree lacks"
     return describe_mismatch(prefix, tree)
 
 
