@@ -18,6 +18,8 @@ from gradtx.transforms import (
     clip_by_global_norm,
     clip_by_value,
     global_norm,
+    per_example_global_norm_clip,
+    per_example_layer_norm_clip,
     unitwise_norm,
 )
 

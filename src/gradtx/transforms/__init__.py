@@ -10,6 +10,7 @@ from gradtx.transforms.clipping import (
     global_norm,
     unitwise_norm,
 )
+from gradtx.transforms.per_example import per_example_global_norm_clip, per_example_layer_norm_clip
 
 __all__ = [
     "ClipByGlobalNormState",
@@ -19,5 +20,7 @@ __all__ = [
     "clip_by_global_norm",
     "clip_by_value",
     "global_norm",
+    "per_example_global_norm_clip",
+    "per_example_layer_norm_clip",
     "unitwise_norm",
 ]
