@@ -1,6 +1,6 @@
 """gradtx: pure, composable gradient transformations for PyTorch, exact under any sharding."""
 
-from gradtx import sharding, tree
+from gradtx import schedules, sharding, tree
 from gradtx.base import (
     EmptyState,
     GradientTransformation,
@@ -21,6 +21,19 @@ from gradtx.transforms import (
     per_example_global_norm_clip,
     per_example_layer_norm_clip,
     unitwise_norm,
+)
+from gradtx.schedules import (
+    Schedule,
+    constant_schedule,
+    cosine_decay_schedule,
+    exponential_decay,
+    join_schedules,
+    linear_schedule,
+    piecewise_constant_schedule,
+    polynomial_schedule,
+    sgdr_schedule,
+    warmup_constant_schedule,
+    warmup_cosine_decay_schedule,
 )
 
 __version__ = "0.1.0"
