@@ -11,6 +11,7 @@ fall back to one ordinary op per tensor there.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import optree
@@ -63,9 +64,23 @@ def join_path(path: Sequence[Any]) -> str:
     return ".".join(str(part) for part in path)
 
 
+def _path_part(entry: optree.PyTreeEntry) -> Any:
+    """A dict key, a sequence index, or a field name (NamedTuple, dataclass, attribute)."""
+    if isinstance(entry, (optree.NamedTupleEntry, optree.StructSequenceEntry)):
+        return entry.field
+    if isinstance(entry, optree.GetAttrEntry):
+        return entry.name
+    return entry.entry
+
+
+@functools.lru_cache(maxsize=256)
+def _structure_paths(treedef: TreeSpec) -> tuple[str, ...]:
+    return tuple(join_path([_path_part(e) for e in accessor]) for accessor in treedef.accessors())
+
+
 def paths(tree: PyTree) -> list[str]:
-    """The dotted path of every leaf, in flattening order."""
-    return [join_path(p) for p in optree.tree_paths(tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)]
+    """The dotted path of every leaf, in flattening order (NamedTuple fields by name: ``"0.mu.w"``)."""
+    return list(_structure_paths(structure(tree)))
 
 
 def path_at(tree: PyTree, index: int) -> str:
@@ -187,20 +202,29 @@ def foreach_norm(tensors: Sequence[Tensor], ord: float, dtype: torch.dtype) -> l
     return list(torch._foreach_norm(list(tensors), ord, dtype=dtype))
 
 
+def _keep_dtypes(tensors: Sequence[Tensor], results: Sequence[Tensor]) -> list[Tensor]:
+    """Casts back results that type promotion widened: a 0-d tensor times a wider 0-d factor.
+
+    ``mul_`` computes such a product in the wider dtype and rounds it once into the tensor's own,
+    so the cast gives the in-place path's exact numbers.
+    """
+    return [r if r.dtype == t.dtype else r.to(t.dtype) for t, r in zip(tensors, results)]
+
+
 def foreach_mul(tensors: Sequence[Tensor], scalar: Tensor | float | Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
-    """``tensors * scalar`` (one scalar, or one per tensor), in place when ``inplace``."""
+    """``tensors * scalar`` (one scalar, or one per tensor), in place when ``inplace``; dtypes are kept."""
     tensors = list(tensors)
     per_tensor = isinstance(scalar, (list, tuple))
     if uses_functorch(tensors) or (per_tensor and uses_functorch(scalar)):
         factors = scalar if per_tensor else [scalar] * len(tensors)
         if inplace:
             return [t.mul_(s) for t, s in zip(tensors, factors)]
-        return [t * s for t, s in zip(tensors, factors)]
+        return _keep_dtypes(tensors, [t * s for t, s in zip(tensors, factors)])
     factor = list(scalar) if per_tensor else scalar
     if inplace:
         torch._foreach_mul_(tensors, factor)
         return tensors
-    return list(torch._foreach_mul(tensors, factor))
+    return _keep_dtypes(tensors, torch._foreach_mul(tensors, factor))
 
 
 def foreach_add(first: Sequence[Tensor], second: Sequence[Tensor], *, inplace: bool = False) -> list[Tensor]:
