@@ -103,6 +103,10 @@ def stateless_with_tree_map(fn: Callable[[torch.Tensor], torch.Tensor]) -> Gradi
 def apply_updates(params: Params, updates: Updates, *, inplace: bool = False) -> Params:
     """Returns ``params + updates``, each result cast back to its parameter's dtype.
 
+    The sum is taken in the promoted dtype and rounded once into the parameter's (as optax's
+    ``(p + u).astype(p.dtype)`` and torch's ``p.add_(u)`` do), so a float32 update to a bfloat16
+    parameter is not rounded to bfloat16 before it is added.
+
     Pure by default: neither tree is modified. With ``inplace=True`` the parameters are updated in
     place (as a torch optimizer's ``step`` does) and the same tree is returned. A ``None`` update
     leaves its parameter as it is. The trees must have the same structure; a mismatch is a
@@ -129,9 +133,10 @@ def apply_updates(params: Params, updates: Updates, *, inplace: bool = False) ->
     new_leaves = list(param_leaves)
     if pairs:
         params_list = [param_leaves[i] for i in pairs]
-        updates_list = [update_leaves[i].to(param_leaves[i].device, param_leaves[i].dtype) for i in pairs]
+        updates_list = [update_leaves[i].to(param_leaves[i].device) for i in pairs]
         for indices, (group_params, group_updates) in tree_lib.grouped(params_list, updates_list):
             summed = tree_lib.foreach_add(group_params, group_updates, inplace=inplace)
+            dtype = group_params[0].dtype
             for i, value in zip(indices, summed):
-                new_leaves[pairs[i]] = value
+                new_leaves[pairs[i]] = value if value.dtype == dtype else value.to(dtype)
     return params if inplace else tree_lib.unflatten(treedef, new_leaves)
