@@ -1,1 +1,23 @@
-"""Sharding specs: how each gradient leaf is laid out across ranks, and the exact reductions."""
+"""Sharding specs: how each gradient leaf is laid out across ranks, and the exact reductions.
+
+``ShardingSpec(mesh, leaves, stage_axis=...)`` declares the layout of plain tensors (``Shard`` /
+``Replicate`` leaf specs); DTensors describe themselves. ``global_norm`` counts every logical
+element once with one collective; ``leaf_norms`` / ``leaf_rms`` / ``unitwise_norms`` give per-leaf
+quantities of the logical tensors, batched into one collective per distinct group.
+"""
+
+from gradtx.sharding.placements import LeafSpec, Replicate, Shard
+from gradtx.sharding.reductions import global_norm, is_sharded, leaf_norms, leaf_rms, unitwise_norms
+from gradtx.sharding.spec import ShardingSpec
+
+__all__ = [
+    "LeafSpec",
+    "Replicate",
+    "Shard",
+    "ShardingSpec",
+    "global_norm",
+    "is_sharded",
+    "leaf_norms",
+    "leaf_rms",
+    "unitwise_norms",
+]

@@ -1,0 +1,111 @@
+"""The DTensor bridge: DTensor gradients describe their own layout, and are computed on locally.
+
+Placements translate to leaf specs: ``Shard(d)`` on a mesh dim -> sharded over the axes that dim
+spans (tensor dim ``d``), ``Replicate`` -> copies, ``Partial`` -> an error (the gradient is not
+reduced yet). Arithmetic runs on the local shards, and results are wrapped back with the same mesh
+and placements, so no DTensor dispatch or implicit collective happens on the hot path.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+from torch import Tensor
+
+_DTENSOR_MODULE = "torch.distributed.tensor"
+
+
+def dtensor_type() -> Optional[type]:
+    """The DTensor class if DTensors can exist in this process (its module is imported), else ``None``."""
+    module = sys.modules.get(_DTENSOR_MODULE)
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
+def has_dtensor(tensors: Sequence[Any]) -> bool:
+    """Whether any of ``tensors`` is a DTensor. Costs one dict lookup when DTensor was never imported."""
+    cls = dtensor_type()
+    if cls is None:
+        return False
+    return any(type(t) is not Tensor and isinstance(t, cls) for t in tensors)
+
+
+def is_dtensor(tensor: Any) -> bool:
+    cls = dtensor_type()
+    return cls is not None and isinstance(tensor, cls)
+
+
+def local(tensor: Tensor) -> Tensor:
+    """The tensor this rank holds: the local shard of a DTensor, or the tensor itself."""
+    return tensor._local_tensor if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def locals_of(tensors: Sequence[Tensor]) -> tuple[list[Tensor], Callable[[Sequence[Tensor]], list[Tensor]]]:
+    """The local tensors of ``tensors`` and a function wrapping same-shaped results back like them.
+
+    A result that *is* the local tensor (an in-place update) gives back the original DTensor.
+    """
+    cls = dtensor_type()
+    if cls is None or not any(isinstance(t, cls) for t in tensors):
+        return list(tensors), list
+    originals = list(tensors)
+    locals_ = [t._local_tensor if isinstance(t, cls) else t for t in originals]  # type: ignore[attr-defined]
+
+    def rewrap(results: Sequence[Tensor]) -> list[Tensor]:
+        out = []
+        for original, local_tensor, result in zip(originals, locals_, results):
+            if not isinstance(original, cls) or result is original:
+                out.append(result)
+            elif result is local_tensor:
+                out.append(original)
+            else:
+                out.append(
+                    cls.from_local(
+                        result,
+                        original.device_mesh,
+                        original.placements,
+                        run_check=False,
+                        shape=original.shape,
+                        stride=original.stride(),
+                    )
+                )
+        return out
+
+    return locals_, rewrap
+
+
+def describe(tensor: Tensor) -> Optional[tuple[Any, tuple[Any, ...]]]:
+    """``(mesh, placements)`` of a DTensor (the part of its layout a plan depends on), else ``None``."""
+    if not is_dtensor(tensor):
+        return None
+    return tensor.device_mesh, tuple(tensor.placements)  # type: ignore[attr-defined]
+
+
+def placement_layout(mesh: Any, placements: Sequence[Any], axes_of_dim: Callable[[int], tuple[str, ...]], *, path: str):
+    """Sharded axes and their tensor dims from DTensor placements; ``Partial`` is a ``ValueError``.
+
+    ``axes_of_dim(i)`` names the reference-mesh axes that the DTensor's mesh dim ``i`` spans.
+    """
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    axes: list[str] = []
+    dims: list[Optional[int]] = []
+    names = mesh.mesh_dim_names
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            for axis in axes_of_dim(mesh_dim):
+                axes.append(axis)
+                dims.append(placement.dim)
+        elif isinstance(placement, Replicate):
+            continue
+        elif isinstance(placement, Partial) or placement.is_partial():
+            axis = names[mesh_dim] if names else f"dim{mesh_dim}"
+            raise ValueError(
+                f"leaf {path!r} is a DTensor with a Partial placement on mesh axis {axis!r}: its gradient "
+                "is not reduced yet; reduce it first (e.g. grad.redistribute(placements=[Replicate()]) or "
+                "let FSDP/DDP finish its reduce-scatter) before taking norms"
+            )
+        else:
+            axis = names[mesh_dim] if names else f"dim{mesh_dim}"
+            raise ValueError(f"leaf {path!r}: unsupported DTensor placement {placement!r} on mesh axis {axis!r}")
+    return tuple(axes), tuple(dims)

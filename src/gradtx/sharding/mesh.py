@@ -1,0 +1,125 @@
+"""A device mesh seen as named axes: this rank's coordinates and process groups over sets of axes.
+
+Everything else in ``gradtx.sharding`` speaks of axes by name; this module turns names into ranks
+and groups. Groups spanning several axes are created once per (mesh, axes) and cached for the life
+of the default process group, so steady-state steps create nothing.
+
+Users of Megatron-LM, DeepSpeed or another framework that already owns its process groups build the
+mesh from them with ``DeviceMesh.from_group`` (see :class:`gradtx.sharding.ShardingSpec`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+# (default group, mesh, axes) -> process group. Keyed by the default group too, so a test that
+# destroys and re-creates the world never reuses a dead group.
+_GROUPS: dict[tuple[Any, ...], Any] = {}
+
+
+def _world_key() -> int:
+    return id(dist.distributed_c10d._get_default_group())
+
+
+class MeshAxes:
+    """The named axes of ``mesh``, this rank's coordinate on each, and groups over axis sets."""
+
+    def __init__(self, mesh: DeviceMesh, *, require_names: bool, owner: str = "ShardingSpec"):
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"{owner}: mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+        names = mesh.mesh_dim_names
+        if names is None:
+            if require_names:
+                raise ValueError(
+                    f"{owner}: the mesh has no axis names; build it with mesh_dim_names, e.g. "
+                    "init_device_mesh('cuda', (2, 4), mesh_dim_names=('dp', 'tp'))"
+                )
+            names = tuple(f"dim{i}" for i in range(mesh.ndim))
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            raise ValueError(f"{owner}: this rank ({dist.get_rank()}) is not part of the mesh {mesh}")
+        self.mesh = mesh
+        self.names: tuple[str, ...] = tuple(names)
+        self.sizes: dict[str, int] = dict(zip(self.names, mesh.shape))
+        self.coordinate: dict[str, int] = dict(zip(self.names, coordinate))
+        self._grid: torch.Tensor = mesh.mesh.cpu()
+        self._rank_coordinate = {
+            int(rank): tuple(int(c) for c in index)
+            for index, rank in zip(torch.cartesian_prod(*[torch.arange(s) for s in self._grid.shape]).reshape(-1, mesh.ndim), self._grid.reshape(-1))
+        } if mesh.ndim else {}
+        self._spans: dict[tuple[Any, int], tuple[str, ...]] = {}
+
+    # ------------------------------------------------------------------ axes
+
+    def ordered(self, axes: Sequence[str]) -> tuple[str, ...]:
+        """``axes`` without repeats, in mesh order."""
+        wanted = set(axes)
+        return tuple(name for name in self.names if name in wanted)
+
+    def ranks(self, axes: Sequence[str]) -> list[int]:
+        """The ranks that share this rank's coordinates on every axis outside ``axes``."""
+        index = tuple(slice(None) if name in axes else self.coordinate[name] for name in self.names)
+        return sorted(int(r) for r in self._grid[index].reshape(-1))
+
+    def group(self, axes: Sequence[str]) -> Optional[Any]:
+        """The process group over ``axes`` containing this rank; ``None`` when it is just this rank."""
+        axes = tuple(a for a in self.ordered(axes) if self.sizes[a] > 1)
+        if not axes:
+            return None
+        if len(axes) == 1:
+            return self.mesh.get_group(axes[0])
+        ranks = self.ranks(axes)
+        key = (_world_key(), tuple(ranks))
+        group = _GROUPS.get(key)
+        if group is None:
+            group = dist.new_group(ranks, use_local_synchronization=True)
+            _GROUPS[key] = group
+        return group
+
+    def group_ranks(self, axes: Sequence[str]) -> list[int]:
+        return self.ranks(tuple(a for a in self.ordered(axes) if self.sizes[a] > 1))
+
+    # ------------------------------------------------------------------ other meshes
+
+    def axes_of_mesh_dim(self, mesh: DeviceMesh, dim: int, *, where: str) -> tuple[str, ...]:
+        """The axes of this mesh that ``mesh``'s dim ``dim`` spans (a slice or a flattening of them).
+
+        Found from the ranks alone, so any mesh cut from the same root works (``mesh["dp"]``,
+        ``mesh["dp", "cp"]._flatten()``). A dim that is not a full sub-grid of this mesh through
+        this rank is a ``ValueError``.
+        """
+        key = (mesh, dim)
+        cached = self._spans.get(key)
+        if cached is not None:
+            return cached
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            raise ValueError(f"{where}: this rank is not part of the DTensor's mesh {mesh}")
+        index = tuple(slice(None) if d == dim else c for d, c in enumerate(coordinate))
+        ranks = [int(r) for r in mesh.mesh.cpu()[index].reshape(-1)]
+        missing = [r for r in ranks if r not in self._rank_coordinate]
+        if missing:
+            raise ValueError(
+                f"{where}: the DTensor's mesh dim {self._dim_name(mesh, dim)!r} holds rank {missing[0]}, which "
+                f"the reference mesh {self.mesh} lacks; use meshes sliced from one root mesh"
+            )
+        coordinates = [self._rank_coordinate[r] for r in ranks]
+        spanned = tuple(
+            name for i, name in enumerate(self.names) if len({c[i] for c in coordinates}) > 1
+        )
+        if sorted(ranks) != self.ranks(spanned):
+            raise ValueError(
+                f"{where}: the DTensor's mesh dim {self._dim_name(mesh, dim)!r} (ranks {ranks}) is not a "
+                f"slice of the reference mesh {self.mesh}"
+            )
+        self._spans[key] = spanned
+        return spanned
+
+    @staticmethod
+    def _dim_name(mesh: DeviceMesh, dim: int) -> str:
+        names = mesh.mesh_dim_names
+        return names[dim] if names else f"dim{dim}"

@@ -1,0 +1,314 @@
+"""The exact reductions: the global norm (one collective) and per-leaf norms (one per group).
+
+Global norm: each rank sums ``|g|^p`` over the pieces it owns (see :mod:`gradtx.sharding.plan`)
+in float32 or wider, then ONE all-reduce (SUM; MAX for ``p = inf``, carrying a NaN flag in the same
+buffer) runs over the smallest group spanning every sharded or staged axis. Per-leaf norms reduce
+each leaf over its own ``Shard`` axes only: the partial sums of all leaves sharing a group are
+stacked into one buffer, so there is one all-reduce per distinct group, in a fixed order on every rank.
+
+Without a spec and without DTensors, everything is the local computation of :mod:`gradtx.tree`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gradtx import tree as tree_lib
+from gradtx.sharding import dtensor as dtensor_lib
+from gradtx.sharding.mesh import MeshAxes
+from gradtx.sharding.plan import LeafLayout, Plan, plan_for
+from gradtx.sharding.spec import ShardingSpec
+
+_REDUCE_DTYPE = torch.float64  # one scalar per leaf at most: exact enough, and equal on every rank
+
+
+def _check_norm_type(norm_type: float, owner: str) -> float:
+    p = float(norm_type)
+    if not (p > 0.0 or p == math.inf):
+        raise ValueError(f"{owner}: norm_type must be > 0 or inf under sharding, got {norm_type}")
+    return p
+
+
+def _check_spec(spec: Any, owner: str) -> None:
+    if spec is not None and not isinstance(spec, ShardingSpec):
+        raise TypeError(f"{owner}: spec must be a gradtx.sharding.ShardingSpec or None, got {type(spec).__name__}")
+
+
+def _device_of(tensors: Sequence[Tensor], mesh: MeshAxes) -> torch.device:
+    if tensors:
+        return tensors[0].device
+    if mesh.mesh.device_type == "cpu":
+        return torch.device("cpu")
+    handle = getattr(torch, mesh.mesh.device_type)
+    return torch.device(mesh.mesh.device_type, handle.current_device())
+
+
+def is_sharded(tree_leaves: Sequence[Any], spec: Optional[ShardingSpec]) -> bool:
+    """Whether a norm of these leaves needs the sharded path (a spec, or a DTensor among them)."""
+    return spec is not None or dtensor_lib.has_dtensor(tree_leaves)
+
+
+# --------------------------------------------------------------------------- consistency
+
+
+def _check_consistency(plan: Plan, device: torch.device) -> None:
+    """One all-reduce (MAX) over the whole mesh comparing what ranks must agree on; raises if they differ."""
+    mesh = plan.mesh
+    stages = mesh.sizes[plan.stage_axis] if plan.stage_axis else 1
+    stage = mesh.coordinate[plan.stage_axis] if plan.stage_axis else 0
+    axes_hash = hash_text(repr(plan.global_axes))
+    floor = -(2**62)
+    values = [axes_hash, -axes_hash] + [floor] * (2 * stages)
+    values[2 + 2 * stage] = plan.fingerprint
+    values[3 + 2 * stage] = -plan.fingerprint  # type: ignore[operator]
+    buffer = torch.tensor(values, dtype=torch.int64, device=device)
+    group = mesh.group(mesh.names)
+    if group is not None:
+        dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=group)
+    result = buffer.tolist()
+    if result[0] != -result[1]:
+        raise ValueError(
+            "gradtx.sharding: ranks disagree on the reduction group of the global norm (this rank: "
+            f"axes {plan.global_axes}); pass reduce_axes= to the ShardingSpec, or declare the sharded axes "
+            "in a rule list, so that every rank joins the same collective"
+        )
+    for s in range(stages):
+        high, low = result[2 + 2 * s], result[3 + 2 * s]
+        if high != floor and high != -low:
+            where = f"pipeline stage {s}" if plan.stage_axis else "the mesh"
+            raise ValueError(
+                f"gradtx.sharding: ranks of {where} hold different gradient trees or leaf specs "
+                "(paths, shapes of the layout, or duplicate flags differ), so the norm would be wrong"
+            )
+
+
+def hash_text(text: str) -> int:
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+
+# --------------------------------------------------------------------------- global norm
+
+
+def global_norm(tree: Any, spec: Optional[ShardingSpec] = None, *, norm_type: float = 2.0) -> Tensor:
+    """The ``norm_type``-norm of the *logical* gradient ``tree``: every element counted once.
+
+    Plain tensors are laid out by ``spec``; DTensors by their placements. One all-reduce over the
+    smallest group spanning the sharded and staged axes (none when nothing is sharded), after which
+    every rank holds the same value. Without a spec and without DTensors: the local norm, exactly
+    ``torch.nn.utils.get_total_norm``'s number. Accumulates in float32 or wider.
+    """
+    _check_spec(spec, "global_norm")
+    tree_leaves, _, present = tree_lib.tensor_leaves(tree, what="global_norm")
+    if not is_sharded(tree_leaves, spec):
+        return tree_lib.total_norm([tree_leaves[i] for i in present], float(norm_type))
+    p = _check_norm_type(norm_type, "global_norm")
+    plan, tree_leaves = plan_for(tree, spec, what="global_norm")
+    return norm_from_plan(plan, tree_leaves, p)
+
+
+def norm_from_plan(plan: Plan, tree_leaves: Sequence[Any], p: float) -> Tensor:
+    present = [dtensor_lib.local(tree_leaves[i]) for i, l in enumerate(plan.layouts) if l is not None]
+    owned = [dtensor_lib.local(tree_leaves[i]) for i, l in enumerate(plan.layouts) if l is not None and l.counted]
+    dtype = tree_lib.accumulation_dtype([t.dtype for t in present])
+    device = _device_of(present, plan.mesh)
+    if plan.check_consistency:
+        _check_consistency(plan, device)
+    group = plan.global_group()
+    if group is None and len(owned) == len(present):
+        return tree_lib.total_norm(owned, p).to(device=device, dtype=dtype) if owned else torch.zeros((), dtype=dtype, device=device)
+    norms = [n.to(device) for n in tree_lib.local_norms(owned, p)]
+    stacked = torch.stack(norms) if norms else torch.zeros(1, dtype=dtype, device=device)
+    if p == math.inf:
+        partial = stacked.max()
+        nan = torch.isnan(partial)
+        buffer = torch.stack([torch.where(nan, 0.0, partial).to(_REDUCE_DTYPE), nan.to(_REDUCE_DTYPE)])
+        if group is not None:
+            dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=group)
+        total = torch.where(buffer[1] > 0, math.nan, buffer[0])
+    else:
+        buffer = (stacked.to(_REDUCE_DTYPE) ** p).sum().reshape(1)
+        if group is not None:
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+        total = buffer[0] ** (1.0 / p)
+    return total.to(dtype)
+
+
+# --------------------------------------------------------------------------- per-leaf reductions
+
+
+def reduce_grouped(mesh: MeshAxes, items: Sequence[tuple[tuple[str, ...], Tensor]], op: Any) -> list[Tensor]:
+    """All-reduces each 1-D tensor of ``items`` over the group of its axes, one collective per group.
+
+    Tensors over the same axes are concatenated into one float64 buffer; groups run in mesh order,
+    the same on every rank, so ranks that share groups never wait on each other out of order.
+    """
+    out: list[Tensor] = [t for _, t in items]
+    by_axes: dict[tuple[str, ...], list[int]] = {}
+    for index, (axes, _) in enumerate(items):
+        effective = tuple(a for a in mesh.ordered(axes) if mesh.sizes[a] > 1)
+        if effective:
+            by_axes.setdefault(effective, []).append(index)
+    order = {name: i for i, name in enumerate(mesh.names)}
+    for axes in sorted(by_axes, key=lambda a: tuple(order[x] for x in a)):
+        indices = by_axes[axes]
+        device = items[indices[0]][1].device
+        parts = [items[i][1].to(device=device, dtype=_REDUCE_DTYPE).reshape(-1) for i in indices]
+        buffer = torch.cat(parts)
+        dist.all_reduce(buffer, op=op, group=mesh.group(axes))
+        for i, chunk in zip(indices, torch.split(buffer, [p.numel() for p in parts])):
+            out[i] = chunk.to(items[i][1].dtype).reshape(items[i][1].shape)
+    return out
+
+
+def _norm_partials(norms: Sequence[Tensor], p: float) -> list[Tensor]:
+    """Per-leaf buffers to reduce: ``[norm^p]`` (SUM), or ``[max, nan flag]`` (MAX) for ``inf``."""
+    if p == math.inf:
+        return [torch.stack([torch.where(torch.isnan(n), 0.0, n), torch.isnan(n).to(n.dtype)]) for n in norms]
+    return [(n.to(_REDUCE_DTYPE) ** p).reshape(1) for n in norms]
+
+
+def _finish_norm(reduced: Tensor, p: float, dtype: torch.dtype) -> Tensor:
+    if p == math.inf:
+        return torch.where(reduced[1] > 0, math.nan, reduced[0]).to(dtype)
+    return (reduced[0].to(_REDUCE_DTYPE) ** (1.0 / p)).to(dtype)
+
+
+def leaf_norms(tree: Any, spec: Optional[ShardingSpec] = None, *, norm_type: float = 2.0) -> Any:
+    """The ``norm_type``-norm of every leaf of ``tree`` as a whole logical tensor (0-d tensors).
+
+    Each leaf reduces over its own ``Shard`` axes only (copies and pipeline stages do not enter), the
+    partial sums of all leaves sharing a group batched into one all-reduce. ``None`` leaves stay
+    ``None``. Without a spec and without DTensors: the local per-leaf norms, as
+    ``torch.linalg.vector_norm`` gives them, with no communication. Norms are float32 or wider.
+    """
+    _check_spec(spec, "leaf_norms")
+    tree_leaves, treedef, present = tree_lib.tensor_leaves(tree, what="leaf_norms")
+    if not is_sharded(tree_leaves, spec):
+        norms = tree_lib.local_norms([tree_leaves[i] for i in present], float(norm_type))
+        return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, norms))
+    p = _check_norm_type(norm_type, "leaf_norms")
+    plan, tree_leaves = plan_for(tree, spec, what="leaf_norms")
+    norms = norms_from_plan(plan, tree_leaves, p)
+    return tree_lib.unflatten(treedef, norms)
+
+
+def norms_from_plan(plan: Plan, tree_leaves: Sequence[Any], p: float, *, with_numel: bool = False) -> list[Any]:
+    """Per-leaf logical norms (``None`` for absent leaves); with ``with_numel``, ``(norm, numel)`` pairs."""
+    indices = [i for i, l in enumerate(plan.layouts) if l is not None]
+    locals_ = [dtensor_lib.local(tree_leaves[i]) for i in indices]
+    local_norms = tree_lib.local_norms(locals_, p)
+    partials = _norm_partials(local_norms, p)
+    if with_numel:
+        partials = [torch.cat([b, b.new_full((1,), float(t.numel()))]) for b, t in zip(partials, locals_)]
+    items = [(plan.layouts[i].axes, b) for i, b in zip(indices, partials)]  # type: ignore[union-attr]
+    op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
+    reduced = reduce_grouped(plan.mesh, items, op)
+    out: list[Any] = [None] * len(plan.layouts)
+    for i, n, r in zip(indices, local_norms, reduced):
+        norm = _finish_norm(r, p, n.dtype)
+        out[i] = (norm, r[-1]) if with_numel else norm
+    return out
+
+
+def leaf_rms(tree: Any, spec: Optional[ShardingSpec] = None) -> Any:
+    """The root-mean-square of every leaf as a whole logical tensor (element counts summed exactly
+    over its shards, in the same collective as the squares)."""
+    _check_spec(spec, "leaf_rms")
+    tree_leaves, treedef, present = tree_lib.tensor_leaves(tree, what="leaf_rms")
+    if not is_sharded(tree_leaves, spec):
+        grads = [tree_leaves[i] for i in present]
+        norms = tree_lib.local_norms(grads, 2.0)
+        rms = [n / math.sqrt(max(g.numel(), 1)) for n, g in zip(norms, grads)]
+        return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, rms))
+    plan, tree_leaves = plan_for(tree, spec, what="leaf_rms")
+    pairs = norms_from_plan(plan, tree_leaves, 2.0, with_numel=True)
+    rms = [None if pair is None else pair[0] / torch.clamp(pair[1], min=1.0).sqrt().to(pair[0].dtype) for pair in pairs]
+    return tree_lib.unflatten(treedef, rms)
+
+
+# --------------------------------------------------------------------------- unit norms
+
+
+def _unit_axes(layout: LeafLayout, local: Tensor, logical_shape: Sequence[int]) -> tuple[bool, tuple[str, ...]]:
+    """Whether the leaf is matrix-like (units along dim 0), and the axes its unit sums reduce over."""
+    vector_like = sum(1 for s in logical_shape if s != 1) <= 1
+    if vector_like:
+        return False, layout.axes
+    axes = []
+    for axis, dim in zip(layout.axes, layout.dims):
+        if dim is None:
+            raise ValueError(
+                f"leaf {layout.path!r} is sharded over axis {axis!r} along an unknown tensor dim, and its "
+                f"unit norms need it: give Shard({axis!r}, dim=...) (0 for column-parallel, 1 for row-parallel)"
+            )
+        if dim % max(local.ndim, 1) != 0:
+            axes.append(axis)
+    return True, tuple(axes)
+
+
+def _logical_shape(layout: LeafLayout, leaf: Tensor, local: Tensor, mesh: MeshAxes) -> tuple[int, ...]:
+    if leaf is not local:  # a DTensor knows its global shape
+        return tuple(leaf.shape)
+    shape = list(local.shape)
+    for axis, dim in zip(layout.axes, layout.dims):
+        if dim is None:
+            if sum(1 for s in shape if s != 1) <= 1:
+                raise ValueError(
+                    f"leaf {layout.path!r} is sharded over axis {axis!r} along an unknown tensor dim, and its "
+                    f"unit norms need the whole tensor's shape: give Shard({axis!r}, dim=...)"
+                )
+            continue
+        shape[dim % len(shape)] *= mesh.sizes[axis]
+    return tuple(shape)
+
+
+def unitwise_norms(*trees: Any, spec: Optional[ShardingSpec] = None) -> tuple[Any, ...]:
+    """Per-unit L2 norms (as :func:`gradtx.unitwise_norm`) of the logical leaves of each tree.
+
+    Every tree is laid out as the first (gradients and their parameters, say); all partial sums
+    go into one all-reduce per distinct group. Units are slices along tensor dim 0: a leaf split
+    along dim 0 (column-parallel, FSDP) needs no communication, a leaf split along another dim
+    (row-parallel) reduces over those axes, and a vector-like leaf over all its ``Shard`` axes.
+    Results have the shape of this rank's local piece (``keepdim``), or are 0-d for vector-like leaves.
+    """
+    if not trees:
+        return ()
+    _check_spec(spec, "unitwise_norms")
+    plan, first = plan_for(trees[0], spec, what="unitwise_norms")
+    all_leaves = [first] + [tree_lib.flatten_like(t, tree_lib.structure(trees[0]), trees[0], what="params") for t in trees[1:]]
+    items: list[tuple[tuple[str, ...], Tensor]] = []
+    shapes: list[tuple[int, tuple[int, ...], torch.dtype]] = []
+    for index, layout in enumerate(plan.layouts):
+        if layout is None:
+            continue
+        leaf = first[index]
+        local = dtensor_lib.local(leaf)
+        matrix_like, axes = _unit_axes(layout, local, _logical_shape(layout, leaf, local, plan.mesh))
+        for leaves in all_leaves:
+            x = dtensor_lib.local(leaves[index])
+            if x is None:
+                raise ValueError(f"unitwise_norms: leaf {layout.path!r} is None in one tree but not in the first")
+            dtype = tree_lib.accumulation_dtype([x.dtype])
+            if matrix_like:
+                sq = torch.linalg.vector_norm(x, 2, dim=tuple(range(1, x.ndim)), keepdim=True, dtype=dtype) ** 2
+            else:
+                sq = torch.linalg.vector_norm(x, 2, dtype=dtype) ** 2
+            items.append((axes, sq.reshape(-1)))
+            shapes.append((index, tuple(sq.shape), dtype))
+    reduced = reduce_grouped(plan.mesh, items, dist.ReduceOp.SUM)
+    outs = [[None] * len(plan.layouts) for _ in trees]
+    position = 0
+    for _ in range(sum(1 for l in plan.layouts if l is not None)):
+        for t in range(len(trees)):
+            index, shape, dtype = shapes[position]
+            outs[t][index] = reduced[position].reshape(shape).to(dtype).sqrt()
+            position += 1
+    treedef = tree_lib.structure(trees[0])
+    return tuple(tree_lib.unflatten(treedef, o) for o in outs)

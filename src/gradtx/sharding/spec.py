@@ -1,0 +1,179 @@
+"""``ShardingSpec``: a device mesh plus a leaf spec for every gradient leaf.
+
+Leaf specs come from one of three forms, resolved against leaf paths such as
+``"layers.0.qkv.weight"``:
+
+- a pytree prefix of the gradients holding a leaf spec at each node (it covers every leaf below);
+- a list of ``(glob, leaf spec)`` rules, matched in order (``fnmatch`` syntax, ``*`` crosses dots);
+- a callable ``(path, tensor) -> leaf spec`` (or ``None`` for "no rule").
+
+A leaf nothing matches takes ``default``; without one it is a ``ValueError`` naming its path.
+Resolution runs once per tree structure (the result is cached), so steady-state steps do no matching.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from typing import Any, Callable, Optional, Sequence, Union
+
+import optree
+
+from gradtx import tree as tree_lib
+from gradtx.sharding.mesh import MeshAxes
+from gradtx.sharding.placements import Shard
+
+Rules = Sequence[tuple[str, Shard]]
+LeafSpecs = Union[None, Rules, Callable[[str, Any], Optional[Shard]], Any]
+
+
+def _is_rules(leaves: Any) -> bool:
+    return (
+        isinstance(leaves, (list, tuple))
+        and len(leaves) > 0
+        and all(
+            isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], Shard)
+            for item in leaves
+        )
+    )
+
+
+class ShardingSpec:
+    """How each gradient leaf is laid out over a named device mesh, so norms count every element once.
+
+    Args:
+      mesh: a ``torch.distributed.device_mesh.DeviceMesh`` with ``mesh_dim_names``. Megatron-LM or
+        DeepSpeed users who already own their process groups build it from them::
+
+            from torch.distributed.device_mesh import DeviceMesh
+            from megatron.core import parallel_state as ps
+            groups = [ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group(),
+                      ps.get_tensor_model_parallel_group()]
+            mesh = DeviceMesh.from_group(groups, "cuda", mesh=rank_grid,   # ranks as a (pp, dp, tp) tensor
+                                         mesh_dim_names=("pp", "dp", "tp"))
+
+        (a single group needs no ``mesh=``: ``DeviceMesh.from_group(tp_group, "cuda",
+        mesh_dim_names=("tp",))``; DeepSpeed exposes its groups in ``deepspeed.utils.groups``).
+      leaves: leaf specs (``Shard(...)`` / ``Replicate()``) as a pytree prefix of the gradients, an
+        ordered list of ``(glob, spec)`` rules, or a callable ``(path, tensor) -> spec``. ``None``:
+        every plain tensor is replicated (DTensors still describe themselves).
+      stage_axis: the pipeline axis: ranks along it hold *different* leaves, each counted on its
+        own stage.
+      default: the spec of a leaf no rule matches (``None``: such a leaf is a ``ValueError``).
+      check_consistency: before each norm, run one extra small all-reduce over the whole mesh that
+        compares the trees, specs and reduction groups of all ranks (ranks of one pipeline stage
+        must hold the same leaf paths and specs) and raises ``ValueError`` when they differ, rather
+        than returning a silently wrong norm or hanging. Off by default (it costs a collective).
+      reduce_axes: extra axes the global reduction spans. The reduction group is the stage axis
+        plus every axis a leaf is sharded over (those named by rules, the default, and the local
+        leaves); give this when pipeline stages shard over different axes (one stage has no
+        tensor-parallel leaf at all) and leaves are given by a prefix tree or a callable, so that
+        every rank joins the same collective.
+
+    DTensor leaves take their layout from their placements (a rule matching one may add
+    ``duplicate=True``; if it names other axes than the placements do, that is a ``ValueError``);
+    their meshes must be slices of this mesh's ranks (``mesh["dp"]``, flattened dims, ...).
+    """
+
+    def __init__(
+        self,
+        mesh: Any,
+        leaves: LeafSpecs = None,
+        *,
+        stage_axis: Optional[str] = None,
+        default: Optional[Shard] = None,
+        check_consistency: bool = False,
+        reduce_axes: Sequence[str] = (),
+    ):
+        self.axes = MeshAxes(mesh, require_names=True)
+        self.mesh = mesh
+        self.leaves = leaves
+        self.stage_axis = stage_axis
+        self.default = default
+        self.check_consistency = bool(check_consistency)
+        if stage_axis is not None:
+            self._check_axis(stage_axis, "stage_axis")
+        if isinstance(reduce_axes, str):
+            reduce_axes = (reduce_axes,)
+        for axis in reduce_axes:
+            self._check_axis(axis, "reduce_axes")
+        if default is not None and not isinstance(default, Shard):
+            raise TypeError(f"ShardingSpec: default must be a Shard or Replicate, got {default!r}")
+        self._rules: Optional[list[tuple[str, re.Pattern, Shard]]] = None
+        declared: list[str] = list(reduce_axes)
+        if _is_rules(leaves):
+            self._rules = [(glob, re.compile(fnmatch.translate(glob)), spec) for glob, spec in leaves]
+            declared += [axis for _, _, spec in self._rules for axis in spec.axes]
+            for glob, _, spec in self._rules:
+                self.validate_leaf_spec(spec, f"rule {glob!r}")
+        elif isinstance(leaves, (list, tuple)) and leaves and all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) for i in leaves):
+            bad = next(i for i in leaves if not isinstance(i[1], Shard))
+            raise TypeError(f"ShardingSpec: rule {bad[0]!r} maps to {bad[1]!r}, expected a Shard or Replicate")
+        if default is not None:
+            self.validate_leaf_spec(default, "default")
+            declared += list(default.axes)
+        self.declared_axes: tuple[str, ...] = self.axes.ordered(declared)
+        self.plans: dict[Any, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"ShardingSpec(mesh={self.mesh}, leaves={self.leaves!r}, stage_axis={self.stage_axis!r})"
+
+    # ------------------------------------------------------------------ validation
+
+    def _check_axis(self, axis: str, where: str) -> None:
+        if axis not in self.axes.names:
+            raise ValueError(f"ShardingSpec: {where} names axis {axis!r}, which the mesh lacks (axes: {self.axes.names})")
+
+    def validate_leaf_spec(self, spec: Any, where: str) -> Shard:
+        if not isinstance(spec, Shard):
+            raise TypeError(f"ShardingSpec: {where} has spec {spec!r}, expected a Shard or Replicate")
+        for axis in spec.axes:
+            if axis not in self.axes.names:
+                raise ValueError(
+                    f"ShardingSpec: {where} is sharded over axis {axis!r}, which the mesh lacks (axes: {self.axes.names})"
+                )
+            if axis == self.stage_axis:
+                raise ValueError(
+                    f"ShardingSpec: {where} is sharded over the stage axis {axis!r}; pipeline stages hold "
+                    "different leaves, so name the axes that split this leaf instead"
+                )
+        return spec
+
+    # ------------------------------------------------------------------ resolution
+
+    def resolve(self, tree: Any, tree_leaves: Sequence[Any], paths: Sequence[str]) -> list[Optional[Shard]]:
+        """The leaf spec of every leaf (``None`` where none is given and there is no default).
+
+        Specs are validated here, before any collective; a missing one is left to the caller, which
+        knows whether the leaf is a DTensor (describing itself) or ``None`` (no gradient).
+        """
+        leaves = self.leaves
+        if leaves is None:
+            found: list[Optional[Shard]] = [None] * len(paths)
+        elif self._rules is not None:
+            found = [self._match(path) for path in paths]
+        elif callable(leaves):
+            found = [leaves(path, leaf) if leaf is not None else None for path, leaf in zip(paths, tree_leaves)]
+        else:
+            found = self._broadcast(leaves, tree)
+        out: list[Optional[Shard]] = []
+        for path, spec in zip(paths, found):
+            if spec is None:
+                spec = self.default
+            out.append(None if spec is None else self.validate_leaf_spec(spec, f"leaf {path!r}"))
+        return out
+
+    def _match(self, path: str) -> Optional[Shard]:
+        for _, pattern, spec in self._rules:  # type: ignore[union-attr]
+            if pattern.match(path):
+                return spec
+        return None
+
+    def _broadcast(self, prefix: Any, tree: Any) -> list[Optional[Shard]]:
+        try:
+            full = optree.tree_broadcast_prefix(prefix, tree, none_is_leaf=True, namespace="gradtx")
+        except ValueError:
+            raise ValueError(
+                f"ShardingSpec: the leaf specs do not fit the gradient tree: {tree_lib._uncovered(prefix, tree)}"
+            ) from None
+        return tree_lib.leaves(full)
