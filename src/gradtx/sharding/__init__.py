@@ -6,6 +6,7 @@ element once with one collective; ``leaf_norms`` / ``leaf_rms`` / ``unitwise_nor
 quantities of the logical tensors, batched into one collective per distinct group.
 """
 
+from gradtx.sharding.dtensor import has_dtensor, locals_of
 from gradtx.sharding.placements import LeafSpec, Replicate, Shard
 from gradtx.sharding.reductions import global_norm, is_sharded, leaf_norms, leaf_rms, unitwise_norms
 from gradtx.sharding.spec import ShardingSpec
@@ -16,8 +17,10 @@ __all__ = [
     "Shard",
     "ShardingSpec",
     "global_norm",
+    "has_dtensor",
     "is_sharded",
     "leaf_norms",
     "leaf_rms",
+    "locals_of",
     "unitwise_norms",
 ]

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from gradtx import sharding
 from gradtx import tree as tree_lib
 from gradtx.base import EmptyState, GradientTransformation
 
@@ -35,14 +36,15 @@ def _norm_state_dtype(params: Any) -> tuple[torch.dtype, torch.device]:
     return dtype, device
 
 
-def global_norm(tree: Any, *, norm_type: float = 2.0) -> Tensor:
+def global_norm(tree: Any, spec: Optional[sharding.ShardingSpec] = None, *, norm_type: float = 2.0) -> Tensor:
     """The ``norm_type``-norm of every non-``None`` leaf of ``tree`` taken together (a 0-d tensor).
 
     Equal to ``torch.nn.utils.get_total_norm`` on the same tensors, but accumulated in float32 or
-    wider whatever their dtype. ``norm_type`` may be ``inf``.
+    wider whatever their dtype. ``norm_type`` may be ``inf``. With a ``spec`` (or DTensor leaves),
+    the norm of the logical gradient across ranks, every element counted once, with one collective
+    (see :func:`gradtx.sharding.global_norm`).
     """
-    tree_leaves, _, present = tree_lib.tensor_leaves(tree, what="global_norm")
-    return tree_lib.total_norm([tree_leaves[i] for i in present], float(norm_type))
+    return sharding.global_norm(tree, spec, norm_type=norm_type)
 
 
 class ClipByGlobalNormState(NamedTuple):
@@ -52,12 +54,19 @@ class ClipByGlobalNormState(NamedTuple):
 
 
 def clip_by_global_norm(
-    max_norm: float, *, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    max_norm: float,
+    spec: Optional[sharding.ShardingSpec] = None,
+    *,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
 ) -> GradientTransformation:
     """Scales all updates by ``min(1, max_norm / (norm + 1e-6))``, as ``clip_grad_norm_`` does.
 
     Args:
       max_norm: the largest global norm let through; ``0`` turns every update into zeros.
+      spec: how the gradients are sharded (a :class:`gradtx.sharding.ShardingSpec`): the norm is then
+        that of the logical gradient, with one collective, and every rank scales by the same
+        coefficient. DTensor gradients need no spec.
       norm_type: the p of the p-norm (``inf`` allowed).
       error_if_nonfinite: raise ``RuntimeError`` when the norm is NaN or infinite (this reads the
         norm on the host, so leave it off under ``vmap`` / ``torch.compile``). Otherwise a
@@ -74,7 +83,10 @@ def clip_by_global_norm(
         del params, state
         tree_leaves, treedef, present = tree_lib.tensor_leaves(updates, what="clip_by_global_norm")
         grads = [tree_leaves[i] for i in present]
-        norm = tree_lib.total_norm(grads, norm_type)
+        if sharding.is_sharded(grads, spec):
+            norm = sharding.global_norm(updates, spec, norm_type=norm_type)
+        else:
+            norm = tree_lib.total_norm(grads, norm_type)
         if error_if_nonfinite and not bool(torch.isfinite(norm)):
             raise RuntimeError(
                 f"clip_by_global_norm: the total norm of order {norm_type} of the gradients is non-finite "
@@ -82,7 +94,8 @@ def clip_by_global_norm(
                 "anyway, or wrap the chain in apply_if_finite to skip such steps."
             )
         coef = torch.clamp(max_norm / (norm + _EPS), max=1.0)
-        clipped = tree_lib.scale_(grads, coef, inplace=inplace)
+        local_grads, rewrap = sharding.locals_of(grads)
+        clipped = rewrap(tree_lib.scale_(local_grads, coef, inplace=inplace))
         new_updates = tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, clipped))
         return new_updates, ClipByGlobalNormState(norm=norm)
 
@@ -124,10 +137,12 @@ def clip_by_value(max_delta: float) -> GradientTransformation:
 clip = clip_by_value
 
 
-def clip_by_block_rms(threshold: float) -> GradientTransformation:
+def clip_by_block_rms(threshold: float, spec: Optional[sharding.ShardingSpec] = None) -> GradientTransformation:
     """Scales each leaf by ``1 / max(1, rms(leaf) / threshold)``, as ``optax.clip_by_block_rms``.
 
-    ``threshold`` must be positive: every leaf's root-mean-square ends up ``<= threshold``.
+    ``threshold`` must be positive: every leaf's root-mean-square ends up ``<= threshold``. With a
+    ``spec`` (or DTensor leaves) the RMS is that of the whole logical leaf, each leaf reduced over
+    its own shard axes, batched into one collective per distinct group.
     """
     threshold = float(threshold)
     if not threshold > 0.0:
@@ -141,14 +156,21 @@ def clip_by_block_rms(threshold: float) -> GradientTransformation:
         del params
         tree_leaves, treedef, present = tree_lib.tensor_leaves(updates, what="clip_by_block_rms")
         grads = [tree_leaves[i] for i in present]
-        norms = tree_lib.local_norms(grads, 2.0)
-        factors = [
-            1.0 / torch.clamp(n / (math.sqrt(max(g.numel(), 1)) * threshold), min=1.0) for n, g in zip(norms, grads)
-        ]
+        if sharding.is_sharded(grads, spec):
+            rms = tree_lib.leaves(sharding.leaf_rms(updates, spec))
+            factors = [1.0 / torch.clamp(rms[i] / threshold, min=1.0) for i in present]
+        else:
+            norms = tree_lib.local_norms(grads, 2.0)
+            factors = [
+                1.0 / torch.clamp(n / (math.sqrt(max(g.numel(), 1)) * threshold), min=1.0)
+                for n, g in zip(norms, grads)
+            ]
+        local_grads, rewrap = sharding.locals_of(grads)
         out: list[Optional[Tensor]] = [None] * len(grads)
-        for indices, (group, group_factors) in tree_lib.grouped(grads, factors):
+        for indices, (group, group_factors) in tree_lib.grouped(local_grads, factors):
             for i, value in zip(indices, tree_lib.foreach_mul(group, group_factors, inplace=inplace)):
                 out[i] = value
+        out = rewrap(out)
         return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, out)), state
 
     return GradientTransformation(init_fn, update_fn)
@@ -167,12 +189,17 @@ def unitwise_norm(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x, 2, dim=tuple(range(1, x.ndim)), keepdim=True, dtype=dtype)
 
 
-def adaptive_grad_clip(clipping: float, eps: float = 1e-3) -> GradientTransformation:
+def adaptive_grad_clip(
+    clipping: float, eps: float = 1e-3, spec: Optional[sharding.ShardingSpec] = None
+) -> GradientTransformation:
     """Adaptive gradient clipping (Brock et al., 2021), as ``optax.adaptive_grad_clip``.
 
     Each unit's gradient norm is capped at ``clipping * max(||param unit||, eps)``; units under the
     cap are left as they are. Needs ``params``; unit norms follow torch's output-first layout
-    (see :func:`unitwise_norm`).
+    (see :func:`unitwise_norm`). With a ``spec`` (or DTensor leaves) unit norms are those of the
+    logical tensors: a leaf split along dim 0 needs no communication, one split along another dim
+    (row-parallel; say ``Shard("tp", dim=1)``) reduces its per-unit sums over those axes, all
+    batched into one collective per distinct group (see :func:`gradtx.sharding.unitwise_norms`).
     """
     clipping = _check_non_negative("clipping", clipping, "adaptive_grad_clip")
     eps = _check_non_negative("eps", eps, "adaptive_grad_clip")
@@ -186,7 +213,6 @@ def adaptive_grad_clip(clipping: float, eps: float = 1e-3) -> GradientTransforma
             raise ValueError("adaptive_grad_clip: params are required (pass them to update)")
         tree_leaves, treedef, present = tree_lib.tensor_leaves(updates, what="adaptive_grad_clip")
         param_leaves = tree_lib.flatten_like(params, treedef, updates, what="params")
-        out = list(tree_leaves)
         for i in present:
             grad, param = tree_leaves[i], param_leaves[i]
             if not isinstance(param, Tensor):
@@ -196,11 +222,22 @@ def adaptive_grad_clip(clipping: float, eps: float = 1e-3) -> GradientTransforma
                     f"adaptive_grad_clip: leaf {tree_lib.path_at(updates, i)!r} has gradient shape "
                     f"{tuple(grad.shape)} but parameter shape {tuple(param.shape)}"
                 )
-            grad_norm = unitwise_norm(grad)
-            max_norm = torch.clamp(unitwise_norm(param), min=eps) * clipping
+        grads = [tree_leaves[i] for i in present]
+        if sharding.is_sharded(grads, spec) or sharding.is_sharded([param_leaves[i] for i in present], None):
+            grad_tree, param_tree = sharding.unitwise_norms(updates, params, spec=spec)
+            grad_norms = [tree_lib.leaves(grad_tree)[i] for i in present]
+            param_norms = [tree_lib.leaves(param_tree)[i] for i in present]
+        else:
+            grad_norms = [unitwise_norm(g) for g in grads]
+            param_norms = [unitwise_norm(param_leaves[i]) for i in present]
+        local_grads, rewrap = sharding.locals_of(grads)
+        clipped = []
+        for grad, grad_norm, param_norm in zip(local_grads, grad_norms, param_norms):
+            max_norm = torch.clamp(param_norm, min=eps) * clipping
             factor = torch.where(grad_norm < max_norm, 1.0, max_norm / torch.clamp(grad_norm, min=_EPS))
             factor = factor.to(grad.dtype)
-            out[i] = grad.mul_(factor) if inplace else grad * factor
-        return tree_lib.unflatten(treedef, out), state
+            clipped.append(grad.mul_(factor) if inplace else grad * factor)
+        clipped = rewrap(clipped)
+        return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, clipped)), state
 
     return GradientTransformation(init_fn, update_fn)
