@@ -241,14 +241,19 @@ def foreach_add(first: Sequence[Tensor], second: Sequence[Tensor], *, inplace: b
 
 
 def local_norms(tensors: Sequence[Tensor], ord: float) -> list[Tensor]:
-    """Per-tensor norms of a mixed list, grouped for foreach, in float32 or wider, in input order."""
+    """Per-tensor norms of a mixed list, grouped for foreach, in input order.
+
+    Each group accumulates in float32, or float64 for float64 tensors (as torch does for float32 and
+    float64, without copying a float32 tensor to float64), and the norms are returned in one dtype:
+    float64 if any tensor is float64, else float32.
+    """
     if not tensors:
         return []
     dtype = accumulation_dtype([t.dtype for t in tensors])
     norms: list[Optional[Tensor]] = [None] * len(tensors)
     for indices, (group,) in grouped(tensors):
-        for i, norm in zip(indices, foreach_norm(group, ord, dtype)):
-            norms[i] = norm
+        for i, norm in zip(indices, foreach_norm(group, ord, accumulation_dtype([group[0].dtype]))):
+            norms[i] = norm if norm.dtype == dtype else norm.to(dtype)
     return norms  # type: ignore[return-value]
 
 
