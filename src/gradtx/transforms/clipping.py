@@ -79,9 +79,7 @@ def clip_by_global_norm(
         dtype, device = _norm_state_dtype(params)
         return ClipByGlobalNormState(norm=torch.zeros((), dtype=dtype, device=device))
 
-    def update_fn(updates, state, params=None, *, inplace=False):
-        del params, state
-        tree_leaves, treedef, present = tree_lib.tensor_leaves(updates, what="clip_by_global_norm")
+    def coefficient(updates, tree_leaves, present) -> tuple[Tensor, Tensor]:
         grads = [tree_leaves[i] for i in present]
         if sharding.is_sharded(grads, spec):
             norm = sharding.global_norm(updates, spec, norm_type=norm_type)
@@ -93,12 +91,29 @@ def clip_by_global_norm(
                 f"({norm.item()}), so it cannot be clipped. Pass error_if_nonfinite=False to scale by it "
                 "anyway, or wrap the chain in apply_if_finite to skip such steps."
             )
-        coef = torch.clamp(max_norm / (norm + _EPS), max=1.0)
-        local_grads, rewrap = sharding.locals_of(grads)
+        return torch.clamp(max_norm / (norm + _EPS), max=1.0), norm
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        del params, state
+        tree_leaves, treedef, present = tree_lib.tensor_leaves(updates, what="clip_by_global_norm")
+        coef, norm = coefficient(updates, tree_leaves, present)
+        local_grads, rewrap = sharding.locals_of([tree_leaves[i] for i in present])
         clipped = rewrap(tree_lib.scale_(local_grads, coef, inplace=inplace))
         new_updates = tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, clipped))
         return new_updates, ClipByGlobalNormState(norm=norm)
 
+    def scalar_factor(updates, state, params=None):
+        """``(coef, new_state)`` without touching ``updates``: ``update`` is ``updates * coef``.
+
+        Lets a caller with a fused kernel that scales gradients itself (``gradtx.wrap`` over a
+        ``fused=True`` optimizer) apply ``coef`` there instead of in a separate pass.
+        """
+        del params, state
+        tree_leaves, _, present = tree_lib.tensor_leaves(updates, what="clip_by_global_norm")
+        coef, norm = coefficient(updates, tree_leaves, present)
+        return coef, ClipByGlobalNormState(norm=norm)
+
+    update_fn.scalar_factor = scalar_factor
     return GradientTransformation(init_fn, update_fn)
 
 

@@ -1,0 +1,447 @@
+"""``wrap``: any torch optimizer, with a gradient transformation run before its step.
+
+``opt = gradtx.wrap(torch.optim.AdamW(model.parameters()), gradtx.clip_by_global_norm(1.0), model=model)``
+is a drop-in ``torch.optim.Optimizer``: it shares the inner optimizer's ``param_groups``, ``state``
+and ``defaults`` (so learning-rate schedulers, ``GradScaler`` and checkpoints keep working), and its
+``step`` hands the gradients to the transformation as a dict keyed by parameter name, on the donated
+(in-place) path, writes the results back to ``.grad`` and then runs the inner step.
+
+Parameter names come from ``model.named_parameters()`` when ``model`` is given (every parameter of
+the optimizer must be one of the model's; model parameters the optimizer does not hold are frozen
+and ignored), else from the names the optimizer was built with (``optimizer(model.named_parameters())``),
+else they are positional: ``"group0.param3"``.
+
+``clip_grad_by_norm`` / ``clip_grad_by_value`` clip ``.grad`` at once, between ``backward`` and
+``step``, as Colossal-AI's boosted optimizers and ``torch.nn.utils.clip_grad_norm_`` do; with a
+``spec`` the norm is that of the logical gradient across ranks.
+
+Folding. When the transformation ends in a scale by one scalar (``clip_by_global_norm`` does) and
+the inner optimizer runs a fused kernel that can divide the gradients by a scalar itself
+(``fused=True`` Adam, AdamW, SGD, Adagrad: any optimizer with ``_step_supports_amp_scaling``, the
+contract ``GradScaler`` uses), the scale is not applied in a separate pass over the gradients: its
+reciprocal goes to the kernel as ``grad_scale``. The kernel then sees ``g / (1 / c)`` instead of
+``g * c``: the same when the clip does not engage (``c == 1``), and within one rounding of the
+gradient otherwise. ``wrap(..., fold=False)`` keeps the separate pass, which matches
+``clip_grad_norm_`` followed by ``step`` bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from gradtx import sharding
+from gradtx import tree as tree_lib
+from gradtx.base import GradientTransformation, with_inplace
+from gradtx.chains.chain import _PARTS
+from gradtx.transforms.clipping import clip_by_global_norm, clip_by_value
+
+STATE_KEY = "gradtx"
+"""The key of a :class:`ChainedOptimizer` state dict under which the transformation's state is kept."""
+
+_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+
+
+def _describe(tx: Optional[GradientTransformation]) -> str:
+    if tx is None:
+        return "none"
+
+    def name(part: GradientTransformation) -> str:
+        qualname = getattr(part.update, "__qualname__", type(part.update).__name__)
+        return qualname.split(".<locals>")[0]
+
+    parts = getattr(tx.init, _PARTS, None)
+    return name(tx) if parts is None else "chain(" + ", ".join(name(p) for p in parts) + ")"
+
+
+def _group_tensors(params: Any) -> list[Any]:
+    """The tensors of a param group's ``params`` entry (tensors, or ``(name, tensor)`` pairs)."""
+    if isinstance(params, Tensor):
+        return [params]
+    return [p[1] if isinstance(p, tuple) else p for p in params]
+
+
+class ChainedOptimizer(torch.optim.Optimizer):
+    """A torch optimizer whose gradients pass through a :class:`GradientTransformation` first.
+
+    Built by :func:`wrap`. ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's.
+    The transformation's state is :attr:`tx_state`; ``state_dict()`` carries it under
+    ``STATE_KEY`` next to the inner optimizer's entries, as tensors and plain containers only.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        tx: Optional[GradientTransformation] = None,
+        *,
+        model: Optional[torch.nn.Module] = None,
+        spec: Optional[sharding.ShardingSpec] = None,
+        fold: bool = True,
+    ):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"wrap: expected a torch.optim.Optimizer instance, got {type(optimizer).__name__}"
+                + (" (a class: build the optimizer first, or use gradtx.from_torch)" if isinstance(optimizer, type) else "")
+            )
+        if tx is not None and not isinstance(tx, GradientTransformation):
+            raise TypeError(f"wrap: tx must be a GradientTransformation or None, got {type(tx).__name__}")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"wrap: model must be a torch.nn.Module, got {type(model).__name__}")
+        # Deliberately no Optimizer.__init__: param_groups, state and defaults are the inner ones.
+        self.optimizer = optimizer
+        self.tx = tx
+        self.spec = spec
+        self.model = model
+        self.fold = bool(fold)
+        for hooks in _HOOK_DICTS:
+            setattr(self, hooks, OrderedDict())
+        self._patch_step_function()
+        self._names, self._params = self._name_params()
+        self._tx_state = None if tx is None else tx.init(self._param_tree())
+        self._tx_update = None if tx is None else with_inplace(tx)
+        self._fold_plan = self._plan_fold(tx)
+
+    # ------------------------------------------------------------------ shared with the inner optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    @property
+    def tx_state(self) -> Any:
+        """The transformation's current state (e.g. ``tx_state[0].norm``: the last pre-clip norm)."""
+        return self._tx_state
+
+    # ------------------------------------------------------------------ names
+
+    def _model_names(self) -> dict[int, str]:
+        names: dict[int, str] = {}
+        for name, param in self.model.named_parameters():
+            names.setdefault(id(param), name)
+        return names
+
+    def _name_params(self) -> tuple[list[str], list[Tensor]]:
+        model_names = self._model_names() if self.model is not None else None
+        names: list[str] = []
+        params: list[Tensor] = []
+        for g, group in enumerate(self.param_groups):
+            group_names = group.get("param_names")
+            for i, param in enumerate(group["params"]):
+                if model_names is not None:
+                    if id(param) not in model_names:
+                        raise ValueError(
+                            f"wrap: parameter {i} of param group {g} (shape {tuple(param.shape)}) is not a "
+                            "parameter of the model given as model=; pass the model the optimizer was built from"
+                        )
+                    name = model_names[id(param)]
+                elif group_names is not None:
+                    name = str(group_names[i])
+                else:
+                    name = f"group{g}.param{i}"
+                names.append(name)
+                params.append(param)
+        if len(set(names)) != len(names):
+            seen: set[str] = set()
+            duplicate = next(n for n in names if n in seen or seen.add(n))
+            raise ValueError(f"wrap: two optimized parameters share the name {duplicate!r}")
+        return names, params
+
+    def _param_tree(self) -> dict[str, Tensor]:
+        return dict(zip(self._names, self._params))
+
+    def _grad_tree(self) -> dict[str, Optional[Tensor]]:
+        return {name: param.grad for name, param in zip(self._names, self._params)}
+
+    def _sync_params(self) -> None:
+        """Re-derives names (and re-initialises new state) if the param groups were changed."""
+        current = [p for group in self.param_groups for p in group["params"]]
+        if len(current) == len(self._params) and all(a is b for a, b in zip(current, self._params)):
+            return
+        self._names, self._params = self._name_params()
+        if self.tx is not None:
+            self._tx_state = _carry_over(self._tx_state, self.tx.init(self._param_tree()))
+
+    def _write_back(self, updates: dict[str, Optional[Tensor]]) -> None:
+        for name, param in zip(self._names, self._params):
+            try:
+                new = updates[name]
+            except (KeyError, TypeError):
+                raise ValueError(f"wrap: the transformation's output has no entry {name!r}") from None
+            if new is param.grad:
+                continue
+            if new is not None and (new.shape != param.shape or new.dtype != param.dtype or new.device != param.device):
+                raise ValueError(
+                    f"wrap: the transformation turned the gradient of {name!r} into {tuple(new.shape)} {new.dtype} "
+                    f"on {new.device}, but the parameter is {tuple(param.shape)} {param.dtype} on {param.device}"
+                )
+            param.grad = new
+
+    # ------------------------------------------------------------------ the step
+
+    @staticmethod
+    def _plan_fold(tx: Optional[GradientTransformation]):
+        """``(head parts, last part, its scalar_factor)`` when ``tx`` ends in a scalar scale, else None."""
+        if tx is None:
+            return None
+        parts = getattr(tx.init, _PARTS, None)
+        head, last = ((), tx) if parts is None else (parts[:-1], parts[-1])
+        factor_fn = getattr(last.update, "scalar_factor", None)
+        if factor_fn is None:
+            return None
+        return tuple(with_inplace(p) for p in head), factor_fn, parts is not None
+
+    def _can_fold(self, grads: list[Tensor]) -> bool:
+        inner = self.optimizer
+        return (
+            self.fold
+            and self._fold_plan is not None
+            and getattr(inner, "_step_supports_amp_scaling", False)
+            and all(group.get("fused") for group in self.param_groups)
+            and not hasattr(inner, "grad_scale")
+            and not hasattr(inner, "found_inf")
+            and not sharding.has_dtensor(grads)
+        )
+
+    @torch.no_grad()
+    def _transform(self, *, allow_fold: bool) -> Optional[Tensor]:
+        """Runs the transformation on the gradients; returns a ``grad_scale`` for the kernel if folded."""
+        self._sync_params()
+        if self.tx is None:
+            return None
+        grads = self._grad_tree()
+        params = self._param_tree()
+        present = [g for g in grads.values() if g is not None]
+        if allow_fold and self._can_fold(present):
+            head, factor_fn, is_chain = self._fold_plan
+            states = list(self._tx_state) if is_chain else [self._tx_state]
+            updates = grads
+            for i, update in enumerate(head):
+                updates, states[i] = update(updates, states[i], params, inplace=True)
+            factor, states[-1] = factor_fn(updates, states[-1], params)
+            self._tx_state = tuple(states) if is_chain else states[0]
+            self._write_back(updates)
+            if factor.dtype == torch.float32:
+                return torch.reciprocal(factor)
+            # The fused kernels take a float32 scale; apply a wider one as a separate pass instead.
+            self._scale_grads(factor)
+            return None
+        updates, self._tx_state = self._tx_update(grads, self._tx_state, params, inplace=True)
+        self._write_back(updates)
+        return None
+
+    def _scale_grads(self, factor: Tensor) -> None:
+        grads = [p.grad for p in self._params if p.grad is not None]
+        local, _ = sharding.locals_of(grads)
+        tree_lib.scale_(local, factor, inplace=True)
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        """Transforms the gradients, writes them back to ``.grad``, then runs the inner step.
+
+        With a ``closure`` the transformation runs after each evaluation the inner optimizer makes.
+        """
+        if closure is not None:
+
+            def transformed_closure():
+                with torch.enable_grad():
+                    loss = closure()
+                self._transform(allow_fold=False)
+                return loss
+
+            return self.optimizer.step(transformed_closure)
+        grad_scale = self._transform(allow_fold=True)
+        if grad_scale is None:
+            return self.optimizer.step()
+        self.optimizer.grad_scale = grad_scale
+        try:
+            return self.optimizer.step()
+        finally:
+            del self.optimizer.grad_scale
+
+    # ------------------------------------------------------------------ clipping between backward and step
+
+    @torch.no_grad()
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
+        """Clips ``.grad`` in place to global norm ``max_norm``; returns the norm before clipping.
+
+        The numbers of ``torch.nn.utils.clip_grad_norm_`` (with ``spec``: of the logical gradient).
+        """
+        self._sync_params()
+        kwargs = dict(norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
+        clip = clip_by_global_norm(max_norm, self.spec, **kwargs) if self.spec is not None else clip_by_global_norm(max_norm, **kwargs)
+        grads = self._grad_tree()
+        updates, state = clip.update(grads, clip.init(grads), self._param_tree(), inplace=True)
+        self._write_back(updates)
+        return state.norm
+
+    @torch.no_grad()
+    def clip_grad_by_value(self, clip_value: float) -> None:
+        """Clamps every gradient element into ``[-clip_value, clip_value]`` in place (``clip_grad_value_``)."""
+        self._sync_params()
+        clip = clip_by_value(clip_value)
+        grads = self._grad_tree()
+        updates, _ = clip.update(grads, clip.init(grads), self._param_tree(), inplace=True)
+        self._write_back(updates)
+
+    # ------------------------------------------------------------------ the rest of the Optimizer API
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self.model is not None and isinstance(param_group, dict) and "params" in param_group:
+            params = param_group["params"]
+            params = [params] if isinstance(params, Tensor) else list(params)
+            param_group["params"] = params
+            model_names = self._model_names()
+            for i, param in enumerate(_group_tensors(params)):
+                if isinstance(param, Tensor) and id(param) not in model_names:
+                    raise ValueError(
+                        f"wrap: parameter {i} of the new param group (shape {tuple(param.shape)}) is not a "
+                        "parameter of the model given as model="
+                    )
+        self.optimizer.add_param_group(param_group)
+        self._sync_params()
+
+    def state_dict(self) -> dict[str, Any]:
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state_dict = self.optimizer.state_dict()
+        if self.tx is not None:
+            state_dict[STATE_KEY] = {"tx_state": _to_plain(self._tx_state)}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads the inner optimizer's state and the transformation's.
+
+        A state dict without the transformation's entry (saved from the bare inner optimizer) leaves
+        the transformation's state as it is.
+        """
+        state_dict = dict(state_dict)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved = state_dict.pop(STATE_KEY, None)
+        self.optimizer.load_state_dict(state_dict)
+        self._sync_params()
+        if saved is not None and self.tx is not None:
+            self._tx_state = _from_plain(saved["tx_state"], self._tx_state)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def __repr__(self) -> str:
+        inner = repr(self.optimizer).replace("\n", "\n  ")
+        return f"{type(self).__name__} (\n  tx: {_describe(self.tx)}\n  optimizer: {inner}\n)"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for hooks in _HOOK_DICTS:
+            if hooks not in self.__dict__:
+                setattr(self, hooks, OrderedDict())
+        self._patch_step_function()
+
+
+def wrap(
+    optimizer: torch.optim.Optimizer,
+    tx: Optional[GradientTransformation] = None,
+    *,
+    model: Optional[torch.nn.Module] = None,
+    spec: Optional[sharding.ShardingSpec] = None,
+    fold: bool = True,
+) -> ChainedOptimizer:
+    """A drop-in ``torch.optim.Optimizer`` that runs ``tx`` on the gradients before ``optimizer.step``.
+
+    Args:
+      optimizer: any torch optimizer (built-in or third-party) holding the parameters.
+      tx: a gradient-to-gradient transformation (clipping, noise, masking, ...); ``None`` for none.
+      model: names the gradients (``model.named_parameters()``), so path rules and masks work.
+      spec: how the gradients are sharded across ranks, for ``clip_grad_by_norm``.
+      fold: let a final scalar scale of ``tx`` ride in a fused kernel's ``grad_scale`` (module docs).
+    """
+    return ChainedOptimizer(optimizer, tx, model=model, spec=spec, fold=fold)
+
+
+# --------------------------------------------------------------------------- state as plain containers
+
+
+def _to_plain(state: Any) -> dict[str, Any]:
+    """The state's leaves keyed by path: tensors, ``None`` and numbers only (``weights_only`` loadable)."""
+    leaves = tree_lib.leaves(state)
+    out = {}
+    for path, leaf in zip(tree_lib.paths(state), leaves):
+        if not (leaf is None or isinstance(leaf, (Tensor, bool, int, float))):
+            raise TypeError(f"wrap: state leaf {path!r} is a {type(leaf).__name__}, which a state dict cannot hold")
+        out[path] = leaf
+    return out
+
+
+def _from_plain(saved: dict[str, Any], template: Any) -> Any:
+    """``template`` with every leaf replaced by a copy of the saved leaf at the same path."""
+    template_leaves, treedef = tree_lib.flatten(template)
+    paths = tree_lib.paths(template)
+    missing = [p for p in paths if p not in saved]
+    extra = [p for p in saved if p not in set(paths)]
+    if missing or extra:
+        what = f"lacks {missing[0]!r}" if missing else f"has {extra[0]!r}, which the transformation's state lacks"
+        raise ValueError(f"wrap: the saved transformation state does not fit this transformation: it {what}")
+    new = []
+    for path, current in zip(paths, template_leaves):
+        value = saved[path]
+        if isinstance(current, Tensor) and isinstance(value, Tensor):
+            if value.shape != current.shape:
+                raise ValueError(
+                    f"wrap: saved transformation state {path!r} has shape {tuple(value.shape)}, "
+                    f"expected {tuple(current.shape)}"
+                )
+            value = value.to(device=current.device, dtype=current.dtype, copy=True)
+        new.append(value)
+    return tree_lib.unflatten(treedef, new)
+
+
+def _carry_over(old: Any, new: Any) -> Any:
+    """``new`` with the leaves of ``old`` kept wherever a path and shape are unchanged."""
+    old_by_path = dict(zip(tree_lib.paths(old), tree_lib.leaves(old)))
+    new_leaves, treedef = tree_lib.flatten(new)
+    kept = []
+    for path, leaf in zip(tree_lib.paths(new), new_leaves):
+        previous = old_by_path.get(path)
+        same = isinstance(leaf, Tensor) and isinstance(previous, Tensor) and previous.shape == leaf.shape
+        kept.append(previous if same else leaf)
+    return tree_lib.unflatten(treedef, kept)
