@@ -9,7 +9,32 @@ from gradtx.base import (
     stateless,
     stateless_with_tree_map,
 )
-from gradtx.chains import chain, named_chain
+from gradtx.chains import (
+    ApplyIfFiniteState,
+    EmaMeasureState,
+    InjectHyperparamsState,
+    MaskedState,
+    MonitorState,
+    MultiSteps,
+    MultiStepsState,
+    PartitionState,
+    SnapshotState,
+    apply_if_finite,
+    chain,
+    freeze,
+    get_measurement,
+    inject_hyperparams,
+    masked,
+    measure_with_ema,
+    monitor,
+    multi_transform,
+    named_chain,
+    partition,
+    selective_transform,
+    skip_large_updates,
+    skip_not_finite,
+    snapshot,
+)
 from gradtx.transforms import (
     ClipByGlobalNormState,
     adaptive_grad_clip,

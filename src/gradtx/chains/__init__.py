@@ -1,5 +1,44 @@
 """Combinators that build transformations out of transformations."""
 
+from gradtx.chains.accumulation import MultiSteps, MultiStepsState, skip_large_updates, skip_not_finite
 from gradtx.chains.chain import chain, named_chain
+from gradtx.chains.conditionals import ApplyIfFiniteState, apply_if_finite
+from gradtx.chains.hyperparams import InjectHyperparamsState, inject_hyperparams
+from gradtx.chains.masking import MaskedState, freeze, masked
+from gradtx.chains.monitoring import (
+    EmaMeasureState,
+    MonitorState,
+    SnapshotState,
+    get_measurement,
+    measure_with_ema,
+    monitor,
+    snapshot,
+)
+from gradtx.chains.partition import PartitionState, multi_transform, partition, selective_transform
 
-__all__ = ["chain", "named_chain"]
+__all__ = [
+    "ApplyIfFiniteState",
+    "EmaMeasureState",
+    "InjectHyperparamsState",
+    "MaskedState",
+    "MonitorState",
+    "MultiSteps",
+    "MultiStepsState",
+    "PartitionState",
+    "SnapshotState",
+    "apply_if_finite",
+    "chain",
+    "freeze",
+    "get_measurement",
+    "inject_hyperparams",
+    "masked",
+    "measure_with_ema",
+    "monitor",
+    "multi_transform",
+    "named_chain",
+    "partition",
+    "selective_transform",
+    "skip_large_updates",
+    "skip_not_finite",
+    "snapshot",
+]

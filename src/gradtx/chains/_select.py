@@ -1,0 +1,118 @@
+"""Tensor-only control flow for combinators: select whole trees with ``torch.where``, count safely.
+
+Combinators that decide per step (skip a non-finite step, emit only every k-th step) compute both
+outcomes and select between them leaf by leaf with a 0-d boolean tensor, so the decision never
+reaches the host: no synchronisation, and ``torch.compile`` traces one graph for every step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from gradtx import tree as tree_lib
+
+PyTree = Any
+
+
+def first_device(tree: PyTree) -> torch.device:
+    """The device of the first tensor leaf (CPU for a tree with none): where counters live."""
+    for leaf in tree_lib.leaves(tree):
+        if isinstance(leaf, Tensor):
+            return leaf.device
+    return torch.device("cpu")
+
+
+def counter(tree: PyTree, dtype: torch.dtype = torch.int32) -> Tensor:
+    """A 0-d zero counter on ``tree``'s device."""
+    return torch.zeros((), dtype=dtype, device=first_device(tree))
+
+
+def safe_increment(count: Tensor) -> Tensor:
+    """``count + 1``, saturating at the dtype's largest value instead of wrapping around."""
+    limit = torch.iinfo(count.dtype).max if not count.dtype.is_floating_point else math.inf
+    return torch.where(count < limit, count + 1, count)
+
+
+class _OnDevice:
+    """A 0-d condition, copied to each device it is needed on once."""
+
+    def __init__(self, condition: Tensor):
+        self._by_device = {condition.device: condition}
+
+    def on(self, device: torch.device) -> Tensor:
+        found = self._by_device.get(device)
+        if found is None:
+            found = self._by_device[device] = self._by_device[next(iter(self._by_device))].to(device)
+        return found
+
+
+def where_tree(condition: Tensor, if_true: PyTree, if_false: PyTree, *, what: str) -> PyTree:
+    """``torch.where(condition, a, b)`` leaf by leaf, each result in ``b``'s dtype.
+
+    ``None`` leaves stay ``None``. A leaf that is not a tensor (a Python number in some state)
+    must be equal in both trees, since it cannot be selected without reading ``condition``;
+    otherwise this is a ``TypeError`` naming its path.
+    """
+    selector = _OnDevice(condition)
+    true_leaves, treedef = tree_lib.flatten(if_true)
+    false_leaves = tree_lib.flatten_like(if_false, treedef, if_true, what=what)
+    out = []
+    for index, (a, b) in enumerate(zip(true_leaves, false_leaves)):
+        if isinstance(a, Tensor) and isinstance(b, Tensor):
+            selected = torch.where(selector.on(b.device), a.to(b.device), b)
+            out.append(selected if selected.dtype == b.dtype else selected.to(b.dtype))
+        elif a is None and b is None:
+            out.append(None)
+        elif _same(a, b):
+            out.append(a)
+        else:
+            raise TypeError(
+                f"{what}: state leaf {tree_lib.path_at(if_true, index)!r} is a {type(a).__name__} that changed "
+                f"({b!r} -> {a!r}); only tensor leaves can be selected without reading the condition on the host"
+            )
+    return tree_lib.unflatten(treedef, out)
+
+
+def where_or_zero(condition: Tensor, tree: PyTree) -> PyTree:
+    """Each tensor leaf where ``condition`` holds, zeros (same dtype) where not; ``None`` stays ``None``."""
+    selector = _OnDevice(condition)
+    return tree_lib.tree_map(lambda t: torch.where(selector.on(t.device), t, 0), tree)
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - anything uncomparable is not the same
+        return a is b
+
+
+def zeros_like_tree(tree: PyTree, *, inplace: bool = False) -> PyTree:
+    """Zeros shaped like every tensor leaf (``None`` stays ``None``); overwrites them when ``inplace``."""
+    if not inplace:
+        return tree_lib.tree_map(torch.zeros_like, tree)
+    tensors = [leaf for leaf in tree_lib.leaves(tree) if isinstance(leaf, Tensor)]
+    for _, (group,) in tree_lib.grouped(tensors):
+        if tree_lib.uses_functorch(group):
+            for t in group:
+                t.zero_()
+        else:
+            torch._foreach_zero_(group)
+    return tree
+
+
+def all_finite(tree: PyTree, *, device: Optional[torch.device] = None) -> Tensor:
+    """A 0-d bool tensor: whether every element of every tensor leaf is finite.
+
+    One ``inf``-norm per leaf (foreach kernels per group): NaN and infinities propagate into it.
+    """
+    tensors = [leaf for leaf in tree_lib.leaves(tree) if isinstance(leaf, Tensor) and leaf.numel() > 0]
+    if not tensors:
+        return torch.ones((), dtype=torch.bool, device=device or first_device(tree))
+    target = device or tensors[0].device
+    norms = [n.to(target) for n in tree_lib.local_norms(tensors, math.inf)]
+    return torch.isfinite(torch.stack(norms)).all()
+

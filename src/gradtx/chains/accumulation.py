@@ -1,0 +1,226 @@
+"""Gradient accumulation: ``MultiSteps`` runs the inner optimizer once every k mini-steps.
+
+As ``optax.MultiSteps``: each call adds its gradients to an accumulator (a running mean by
+default) and returns zero updates, except on every k-th call, which passes the accumulated
+gradients to the inner transformation and returns its updates. ``k`` may follow a schedule of the
+gradient step, which lets the effective batch size grow during training.
+
+The decision stays on the device: the inner transformation runs at every mini-step and
+``torch.where`` keeps its result only on the step that emits, so no count is read back to the host
+and ``torch.compile`` traces a single graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import torch
+from torch import Tensor
+
+from gradtx import tree as tree_lib
+from gradtx.base import GradientTransformation, with_inplace
+from gradtx.chains._select import all_finite, counter, safe_increment, where_or_zero, where_tree
+
+PyTree = Any
+ShouldSkipUpdateFn = Callable[[PyTree, Tensor, Optional[PyTree]], tuple[Tensor, PyTree]]
+
+
+class MultiStepsState(NamedTuple):
+    """As ``optax.MultiStepsState``.
+
+    Attributes:
+      mini_step: calls since the last emitted update (0-d int32; back to 0 when one is emitted).
+      gradient_step: updates emitted so far (0-d int32).
+      inner_opt_state: the inner transformation's state, changed only by emitting steps.
+      acc_grads: the accumulated gradients (``accumulator_dtype``).
+      skip_state: what ``should_skip_update_fn`` returned for logging (``()`` without one).
+    """
+
+    mini_step: Tensor
+    gradient_step: Tensor
+    inner_opt_state: Any
+    acc_grads: Any
+    skip_state: Any = ()
+
+
+def skip_not_finite(updates: PyTree, gradient_step: Tensor, params: Optional[PyTree]) -> tuple[Tensor, dict]:
+    """A ``should_skip_update_fn``: skip mini-steps whose gradients hold a NaN or an infinity."""
+    del gradient_step, params
+    tensors = [leaf for leaf in tree_lib.leaves(updates) if isinstance(leaf, Tensor)]
+    num_not_finite = sum((~torch.isfinite(t)).sum() for t in tensors) if tensors else torch.zeros((), dtype=torch.int64)
+    should_skip = ~all_finite(updates)
+    return should_skip, {"should_skip": should_skip, "num_not_finite": torch.as_tensor(num_not_finite)}
+
+
+def skip_large_updates(
+    updates: PyTree, gradient_step: Tensor, params: Optional[PyTree], max_squared_norm: float
+) -> tuple[Tensor, dict]:
+    """A ``should_skip_update_fn`` (bind ``max_squared_norm`` with ``functools.partial``): skip
+    mini-steps whose squared global norm is not below ``max_squared_norm`` (NaN norms included)."""
+    del gradient_step, params
+    tensors = [leaf for leaf in tree_lib.leaves(updates) if isinstance(leaf, Tensor)]
+    norm_sq = tree_lib.total_norm(tensors, 2.0).square()
+    should_skip = ~(norm_sq < max_squared_norm)
+    return should_skip, {"should_skip": should_skip, "norm_squared": norm_sq}
+
+
+def _no_skip(updates: PyTree, gradient_step: Tensor, params: Optional[PyTree]) -> tuple[Tensor, tuple]:
+    del updates, params
+    return torch.zeros((), dtype=torch.bool, device=gradient_step.device), ()
+
+
+class MultiSteps:
+    """Accumulates gradients over ``every_k_schedule`` mini-steps, then applies ``opt`` once.
+
+    Args:
+      opt: the inner transformation.
+      every_k_schedule: an int, or a schedule ``gradient_step -> k`` (int or 0-d tensor).
+      use_grad_mean: average the accumulated gradients (Welford's running mean, as optax) rather
+        than sum them.
+      should_skip_update_fn: ``(updates, gradient_step, params) -> (skip, skip_state)`` with
+        ``skip`` a 0-d bool tensor; a skipped mini-step changes nothing but ``skip_state`` (see
+        :func:`skip_not_finite`, :func:`skip_large_updates`).
+      accumulator_dtype: the accumulator's dtype (float32, as optax), or ``None`` for each
+        parameter's own.
+
+    Mini-steps return zeros. Where optax multiplies by 0/1 flags, this selects with ``torch.where``,
+    so a NaN in a discarded inner update neither leaks into a mini-step's zeros nor sticks in the
+    accumulator after it is emitted. The inner transformation runs on its pure path (its result
+    is discarded on mini-steps); with ``inplace=True`` the accumulator is updated in place.
+    """
+
+    def __init__(
+        self,
+        opt: GradientTransformation,
+        every_k_schedule: Union[int, Callable[[Tensor], Union[int, Tensor]]],
+        use_grad_mean: bool = True,
+        should_skip_update_fn: Optional[ShouldSkipUpdateFn] = None,
+        accumulator_dtype: Optional[torch.dtype] = torch.float32,
+    ):
+        if not isinstance(opt, GradientTransformation):
+            raise TypeError(f"MultiSteps: opt must be a GradientTransformation, got {type(opt).__name__}")
+        if isinstance(every_k_schedule, int):
+            if every_k_schedule < 1:
+                raise ValueError(f"MultiSteps: every_k_schedule must be >= 1, got {every_k_schedule}")
+            constant_k = every_k_schedule
+            every_k_schedule = lambda step: constant_k  # noqa: E731
+        elif not callable(every_k_schedule):
+            raise TypeError("MultiSteps: every_k_schedule must be an int or a callable")
+        self._opt = opt
+        self._opt_update = with_inplace(opt)
+        self._every_k_schedule = every_k_schedule
+        self._use_grad_mean = use_grad_mean
+        self._should_skip = should_skip_update_fn
+        self._accumulator_dtype = accumulator_dtype
+
+    @property
+    def inner_opt(self) -> GradientTransformation:
+        return self._opt
+
+    def init(self, params: PyTree) -> MultiStepsState:
+        dtype = self._accumulator_dtype
+        acc_grads = tree_lib.tree_map(lambda p: torch.zeros_like(p, dtype=dtype or p.dtype), params)
+        gradient_step = counter(params)
+        skip_state: Any = ()
+        if self._should_skip is not None:
+            _, skip_state = self._should_skip(tree_lib.tree_map(torch.zeros_like, params), gradient_step, params)
+        return MultiStepsState(
+            mini_step=counter(params),
+            gradient_step=gradient_step,
+            inner_opt_state=self._opt.init(params),
+            acc_grads=acc_grads,
+            skip_state=skip_state,
+        )
+
+    def _k_steps(self, gradient_step: Tensor) -> Tensor:
+        k = self._every_k_schedule(gradient_step)
+        if isinstance(k, Tensor):
+            return k.to(device=gradient_step.device, dtype=gradient_step.dtype)
+        return torch.full((), int(k), dtype=gradient_step.dtype, device=gradient_step.device)
+
+    def update(self, updates, state: MultiStepsState, params=None, *, inplace: bool = False):
+        """Accumulates ``updates``; returns the inner updates every k-th call and zeros otherwise."""
+        k_steps = self._k_steps(state.gradient_step)
+        if self._should_skip is None:
+            skip, skip_state = _no_skip(updates, state.gradient_step, params)
+        else:
+            skip, skip_state = self._should_skip(updates, state.gradient_step, params)
+            if not isinstance(skip, Tensor) or skip.dtype != torch.bool or skip.ndim != 0:
+                raise ValueError(
+                    "MultiSteps: should_skip_update_fn must return a 0-d bool tensor, got "
+                    f"{type(skip).__name__} {getattr(skip, 'dtype', '')} {tuple(getattr(skip, 'shape', ()))}"
+                )
+            skip = skip.to(state.gradient_step.device)
+        # the old accumulator must survive a skipped mini-step, so it is only reused when none can be
+        acc_grads = self._accumulate(updates, state.acc_grads, state.mini_step, inplace=inplace and self._should_skip is None)
+        inner_grads = tree_lib.tree_map(
+            lambda u, a: u if a is None else (a if a.dtype == u.dtype else a.to(u.dtype)), updates, acc_grads
+        )
+        final_updates, new_inner_state = self._opt_update(inner_grads, state.inner_opt_state, params, inplace=False)
+
+        emit = state.mini_step == k_steps - 1
+        apply = emit & ~skip
+        # select everything that may alias the accumulator before it is reset in place
+        out_updates = where_or_zero(apply, final_updates)
+        inner_state = where_tree(apply, new_inner_state, state.inner_opt_state, what="MultiSteps")
+        if self._should_skip is None:
+            new_acc = self._reset(acc_grads, emit, inplace=inplace)
+        else:
+            new_acc = where_tree(skip, state.acc_grads, self._reset(acc_grads, emit, inplace=False), what="MultiSteps")
+        new_state = MultiStepsState(
+            mini_step=torch.where(skip, state.mini_step, safe_increment(state.mini_step) % k_steps),
+            gradient_step=torch.where(apply, safe_increment(state.gradient_step), state.gradient_step),
+            inner_opt_state=inner_state,
+            acc_grads=new_acc,
+            skip_state=skip_state,
+        )
+        return out_updates, new_state
+
+    def _accumulate(self, updates: PyTree, acc_grads: PyTree, mini_step: Tensor, *, inplace: bool) -> PyTree:
+        """``acc + (g - acc) / (n + 1)`` (mean) or ``acc + g`` (sum), per (device, dtype) group."""
+        acc_leaves, treedef = tree_lib.flatten(acc_grads)
+        grad_leaves = tree_lib.flatten_like(updates, treedef, acc_grads, what="MultiSteps: updates")
+        present = [i for i, (a, g) in enumerate(zip(acc_leaves, grad_leaves)) if a is not None and g is not None]
+        accs = [acc_leaves[i] for i in present]
+        grads = [grad_leaves[i].to(acc_leaves[i].dtype) for i in present]
+        out = list(acc_leaves)
+        for indices, (group_accs, group_grads) in tree_lib.grouped(accs, grads):
+            if self._use_grad_mean:
+                count = (mini_step.to(group_accs[0].device) + 1).to(group_accs[0].dtype)
+                deltas = _foreach_sub(group_grads, group_accs)
+                deltas = _foreach_div_(deltas, count)
+                new = tree_lib.foreach_add(group_accs, deltas, inplace=inplace)
+            else:
+                new = tree_lib.foreach_add(group_accs, group_grads, inplace=inplace)
+            for i, value in zip(indices, new):
+                out[present[i]] = value
+        return tree_lib.unflatten(treedef, out)
+
+    @staticmethod
+    def _reset(acc_grads: PyTree, emit: Tensor, *, inplace: bool) -> PyTree:
+        """Zeros after an emitting step, the accumulator otherwise."""
+        if inplace:
+            return tree_lib.tree_map(lambda a: a.masked_fill_(emit.to(a.device), 0), acc_grads)
+        return tree_lib.tree_map(lambda a: torch.where(emit.to(a.device), 0, a), acc_grads)
+
+    def has_updated(self, state: MultiStepsState) -> Tensor:
+        """Whether the last call emitted an update (a 0-d bool tensor)."""
+        return (state.mini_step == 0) & (state.gradient_step > 0)
+
+    def gradient_transformation(self) -> GradientTransformation:
+        """This accumulator as a ``GradientTransformation`` (to put it in a chain)."""
+        return GradientTransformation(self.init, self.update)
+
+
+def _foreach_sub(first: list[Tensor], second: list[Tensor]) -> list[Tensor]:
+    if tree_lib.uses_functorch(first) or tree_lib.uses_functorch(second):
+        return [a - b for a, b in zip(first, second)]
+    return list(torch._foreach_sub(first, second))
+
+
+def _foreach_div_(tensors: list[Tensor], divisor: Tensor) -> list[Tensor]:
+    if tree_lib.uses_functorch(tensors):
+        return [t.div_(divisor) for t in tensors]
+    torch._foreach_div_(tensors, divisor)
+    return tensors
+

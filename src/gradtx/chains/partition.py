@@ -1,0 +1,117 @@
+"""Partitioning: a different transformation for each labelled group of leaves.
+
+``partition({"decay": adamw(...), "no_decay": adam(...)}, labels)`` runs each transformation on
+the leaves carrying its label, as ``optax.partition`` (formerly ``multi_transform``) does. Each
+group's state is a :class:`~gradtx.chains.masking.MaskedState` covering its own leaves only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, Mapping, NamedTuple, Union
+
+from gradtx import tree as tree_lib
+from gradtx.base import GradientTransformation, with_inplace
+from gradtx.chains.masking import LeafSelector, MaskedState, none_as_false, freeze, init_selected, update_selected
+
+PyTree = Any
+Labels = Union[PyTree, Callable[[PyTree], PyTree]]
+
+
+class PartitionState(NamedTuple):
+    """One ``MaskedState`` per label, keyed by label."""
+
+    inner_states: dict[Hashable, MaskedState]
+
+
+def _label_resolver(transforms: Mapping[Hashable, GradientTransformation]) -> Callable[[Any, PyTree], list[Any]]:
+    known = list(transforms)
+
+    def resolve(spec: Any, tree: PyTree) -> list[Any]:
+        labels = spec(tree) if callable(spec) else spec
+        label_leaves = tree_lib.leaves(labels)
+        for index, label in enumerate(label_leaves):
+            try:
+                ok = label is None or label in transforms
+            except TypeError:  # unhashable
+                ok = False
+            if not ok:
+                raise ValueError(
+                    f"partition: label {label!r} (at {tree_lib.path_at(labels, index)!r}) has no transformation; "
+                    f"transformations are given for {known!r}"
+                )
+        tree_leaves = tree_lib.leaves(tree)
+        per_leaf: list[Any] = [None] * len(tree_leaves)
+        for label in dict.fromkeys(label for label in label_leaves if label is not None):
+            mask_def, mask = none_as_false(tree_lib.tree_map(lambda x, label=label: x == label, labels))
+            selected = tree_lib.mask_leaves(tree_lib.unflatten(mask_def, mask), tree, what="partition: param_labels")
+            for index, hit in enumerate(selected):
+                if hit:
+                    per_leaf[index] = label
+        for index, (leaf, label) in enumerate(zip(tree_leaves, per_leaf)):
+            if leaf is not None and label is None:
+                raise ValueError(f"partition: leaf {tree_lib.path_at(tree, index)!r} has no label (None)")
+        return per_leaf
+
+    return resolve
+
+
+def partition(transforms: Mapping[Hashable, GradientTransformation], param_labels: Labels) -> GradientTransformation:
+    """Applies ``transforms[label]`` to the leaves labelled ``label``.
+
+    Args:
+      transforms: a mapping from label to transformation.
+      param_labels: a tree of labels with the params' structure or a prefix of it (a label at a
+        node covers every leaf below), or a callable ``tree -> such a tree`` (called on the params
+        at ``init`` and on the updates at ``update``). A label with no transformation is a
+        ``ValueError`` naming it.
+    """
+    transforms = dict(transforms)
+    for label, tx in transforms.items():
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(f"partition: the transformation for {label!r} is a {type(tx).__name__}")
+    updaters = {label: with_inplace(tx) for label, tx in transforms.items()}
+    selector = LeafSelector(param_labels, _label_resolver(transforms))
+
+    def init_fn(params: PyTree) -> PartitionState:
+        leaf_labels = selector(params)
+        return PartitionState(
+            {
+                label: MaskedState(init_selected(tx.init, params, [lab == label for lab in leaf_labels]))
+                for label, tx in transforms.items()
+            }
+        )
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        leaf_labels = selector(updates)
+        new_states = {}
+        for label, update in updaters.items():
+            updates, new_states[label] = update_selected(
+                update,
+                [lab == label for lab in leaf_labels],
+                updates,
+                state.inner_states[label].inner_state,
+                params,
+                inplace=inplace,
+                owner=f"partition[{label!r}]",
+            )
+            new_states[label] = MaskedState(new_states[label])
+        return updates, PartitionState(new_states)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+multi_transform = partition
+
+
+def selective_transform(optimizer: GradientTransformation, *, freeze_mask: Any) -> GradientTransformation:
+    """Runs ``optimizer`` on the leaves ``freeze_mask`` leaves out and zeroes the others (as optax).
+
+    Unlike ``chain(freeze(mask), optimizer)``, the optimizer keeps no state for frozen leaves.
+    ``freeze_mask`` is a bool, a tree of bools (``True`` freezes) or a callable building one.
+    """
+
+    def to_labels(mask: Any) -> Any:
+        return tree_lib.tree_map(lambda frozen: "freeze" if frozen else "train", mask)
+
+    labels = (lambda tree: to_labels(freeze_mask(tree))) if callable(freeze_mask) else to_labels(freeze_mask)
+    return partition({"train": optimizer, "freeze": freeze(True)}, labels)
