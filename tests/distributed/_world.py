@@ -1,0 +1,162 @@
+"""Runs many test cases in one real gloo world per world size: processes are spawned once, every
+case runs on every rank in turn, and each rank reports its failures back to pytest.
+
+A case is a function ``case(world)`` registered with ``@case(sizes...)``; it runs on all ranks at
+once and may use any collective. Collectives time out (``COLLECTIVE_TIMEOUT_S``) instead of
+hanging, the parent kills a world that outlives ``WORLD_TIMEOUT_S``, and a failure on any rank
+surfaces as that rank's traceback in the matching pytest test.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import multiprocessing
+import os
+import queue as queue_lib
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+COLLECTIVE_TIMEOUT_S = 30
+WORLD_TIMEOUT_S = 150
+# Every module defining cases: each world imports them all, so one spawn per size runs every case.
+CASE_MODULES = (
+    "test_sharding_layouts",
+    # "test_sharding_dtensor",
+    # "test_sharding_validation",
+    # "test_sharding_properties",
+    # "test_sharding_collectives",
+)
+
+_CASES: dict[int, dict[str, Callable[["World"], None]]] = {}
+
+
+def case(*sizes: int):
+    """Registers ``fn`` to run in the worlds of the given sizes."""
+
+    def register(fn):
+        for size in sizes:
+            _CASES.setdefault(size, {})[fn.__name__] = fn
+        return fn
+
+    return register
+
+
+def cases_for(size: int) -> list[str]:
+    return sorted(_CASES.get(size, {}))
+
+
+def params_for(module: str) -> list[tuple[int, str]]:
+    """The ``(size, case)`` pairs defined in ``module``, for ``pytest.mark.parametrize``."""
+    return [(size, name) for size in sorted(_CASES) for name in cases_for(size) if _CASES[size][name].__module__ == module]
+
+
+def check(size: int, name: str) -> None:
+    """Fails the calling pytest test with every rank's report if case ``name`` failed anywhere."""
+    import pytest
+
+    reports = run_world(size)
+    if reports.get(name):
+        pytest.fail(f"case {name!r} in a world of {size}:\n" + "\n".join(reports[name]), pytrace=False)
+
+
+@dataclass
+class World:
+    rank: int
+    size: int
+    _meshes: dict[Any, Any] = field(default_factory=dict)
+
+    def mesh(self, shape: tuple[int, ...], names: tuple[str, ...] | None):
+        """A ``DeviceMesh`` over all ranks, created once per (shape, names) and reused by later cases."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        key = (tuple(shape), names)
+        if key not in self._meshes:
+            self._meshes[key] = init_device_mesh("cpu", tuple(shape), mesh_dim_names=names)
+        return self._meshes[key]
+
+
+def _child(rank: int, size: int, store_path: str, modules: list[str], results: Any) -> None:
+    import importlib
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    for module in modules:
+        importlib.import_module(module)
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_path, size),
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    world = World(rank, size)
+    try:
+        for name in cases_for(size):
+            start = time.perf_counter()
+            try:
+                _CASES[size][name](world)
+                error = None
+            except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
+                error = traceback.format_exc()
+            results.put((rank, name, error, time.perf_counter() - start))
+    finally:
+        results.put((rank, None, None, 0.0))
+        dist.destroy_process_group()
+
+
+@functools.cache
+def run_world(size: int, modules: tuple[str, ...] = CASE_MODULES) -> dict[str, list[str]]:
+    """Runs every case registered for ``size`` in one spawned world; returns case -> error reports."""
+    import importlib
+
+    for module in modules:
+        importlib.import_module(module)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    store_path = tempfile.mktemp(prefix=f"gradtx_world{size}_")
+    processes = [
+        context.Process(target=_child, args=(rank, size, store_path, list(modules), results), daemon=True)
+        for rank in range(size)
+    ]
+    for process in processes:
+        process.start()
+    reports: dict[str, list[str]] = {name: [] for name in cases_for(size)}
+    seen: dict[str, set[int]] = {name: set() for name in cases_for(size)}
+    finished: set[int] = set()
+    deadline = time.monotonic() + WORLD_TIMEOUT_S
+    while len(finished) < size and time.monotonic() < deadline:
+        try:
+            rank, name, error, seconds = results.get(timeout=1.0)
+        except queue_lib.Empty:
+            if all(not p.is_alive() for p in processes):
+                break
+            continue
+        if name is None:
+            finished.add(rank)
+            continue
+        seen[name].add(rank)
+        if error is not None:
+            reports[name].append(f"rank {rank}:\n{error}")
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+    try:
+        os.remove(store_path)
+    except OSError:
+        pass
+    for name in reports:
+        missing = sorted(set(range(size)) - seen[name])
+        if missing:
+            reports[name].append(
+                f"ranks {missing} never reported (crashed, or the world of {size} ran past {WORLD_TIMEOUT_S}s; "
+                f"exit codes {[p.exitcode for p in processes]})"
+            )
+    return reports
