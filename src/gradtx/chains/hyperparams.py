@@ -87,7 +87,9 @@ def inject_hyperparams(
     Returns:
       A function with ``inner_factory``'s arguments, where any numeric one may be a schedule
       ``count -> value``. Schedules get the 0-d int32 tensor count, so they must accept tensors
-      (every schedule in :mod:`gradtx.schedules` does).
+      (every schedule in :mod:`gradtx.schedules` does). The factory is also called once when the
+      transformation is built, with the initial values, to learn whether its ``update`` takes
+      ``inplace`` (which is then passed through).
     """
     static_args = {static_args} if isinstance(static_args, str) else set(static_args)
     signature = inspect.signature(inner_factory)
@@ -118,6 +120,10 @@ def inject_hyperparams(
             else:
                 other[name] = value
 
+        # whether the inner update takes ``inplace``, decided once on a probe built with the first values
+        probe = inner_factory(**other, **numeric, **{name: fn(0) for name, fn in schedules.items()})
+        takes_inplace = with_inplace(probe) is probe.update
+
         def current(hyperparams: dict[str, Any], count: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
             values = {name: _as_hyperparam(hyperparams[name], dtype, count.device) for name in numeric}
             values.update(
@@ -142,7 +148,10 @@ def inject_hyperparams(
                 dtype = tree_lib.accumulation_dtype(floats)
             hyperparams = current(state.hyperparams, state.count, dtype)
             inner = inner_factory(**other, **hyperparams)
-            new_updates, inner_state = with_inplace(inner)(updates, state.inner_state, params, inplace=inplace)
+            if takes_inplace:
+                new_updates, inner_state = inner.update(updates, state.inner_state, params, inplace=inplace)
+            else:
+                new_updates, inner_state = inner.update(updates, state.inner_state, params)
             return new_updates, InjectHyperparamsState(safe_increment(state.count), hyperparams, inner_state)
 
         return GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,150 @@
+"""inject_hyperparams: numbers and schedules in the state, readable and writable, torch's lr schedulers as reference."""
+
+from typing import NamedTuple
+
+import pytest
+import torch
+from combinator_helpers import assert_same, make_tree, run_both_paths
+
+import gradtx as gtx
+
+
+class MomentumState(NamedTuple):
+    buffer: dict
+
+
+def sgd_momentum(learning_rate: float, momentum: float = 0.0, nesterov: bool = False, every: int = 1):
+    """A small test optimizer: torch's SGD (momentum buffer b = m * b + g; update -lr * b)."""
+    assert isinstance(nesterov, bool) and isinstance(every, int)  # static arguments stay Python values
+
+    def init_fn(params):
+        return MomentumState(gtx.tree.tree_map(torch.zeros_like, params))
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        buffer = gtx.tree.tree_map(lambda b, g: momentum * b + g, state.buffer, updates)
+        step = gtx.tree.tree_map(lambda g, b: g + momentum * b, updates, buffer) if nesterov else buffer
+        return gtx.tree.tree_map(lambda d: -learning_rate * d, step), MomentumState(buffer)
+
+    return gtx.GradientTransformation(init_fn, update_fn)
+
+
+def _torch_trajectory(make_scheduler, steps, **sgd_kwargs):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4))
+    opt = torch.optim.SGD([w], **sgd_kwargs)
+    scheduler = make_scheduler(opt)
+    gen = torch.Generator().manual_seed(1)
+    grads, values = [], []
+    for _ in range(steps):
+        g = torch.randn(4, generator=gen)
+        grads.append(g)
+        w.grad = g.clone()
+        opt.step()
+        scheduler.step()
+        values.append(w.detach().clone())
+    torch.manual_seed(0)
+    return torch.randn(4), grads, values
+
+
+def test_numbers_live_in_the_state_as_0d_tensors():
+    params = make_tree()
+    tx = gtx.inject_hyperparams(sgd_momentum)(learning_rate=0.1, momentum=0.9)
+    state = tx.init(params)
+    assert isinstance(state, gtx.InjectHyperparamsState)
+    assert set(state.hyperparams) == {"learning_rate", "momentum"}
+    for value in state.hyperparams.values():
+        assert isinstance(value, torch.Tensor) and value.ndim == 0 and value.dtype == torch.float32
+    torch.testing.assert_close(state.hyperparams["learning_rate"], torch.tensor(0.1))
+    assert state.count.dtype == torch.int32 and int(state.count) == 0
+
+
+def test_schedule_matches_torch_lr_scheduler_trajectory():
+    w0, grads, expected = _torch_trajectory(
+        lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.8), 6, lr=0.5, momentum=0.9
+    )
+    schedule = gtx.exponential_decay(init_value=0.5, transition_steps=1, decay_rate=0.8)
+    tx = gtx.inject_hyperparams(sgd_momentum)(learning_rate=schedule, momentum=0.9)
+    params = {"w": w0}
+    state = tx.init(params)
+    for step, (g, w_ref) in enumerate(zip(grads, expected)):
+        updates, state = tx.update({"w": g}, state, params)
+        params = gtx.apply_updates(params, updates)
+        torch.testing.assert_close(params["w"], w_ref, rtol=1e-6, atol=1e-6)
+        # the state shows the value used by this step
+        torch.testing.assert_close(state.hyperparams["learning_rate"], torch.tensor(0.5 * 0.8**step))
+    assert int(state.count) == len(grads)
+
+
+def test_writing_a_hyperparameter_changes_the_next_step():
+    w0, grads, _ = _torch_trajectory(lambda o: torch.optim.lr_scheduler.ConstantLR(o, factor=1.0), 4, lr=0.1)
+    tx = gtx.inject_hyperparams(sgd_momentum)(learning_rate=0.1)
+    params = {"w": w0.clone()}
+    state = tx.init(params)
+    updates, state = tx.update({"w": grads[0]}, state, params)
+    torch.testing.assert_close(updates["w"], -0.1 * grads[0])
+    state.hyperparams["learning_rate"] = 0.5  # a Python number
+    updates, state = tx.update({"w": grads[1]}, state, params)
+    torch.testing.assert_close(updates["w"], -0.5 * grads[1])
+    assert isinstance(state.hyperparams["learning_rate"], torch.Tensor)
+    state.hyperparams["learning_rate"].fill_(0.25)  # in place, as a logger-side tweak would
+    updates, state = tx.update({"w": grads[2]}, state, params)
+    torch.testing.assert_close(updates["w"], -0.25 * grads[2])
+
+
+def test_scheduled_values_cannot_be_overridden_and_static_args_stay_static():
+    tx = gtx.inject_hyperparams(sgd_momentum)(learning_rate=gtx.constant_schedule(0.1), nesterov=True, every=3)
+    params = {"w": torch.zeros(2)}
+    state = tx.init(params)
+    assert set(state.hyperparams) == {"learning_rate", "momentum"}  # bools and declared ints are static
+    state.hyperparams["learning_rate"] = torch.tensor(99.0)
+    updates, state = tx.update({"w": torch.ones(2)}, state)
+    torch.testing.assert_close(updates["w"], torch.full((2,), -0.1))
+    with pytest.raises(ValueError, match="static_args"):
+        gtx.inject_hyperparams(sgd_momentum, static_args=("nope",))
+
+
+def test_inplace_is_passed_through_and_paths_agree():
+    seen = []
+
+    def factory(learning_rate: float):
+        def update_fn(updates, state, params=None, *, inplace=False):
+            seen.append(inplace)
+            scaled = gtx.tree.tree_map(lambda g: g.mul_(learning_rate) if inplace else g * learning_rate, updates)
+            return scaled, state
+
+        return gtx.GradientTransformation(lambda p: gtx.EmptyState(), update_fn)
+
+    schedule = gtx.warmup_cosine_decay_schedule(0.0, 1.0, warmup_steps=2, decay_steps=6)
+    run_both_paths(gtx.inject_hyperparams(factory)(learning_rate=schedule), make_tree(), [make_tree(i) for i in range(4)])
+    assert seen == [False, True] * 4
+    run_both_paths(
+        gtx.inject_hyperparams(sgd_momentum)(learning_rate=schedule, momentum=0.5),
+        make_tree(),
+        [make_tree(i) for i in range(4)],
+    )
+
+
+def test_float64_params_give_float64_hyperparameters():
+    params = {"w": torch.zeros(2, dtype=torch.float64)}
+    state = gtx.inject_hyperparams(sgd_momentum)(learning_rate=0.1).init(params)
+    assert state.hyperparams["learning_rate"].dtype == torch.float64
+    state = gtx.inject_hyperparams(sgd_momentum, hyperparam_dtype=torch.float32)(learning_rate=0.1).init(params)
+    assert state.hyperparams["learning_rate"].dtype == torch.float32
+
+
+def test_compiles_once_over_a_schedule():
+    from torch._dynamo.testing import CompileCounter
+
+    tx = gtx.inject_hyperparams(sgd_momentum)(
+        learning_rate=gtx.warmup_cosine_decay_schedule(0.0, 1.0, 2, 8, 0.1), momentum=0.9
+    )
+    counter = CompileCounter()
+    step = torch.compile(tx.update, backend=counter, fullgraph=True)
+    params = {"w": torch.zeros(3)}
+    state, eager_state = tx.init(params), tx.init(params)
+    for i in range(6):
+        grads = {"w": torch.full((3,), float(i + 1))}
+        updates, state = step(grads, state)
+        expected, eager_state = tx.update(grads, eager_state)
+        assert_same(updates, expected)
+    assert counter.frame_count == 1
