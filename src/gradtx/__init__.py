@@ -11,7 +11,9 @@ from gradtx.base import (
 )
 from gradtx.chains import (
     ApplyIfFiniteState,
+    ChainedOptimizer,
     EmaMeasureState,
+    FromTorchState,
     InjectHyperparamsState,
     MaskedState,
     MonitorState,
@@ -22,6 +24,7 @@ from gradtx.chains import (
     apply_if_finite,
     chain,
     freeze,
+    from_torch,
     get_measurement,
     inject_hyperparams,
     masked,
@@ -34,6 +37,7 @@ from gradtx.chains import (
     skip_large_updates,
     skip_not_finite,
     snapshot,
+    wrap,
 )
 from gradtx.transforms import (
     ClipByGlobalNormState,

@@ -3,6 +3,7 @@
 from gradtx.chains.accumulation import MultiSteps, MultiStepsState, skip_large_updates, skip_not_finite
 from gradtx.chains.chain import chain, named_chain
 from gradtx.chains.conditionals import ApplyIfFiniteState, apply_if_finite
+from gradtx.chains.from_torch import FromTorchState, from_torch
 from gradtx.chains.hyperparams import InjectHyperparamsState, inject_hyperparams
 from gradtx.chains.masking import MaskedState, freeze, masked
 from gradtx.chains.monitoring import (
@@ -15,10 +16,13 @@ from gradtx.chains.monitoring import (
     snapshot,
 )
 from gradtx.chains.partition import PartitionState, multi_transform, partition, selective_transform
+from gradtx.chains.wrap import ChainedOptimizer, wrap
 
 __all__ = [
     "ApplyIfFiniteState",
+    "ChainedOptimizer",
     "EmaMeasureState",
+    "FromTorchState",
     "InjectHyperparamsState",
     "MaskedState",
     "MonitorState",
@@ -29,6 +33,7 @@ __all__ = [
     "apply_if_finite",
     "chain",
     "freeze",
+    "from_torch",
     "get_measurement",
     "inject_hyperparams",
     "masked",
@@ -41,4 +46,5 @@ __all__ = [
     "skip_large_updates",
     "skip_not_finite",
     "snapshot",
+    "wrap",
 ]

@@ -128,7 +128,9 @@ class _OptimizerEngine:
         # (int/float/bool) so it goes back into the optimizer as the type it wrote.
         self.kinds: dict[Any, list[Optional[dict[str, type]]]] = {}
 
-    def _run(self, work: list[Tensor], grads: Sequence[Tensor], states: Sequence[Optional[Slots]]) -> list[Slots]:
+    def _run(
+        self, work: list[Tensor], grads: Sequence[Tensor], states: Sequence[Optional[Slots]], *, what: str = "step"
+    ) -> list[Slots]:
         optimizer, group = self.optimizer, self.group
         snapshot = {k: v for k, v in group.items() if k != "params"}
         group["params"] = work
@@ -138,8 +140,11 @@ class _OptimizerEngine:
                 w.grad = g
                 if state is not None:
                     optimizer.state[w] = state
-            with torch.no_grad():
-                self.raw_step()
+            try:
+                with torch.no_grad():
+                    self.raw_step()
+            except Exception as error:
+                raise RuntimeError(f"from_torch({self.name}): {what} failed: {error}") from error
             by_id = {id(w): w for w in work}
             stray = [k for k in optimizer.state if not (isinstance(k, Tensor) and id(k) in by_id)]
             if stray:
@@ -167,12 +172,7 @@ class _OptimizerEngine:
         present = [i for i, p in enumerate(params) if p is not None]
         work = [params[i].detach().clone() for i in present]
         grads = [torch.zeros_like(w) for w in work]
-        try:
-            produced = self._run(work, grads, [None] * len(work))
-        except TypeError:
-            raise
-        except Exception as error:
-            raise RuntimeError(f"from_torch({self.name}): a trial step failed: {error}") from error
+        produced = self._run(work, grads, [None] * len(work), what="a trial step (to learn its state layout)")
         kinds: list[Optional[dict[str, type]]] = [None] * len(params)
         templates: list[Optional[Slots]] = [None] * len(params)
         for i, state in zip(present, produced):
@@ -292,8 +292,10 @@ def from_torch(optimizer_cls: type, **hyperparams: Any) -> GradientTransformatio
     def update_fn(updates, state, params=None, *, inplace=False):
         if params is None:
             raise ValueError(f"{owner}: params are required (pass them to update)")
-        grad_leaves, treedef, present = tree_lib.tensor_leaves(updates, what=owner)
-        param_leaves = tree_lib.flatten_like(params, treedef, updates, what="params")
+        param_leaves, treedef = tree_lib.flatten(params)
+        grad_leaves = tree_lib.flatten_like(updates, treedef, params, what=f"{owner}: gradients")
+        tree_lib.check_tensors(updates, grad_leaves, what=owner)
+        present = [i for i, g in enumerate(grad_leaves) if g is not None]
         slot_leaves = _per_leaf(treedef, state.slots, owner, "slots", updates)
         flag_leaves = _per_leaf(treedef, state.initialized, owner, "initialized", updates)
         all_paths = tree_lib.paths(updates)
