@@ -1,5 +1,16 @@
 """Gradient transformations, one module per family."""
 
+from gradtx.transforms.adam import (
+    ScaleByAdamState,
+    ScaleByAmsgradState,
+    ScaleByBeliefState,
+    fused_adam,
+    scale_by_adam,
+    scale_by_adamax,
+    scale_by_amsgrad,
+    scale_by_belief,
+    scale_by_radam,
+)
 from gradtx.transforms.clipping import (
     ClipByGlobalNormState,
     adaptive_grad_clip,
@@ -10,17 +21,82 @@ from gradtx.transforms.clipping import (
     global_norm,
     unitwise_norm,
 )
+from gradtx.transforms.elementwise import ZeroNansState, centralize, set_to_zero, zero_nans
+from gradtx.transforms.lion import ScaleByLionState, scale_by_lion
+from gradtx.transforms.momentum import EmaState, TraceState, ema, trace
+from gradtx.transforms.noise import (
+    AddNoiseState,
+    DifferentiallyPrivateAggregateState,
+    add_noise,
+    differentially_private_aggregate,
+)
 from gradtx.transforms.per_example import per_example_global_norm_clip, per_example_layer_norm_clip
+from gradtx.transforms.rms import (
+    ScaleByRmsState,
+    ScaleByRmsWithCountState,
+    ScaleByRssState,
+    ScaleByRStdDevState,
+    ScaleByRStdDevWithCountState,
+    scale_by_rms,
+    scale_by_rss,
+    scale_by_stddev,
+)
+from gradtx.transforms.scaling import (
+    ScaleByScheduleState,
+    scale,
+    scale_by_learning_rate,
+    scale_by_schedule,
+    scale_by_trust_ratio,
+)
+from gradtx.transforms.weight_decay import WeightDecaySchedule, add_decayed_weights
 
 __all__ = [
+    "AddNoiseState",
     "ClipByGlobalNormState",
+    "DifferentiallyPrivateAggregateState",
+    "EmaState",
+    "ScaleByAdamState",
+    "ScaleByAmsgradState",
+    "ScaleByBeliefState",
+    "ScaleByLionState",
+    "ScaleByRStdDevState",
+    "ScaleByRStdDevWithCountState",
+    "ScaleByRmsState",
+    "ScaleByRmsWithCountState",
+    "ScaleByRssState",
+    "ScaleByScheduleState",
+    "TraceState",
+    "WeightDecaySchedule",
+    "ZeroNansState",
     "adaptive_grad_clip",
+    "add_decayed_weights",
+    "add_noise",
+    "centralize",
     "clip",
     "clip_by_block_rms",
     "clip_by_global_norm",
     "clip_by_value",
+    "differentially_private_aggregate",
+    "ema",
+    "fused_adam",
     "global_norm",
     "per_example_global_norm_clip",
     "per_example_layer_norm_clip",
+    "scale",
+    "scale_by_adam",
+    "scale_by_adamax",
+    "scale_by_amsgrad",
+    "scale_by_belief",
+    "scale_by_learning_rate",
+    "scale_by_lion",
+    "scale_by_radam",
+    "scale_by_rms",
+    "scale_by_rss",
+    "scale_by_schedule",
+    "scale_by_stddev",
+    "scale_by_trust_ratio",
+    "set_to_zero",
+    "trace",
     "unitwise_norm",
+    "zero_nans",
 ]

@@ -1,0 +1,295 @@
+"""The machinery shared by the stateful transforms: aligned leaves, groups, and foreach arithmetic.
+
+A transform's ``update`` flattens the updates, lines up the matching leaves of its state (and of
+the params) with the non-``None`` updates, and runs its arithmetic once per group of leaves that
+share devices and dtypes, on ``torch._foreach_*`` kernels.
+
+Every op here takes ``inplace``: ``False`` returns new tensors and leaves its inputs alone, ``True``
+overwrites the first list and returns it. A transform runs the *same* op sequence on both paths
+(the first op on a donated buffer runs in place, on the pure path it allocates and every later op
+runs in place on what it allocated), so both paths give bit-identical numbers. Under
+``torch.func`` transforms the ops fall back to one ordinary op per tensor.
+
+Step-dependent factors (bias corrections, scheduled learning rates) are 0-d tensors computed with
+tensor ops, never read on the host: no device sync, no recompilation under ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from gradtx import tree as tree_lib
+
+Scalar = Union[float, Tensor]
+_INT32_MAX = torch.iinfo(torch.int32).max
+
+
+# --------------------------------------------------------------------------- leaves
+
+
+class Leaves(NamedTuple):
+    """The non-``None`` leaves of an updates tree and how to put a tree back together."""
+
+    tree: Any
+    all_leaves: list[Any]
+    treedef: Any
+    present: list[int]
+    tensors: list[Tensor]
+
+    def aligned(self, other: Any, *, what: str, allow_none: bool = False) -> list[Any]:
+        """The leaves of ``other`` (a tree shaped like the updates) at the non-``None`` updates."""
+        other_leaves = tree_lib.flatten_like(other, self.treedef, self.tree, what=what)
+        out = [other_leaves[i] for i in self.present]
+        for i, leaf in zip(self.present, out):
+            if not isinstance(leaf, Tensor) and not (allow_none and leaf is None):
+                raise TypeError(
+                    f"{what}: leaf {tree_lib.path_at(self.tree, i)!r} has an update but its value is "
+                    f"{type(leaf).__name__}, expected a torch.Tensor"
+                )
+        return out
+
+    def rebuild(self, values: Sequence[Any], like: Optional[Any] = None) -> Any:
+        """A tree shaped like the updates with ``values`` at the non-``None`` leaves.
+
+        The other leaves come from ``like`` (a state tree, kept as it was) or stay ``None``.
+        """
+        base = self.all_leaves if like is None else tree_lib.flatten_like(like, self.treedef, self.tree, what="state")
+        return tree_lib.unflatten(self.treedef, tree_lib.replace_present(base, self.present, values))
+
+
+def leaves_of(updates: Any, *, what: str) -> Leaves:
+    """Flattens ``updates`` and checks that every leaf is a tensor or ``None``."""
+    all_leaves, treedef, present = tree_lib.tensor_leaves(updates, what=what)
+    return Leaves(updates, all_leaves, treedef, present, [all_leaves[i] for i in present])
+
+
+def params_of(leaves: Leaves, params: Any, *, owner: str) -> list[Tensor]:
+    """The parameters matching the non-``None`` updates; ``params`` are required."""
+    if params is None:
+        raise ValueError(f"{owner}: params are required (pass them to update)")
+    values = leaves.aligned(params, what=f"{owner}: params")
+    for i, p, u in zip(leaves.present, values, leaves.tensors):
+        if p.shape != u.shape:
+            raise ValueError(
+                f"{owner}: leaf {tree_lib.path_at(leaves.tree, i)!r} has update shape {tuple(u.shape)} "
+                f"but parameter shape {tuple(p.shape)}"
+            )
+    return values
+
+
+def zeros_like_tree(params: Any, dtype: Optional[torch.dtype] = None) -> Any:
+    """A tree of zeros shaped like ``params`` (``None`` stays ``None``), optionally in ``dtype``."""
+    return tree_lib.tree_map(lambda p: torch.zeros_like(p, dtype=dtype or p.dtype), params)
+
+
+def full_like_tree(params: Any, value: float) -> Any:
+    return tree_lib.tree_map(lambda p: torch.full_like(p, value), params)
+
+
+def state_device(params: Any) -> torch.device:
+    """Where a transform keeps its counters: on the first parameter's device."""
+    for leaf in tree_lib.leaves(params):
+        if isinstance(leaf, Tensor):
+            return leaf.device
+    return torch.device("cpu")
+
+
+def zero_count(params: Any) -> Tensor:
+    """A step counter: a 0-d int32 tensor, as optax's."""
+    return torch.zeros((), dtype=torch.int32, device=state_device(params))
+
+
+def increment(count: Tensor, *, inplace: bool) -> Tensor:
+    """``count + 1``, saturating at the dtype's maximum (optax's ``safe_increment``), with tensor ops."""
+    step = (count < torch.iinfo(count.dtype).max).to(count.dtype) if not count.is_floating_point() else 1
+    return count.add_(step) if inplace else count + step
+
+
+def decay_power(decay: float, count: Tensor) -> Tensor:
+    """``decay ** count`` as a 0-d float64 tensor on ``count``'s device."""
+    return torch.pow(torch.tensor(decay, dtype=torch.float64, device=count.device), count.to(torch.float64))
+
+
+def as_scalar_tensor(value: Any, like: Tensor) -> Tensor:
+    """A schedule's value (a number or a 0-d tensor) as a 0-d float64 tensor next to ``like``."""
+    return torch.as_tensor(value, dtype=torch.float64, device=like.device)
+
+
+def schedule_value(schedule: Callable[[Tensor], Any], count: Tensor) -> Tensor:
+    return as_scalar_tensor(schedule(count), count)
+
+
+# --------------------------------------------------------------------------- groups
+
+
+def map_groups(fn: Callable[..., Sequence[Sequence[Any]]], *lists: Sequence[Any], outputs: int) -> tuple[list[Any], ...]:
+    """Runs ``fn`` on each group of positions whose tensors share (device, dtype) in every list.
+
+    Lists may also hold non-tensors (per-leaf flags), which do not affect the grouping.
+    ``fn(*group_lists)`` returns ``outputs`` lists (one entry per tensor of the group); they are put
+    back in input order.
+    """
+    n = len(lists[0])
+    groups: dict[tuple, list[int]] = {}
+    for index in range(n):
+        key = tuple((seq[index].device, seq[index].dtype) for seq in lists if isinstance(seq[index], Tensor))
+        groups.setdefault(key, []).append(index)
+    results: tuple[list[Any], ...] = tuple([None] * n for _ in range(outputs))
+    for indices in groups.values():
+        for out, values in zip(results, fn(*([seq[i] for i in indices] for seq in lists))):
+            for i, value in zip(indices, values):
+                out[i] = value
+    return results
+
+
+def on(value: Scalar, tensors: Sequence[Tensor]) -> Scalar:
+    """A 0-d tensor factor moved to the group's device and dtype (numbers pass through)."""
+    if isinstance(value, Tensor):
+        first = tensors[0]
+        if value.device != first.device or value.dtype != first.dtype:
+            return value.to(device=first.device, dtype=first.dtype)
+    return value
+
+
+def cast(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """``tensors`` in ``dtype`` (the same objects when they already are)."""
+    return [t if t.dtype == dtype else t.to(dtype) for t in tensors]
+
+
+# --------------------------------------------------------------------------- foreach ops
+
+
+def _per_tensor(*args: Any) -> bool:
+    return any(
+        isinstance(a, list) and a and isinstance(a[0], Tensor) and tree_lib.uses_functorch(a) for a in args
+    )
+
+
+def _columns(args: Iterable[Any], n: int) -> list[Iterable[Any]]:
+    return [a if isinstance(a, list) else itertools.repeat(a, n) for a in args]
+
+
+def _run(name: str, selves: Sequence[Tensor], *args: Any, inplace: bool, **kwargs: Any) -> list[Tensor]:
+    """``torch._foreach_<name>[_](selves, *args, **kwargs)``, or a per-tensor loop under torch.func."""
+    selves = list(selves)
+    args = tuple(list(a) if isinstance(a, (list, tuple)) else a for a in args)
+    if _per_tensor(selves, *args):
+        cols = _columns(args, len(selves))
+        if inplace:
+            return [getattr(s, name + "_")(*xs, **kwargs) for s, *xs in zip(selves, *cols)]
+        return [getattr(torch, name)(s, *xs, **kwargs) for s, *xs in zip(selves, *cols)]
+    if inplace:
+        getattr(torch, f"_foreach_{name}_")(selves, *args, **kwargs)
+        return selves
+    return list(getattr(torch, f"_foreach_{name}")(selves, *args, **kwargs))
+
+
+def lerp(selves: Sequence[Tensor], ends: Sequence[Tensor], weight: float, *, inplace: bool) -> list[Tensor]:
+    """``selves + weight * (ends - selves)``: an exponential moving average step."""
+    return _run("lerp", selves, ends, weight, inplace=inplace)
+
+
+def mul(selves: Sequence[Tensor], other: Any, *, inplace: bool) -> list[Tensor]:
+    """``selves * other``; ``other`` a number, a 0-d tensor, or a list of tensors."""
+    return _run("mul", selves, other, inplace=inplace)
+
+
+def div(selves: Sequence[Tensor], other: Any, *, inplace: bool) -> list[Tensor]:
+    return _run("div", selves, other, inplace=inplace)
+
+
+def add(selves: Sequence[Tensor], other: Any, *, alpha: float = 1.0, inplace: bool) -> list[Tensor]:
+    """``selves + alpha * other``; ``other`` a list of tensors, a number or a 0-d tensor."""
+    if isinstance(other, (list, tuple)) or (isinstance(other, Tensor) and alpha != 1.0):
+        return _run("add", selves, other, inplace=inplace, alpha=alpha)
+    return _run("add", selves, other, inplace=inplace)
+
+
+def addcmul(selves: Sequence[Tensor], t1: Sequence[Tensor], t2: Sequence[Tensor], value: float, *, inplace: bool) -> list[Tensor]:
+    """``selves + value * t1 * t2``."""
+    return _run("addcmul", selves, t1, t2, inplace=inplace, value=value)
+
+
+def addcdiv(selves: Sequence[Tensor], t1: Sequence[Tensor], t2: Sequence[Tensor], value: float, *, inplace: bool) -> list[Tensor]:
+    """``selves + value * t1 / t2``."""
+    return _run("addcdiv", selves, t1, t2, inplace=inplace, value=value)
+
+
+def sqrt(selves: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
+    return _run("sqrt", selves, inplace=inplace)
+
+
+def reciprocal(selves: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
+    return _run("reciprocal", selves, inplace=inplace)
+
+
+def abs(selves: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:  # noqa: A001 - mirrors torch
+    return _run("abs", selves, inplace=inplace)
+
+
+def sign(selves: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
+    return _run("sign", selves, inplace=inplace)
+
+
+def clamp_min(selves: Sequence[Tensor], low: float, *, inplace: bool) -> list[Tensor]:
+    return _run("clamp_min", selves, low, inplace=inplace)
+
+
+def clamp_max(selves: Sequence[Tensor], high: float, *, inplace: bool) -> list[Tensor]:
+    return _run("clamp_max", selves, high, inplace=inplace)
+
+
+def tanh(selves: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
+    return _run("tanh", selves, inplace=inplace)
+
+
+def zero(selves: Sequence[Tensor]) -> list[Tensor]:
+    """Zeroes donated buffers in place."""
+    selves = list(selves)
+    if _per_tensor(selves):
+        return [s.zero_() for s in selves]
+    torch._foreach_zero_(selves)
+    return selves
+
+
+def maximum(selves: Sequence[Tensor], others: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
+    """Elementwise ``max(selves, others)``."""
+    selves, others = list(selves), list(others)
+    if _per_tensor(selves, others):
+        return [torch.maximum(s, o, out=s) if inplace else torch.maximum(s, o) for s, o in zip(selves, others)]
+    if inplace:
+        torch._foreach_maximum_(selves, others)
+        return selves
+    return list(torch._foreach_maximum(selves, others))
+
+
+def copy_into(buffers: Sequence[Tensor], sources: Sequence[Tensor]) -> list[Tensor]:
+    """Overwrites donated ``buffers`` with ``sources`` (converting dtypes) and returns them."""
+    buffers, sources = list(buffers), list(sources)
+    if _per_tensor(buffers, sources):
+        return [b.copy_(s) for b, s in zip(buffers, sources)]
+    torch._foreach_copy_(buffers, sources)
+    return buffers
+
+
+def fresh(sources: Sequence[Tensor], *, into: Optional[Sequence[Tensor]]) -> list[Tensor]:
+    """Working buffers holding ``sources``: the donated ``into`` overwritten, or new clones."""
+    if into is not None:
+        return copy_into(into, sources)
+    return [s.clone() for s in sources]
+
+
+def sqrt_of(sources: Sequence[Tensor], *, into: Optional[Sequence[Tensor]]) -> list[Tensor]:
+    """``sqrt(sources)`` written into the donated ``into``, or into new tensors (same numbers)."""
+    if into is not None:
+        return sqrt(copy_into(into, sources), inplace=True)
+    return sqrt(sources, inplace=False)
+
+
+def finish(values: Sequence[Tensor], like: Sequence[Tensor]) -> list[Tensor]:
+    """``values`` cast to the dtype of the updates they replace (a no-op when they match)."""
+    return [v if v.dtype == u.dtype else v.to(u.dtype) for v, u in zip(values, like)]

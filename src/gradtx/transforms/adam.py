@@ -1,0 +1,500 @@
+"""Adam and its relatives: Adam (and NAdam), AMSGrad, AdaBelief, Adamax, RAdam, as in optax.
+
+States and numbers are optax's: ``ScaleByAdamState(count, mu, nu)`` with ``mu``/``nu`` the raw
+(uncorrected) moments and ``count`` a 0-d int32 tensor. The bias corrections are folded into
+scalars, ``mu_hat / (sqrt(nu_hat + eps_root) + eps) = (sqrt(bc2) / bc1) * mu / (sqrt(nu + eps_root
+* bc2) + eps * sqrt(bc2))``, computed as 0-d tensors from ``count`` (no host sync, no
+recompilation), so a step makes few passes over memory. On the donated path the gradient buffers
+hold the result and nothing is allocated; the pure path runs the same ops on new tensors.
+
+:func:`fused_adam` is ``chain(scale_by_adam, [add_decayed_weights,] scale_by_learning_rate)`` in
+one pass per op, with that chain's state; the ``adam``/``adamw``/``nadam`` aliases use it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import torch
+from torch import Tensor
+
+from gradtx import tree as tree_lib
+from gradtx.base import EmptyState, GradientTransformation
+from gradtx.transforms import _foreach as fe
+from gradtx.transforms.scaling import ScaleByScheduleState
+from gradtx.transforms.weight_decay import WeightDecaySchedule
+
+ScalarOrSchedule = Union[float, Callable[[Tensor], Any]]
+
+
+class ScaleByAdamState(NamedTuple):
+    """``count``: steps so far (0-d int32); ``mu``, ``nu``: first and second moments, like the params."""
+
+    count: Tensor
+    mu: Any
+    nu: Any
+
+
+class ScaleByAmsgradState(NamedTuple):
+    """As :class:`ScaleByAdamState`, plus ``nu_max``: the running maximum of the corrected ``nu``."""
+
+    count: Tensor
+    mu: Any
+    nu: Any
+    nu_max: Any
+
+
+class ScaleByBeliefState(NamedTuple):
+    """``nu`` holds the moving average of the squared prediction error ``(g - mu)^2``."""
+
+    count: Tensor
+    mu: Any
+    nu: Any
+
+
+def _check_decay(name: str, value: float, owner: str) -> float:
+    value = float(value)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{owner}: {name} must be in [0, 1], got {value}")
+    return value
+
+
+def _correction(decay: float, count: Tensor) -> Tensor:
+    """``1 - decay ** count`` (float64, 0-d)."""
+    return 1.0 - fe.decay_power(decay, count)
+
+
+# --------------------------------------------------------------------------- shared steps
+
+
+def first_moment(mu: list[Tensor], grads: list[Tensor], b1: float, *, inplace: bool) -> list[Tensor]:
+    """``b1 * mu + (1 - b1) * g`` (in ``mu``'s dtype)."""
+    return fe.lerp(mu, fe.cast(grads, mu[0].dtype), 1.0 - b1, inplace=inplace)
+
+
+def second_moment(nu: list[Tensor], grads: list[Tensor], b2: float, *, inplace: bool) -> list[Tensor]:
+    """``b2 * nu + (1 - b2) * g * g``."""
+    nu = fe.mul(nu, b2, inplace=inplace)
+    return fe.addcmul(nu, grads, grads, 1.0 - b2, inplace=True)
+
+
+def denominator(
+    second: list[Tensor], eps: Any, root_shift: Any, dtype: torch.dtype, *, into: Optional[list[Tensor]]
+) -> list[Tensor]:
+    """``sqrt(second + root_shift) + eps`` in ``dtype``, written into ``into`` when it is donated."""
+    second = fe.cast(second, dtype)
+    if root_shift is None:
+        d = fe.sqrt_of(second, into=into)
+    else:
+        d = fe.fresh(second, into=into)
+        fe.add(d, root_shift, inplace=True)
+        fe.sqrt(d, inplace=True)
+    return fe.add(d, eps, inplace=True)
+
+
+def divide(numer: list[Tensor], numer_is_buffer: bool, d: list[Tensor], step: Any) -> list[Tensor]:
+    """``step * numer / d``, in the buffer of ``numer`` when it is ours, else in that of ``d``."""
+    if numer_is_buffer:
+        out = fe.div(numer, d, inplace=True)
+    else:
+        out = fe.mul(fe.reciprocal(d, inplace=True), fe.cast(numer, d[0].dtype), inplace=True)
+    return fe.mul(out, step, inplace=True)
+
+
+def nesterov_numerator(grads: list[Tensor], mu: list[Tensor], ratio: Any, *, inplace: bool) -> list[Tensor]:
+    """``mu + ratio * g``: the Nesterov numerator up to a scalar factor, in the gradients' buffer."""
+    numer = fe.mul(grads, ratio, inplace=inplace)
+    return fe.add(numer, fe.cast(mu, numer[0].dtype), inplace=True)
+
+
+class _Scalars(NamedTuple):
+    """The per-step factors of an Adam-like update, as 0-d float64 tensors."""
+
+    hat: Tensor  # mu_hat == hat * numer: 1 / bc1, or c_a with Nesterov
+    step: Tensor  # hat * sqrt(bc2): multiplies numer / d
+    eps: Tensor  # eps * sqrt(bc2), added outside the square root
+    root_shift: Optional[Tensor]  # eps_root * bc2, added inside the square root
+    nesterov_ratio: Optional[Tensor]  # c_b / c_a
+
+
+def _adam_scalars(b1: float, b2: float, eps: float, eps_root: float, nesterov: bool, count: Tensor) -> _Scalars:
+    bc1, bc2 = _correction(b1, count), _correction(b2, count)
+    sqrt_bc2 = torch.sqrt(bc2)
+    hat, ratio = 1.0 / bc1, None
+    if nesterov:
+        # b1 * mu / (1 - b1^(t+1)) + (1 - b1) * g / (1 - b1^t) == c_a * (mu + (c_b / c_a) * g)
+        c_a = b1 / _correction(b1, count + 1)
+        c_b = (1.0 - b1) / bc1
+        hat, ratio = c_a, c_b / c_a
+    root_shift = eps_root * bc2 if eps_root else None
+    return _Scalars(hat, hat * sqrt_bc2, eps * sqrt_bc2, root_shift, ratio)
+
+
+# --------------------------------------------------------------------------- Adam
+
+
+class _Adam:
+    """The Adam step shared by :func:`scale_by_adam` and :func:`fused_adam`."""
+
+    def __init__(self, owner, b1, b2, eps, eps_root, mu_dtype, nesterov):
+        self.owner = owner
+        self.b1 = _check_decay("b1", b1, owner)
+        self.b2 = _check_decay("b2", b2, owner)
+        self.eps, self.eps_root = float(eps), float(eps_root)
+        self.mu_dtype = mu_dtype
+        # With b1 == 0 the Nesterov estimate equals the plain one (mu == g).
+        self.nesterov = bool(nesterov) and self.b1 != 0.0
+
+    def init(self, params: Any) -> ScaleByAdamState:
+        return ScaleByAdamState(
+            count=fe.zero_count(params), mu=fe.zeros_like_tree(params, self.mu_dtype), nu=fe.zeros_like_tree(params)
+        )
+
+    def update(self, updates, state, *, inplace, lr_scale=None, decay=None):
+        """``lr_scale`` (a number or 0-d tensor) multiplies the Adam direction; ``decay`` is
+        ``(factor, flags, params)``: ``factor * param`` is added where ``flags`` is true."""
+        leaves = fe.leaves_of(updates, what=self.owner)
+        mu = leaves.aligned(state.mu, what=f"{self.owner}: state.mu")
+        nu = leaves.aligned(state.nu, what=f"{self.owner}: state.nu")
+        count = fe.increment(state.count, inplace=inplace)
+        s = _adam_scalars(self.b1, self.b2, self.eps, self.eps_root, self.nesterov, count)
+        step = s.step if lr_scale is None else s.step * lr_scale
+        factor, flags, param_values = decay if decay is not None else (None, [False] * len(mu), [None] * len(mu))
+
+        def group(g, m, v, decayed, p):
+            m = first_moment(m, g, self.b1, inplace=inplace)
+            v = second_moment(v, g, self.b2, inplace=inplace)
+            if self.nesterov:
+                numer = nesterov_numerator(g, m, fe.on(s.nesterov_ratio, g), inplace=inplace)
+                into = None
+            else:
+                numer, into = m, (g if inplace else None)
+            d = denominator(v, fe.on(s.eps, g), fe.on(s.root_shift, g), g[0].dtype, into=into)
+            out = divide(numer, self.nesterov, d, fe.on(step, g))
+            chosen = [i for i, flag in enumerate(decayed) if flag]
+            if chosen:
+                _add_scaled(
+                    [out[i] for i in chosen], fe.cast([p[i] for i in chosen], out[0].dtype), fe.on(factor, out)
+                )
+            return fe.finish(out, g), m, v
+
+        new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, flags, param_values, outputs=3)
+        new_state = ScaleByAdamState(
+            count=count, mu=leaves.rebuild(new_mu, like=state.mu), nu=leaves.rebuild(new_nu, like=state.nu)
+        )
+        return leaves, leaves.rebuild(new_updates), new_state
+
+
+def _add_scaled(targets: list[Tensor], values: list[Tensor], factor: Any) -> None:
+    """``targets += factor * values`` in place (a tensor factor needs a temporary product)."""
+    if isinstance(factor, Tensor):
+        fe.add(targets, fe.mul(values, factor, inplace=False), inplace=True)
+    else:
+        fe.add(targets, values, alpha=factor, inplace=True)
+
+
+def scale_by_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Optional[torch.dtype] = None,
+    *,
+    nesterov: bool = False,
+) -> GradientTransformation:
+    """Rescales updates by Adam's ``mu_hat / (sqrt(nu_hat + eps_root) + eps)`` (Kingma & Ba, 2014).
+
+    ``nesterov=True`` gives NAdam's numerator (Dozat, 2016) as optax computes it:
+    ``b1 * mu / (1 - b1^(t+1)) + (1 - b1) * g / (1 - b1^t)``. ``mu_dtype`` sets the dtype of the
+    first moment (``nu`` keeps the parameters' dtype); updates keep the gradients' dtype.
+    """
+    adam = _Adam("scale_by_adam", b1, b2, eps, eps_root, mu_dtype, nesterov)
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        del params
+        _, new_updates, new_state = adam.update(updates, state, inplace=inplace)
+        return new_updates, new_state
+
+    return GradientTransformation(adam.init, update_fn)
+
+
+def fused_adam(
+    learning_rate: Optional[ScalarOrSchedule],
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Optional[torch.dtype] = None,
+    *,
+    nesterov: bool = False,
+    weight_decay: Optional[ScalarOrSchedule] = None,
+    mask: Any = None,
+) -> GradientTransformation:
+    """``chain(scale_by_adam(...), [add_decayed_weights(weight_decay, mask),] scale_by_learning_rate(lr))``.
+
+    One transformation with exactly that chain's state (a tuple ``(ScaleByAdamState, [decay
+    state,] learning-rate state)``) and the same numbers, up to rounding: the learning rate is
+    folded into Adam's step factor and the decay term is added to the direction in its buffer, so
+    the donated path makes a few passes over memory and allocates nothing. ``weight_decay=None``
+    leaves the decay step out of the chain (Adam); a number or a schedule puts it in (AdamW).
+    """
+    adam = _Adam("adamw" if weight_decay is not None else "adam", b1, b2, eps, eps_root, mu_dtype, nesterov)
+    with_decay = weight_decay is not None
+    lr_is_schedule, decay_is_schedule = callable(learning_rate), callable(weight_decay)
+    if with_decay and not decay_is_schedule:
+        weight_decay = float(weight_decay)  # type: ignore[arg-type]
+    if learning_rate is not None and not lr_is_schedule:
+        learning_rate = float(learning_rate)  # type: ignore[arg-type]
+
+    def init_fn(params: Any) -> tuple:
+        lr_state = ScaleByScheduleState(count=fe.zero_count(params)) if lr_is_schedule else EmptyState()
+        if not with_decay:
+            return (adam.init(params), lr_state)
+        decay_state = WeightDecaySchedule(count=fe.zero_count(params)) if decay_is_schedule else EmptyState()
+        return (adam.init(params), decay_state, lr_state)
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        adam_state, lr_state = state[0], state[-1]
+        if lr_is_schedule:
+            lr = fe.schedule_value(learning_rate, lr_state.count)
+            lr_scale: Any = -lr
+            lr_state = ScaleByScheduleState(count=fe.increment(lr_state.count, inplace=inplace))
+        else:
+            lr_scale = None if learning_rate is None else -learning_rate
+        decay, decay_state = None, None
+        if with_decay:
+            decay_state = state[1]
+            if params is None:
+                raise ValueError(f"{adam.owner}: params are required for weight decay (pass them to update)")
+            if decay_is_schedule:
+                wd: Any = fe.schedule_value(weight_decay, decay_state.count)
+                decay_state = WeightDecaySchedule(count=fe.increment(decay_state.count, inplace=inplace))
+            else:
+                wd = weight_decay
+            if decay_is_schedule or wd != 0.0:
+                leaves = fe.leaves_of(updates, what=adam.owner)
+                param_values = fe.params_of(leaves, params, owner=adam.owner)
+                flags = [True] * len(param_values)
+                if mask is not None:
+                    selected = tree_lib.mask_leaves(mask, params, what=f"{adam.owner}: mask")
+                    flags = [selected[i] for i in leaves.present]
+                factor = wd if lr_scale is None else lr_scale * wd
+                decay = (factor, flags, param_values)
+        _, new_updates, new_adam_state = adam.update(updates, adam_state, inplace=inplace, lr_scale=lr_scale, decay=decay)
+        if with_decay:
+            return new_updates, (new_adam_state, decay_state, lr_state)
+        return new_updates, (new_adam_state, lr_state)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------- AMSGrad
+
+
+def scale_by_amsgrad(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Optional[torch.dtype] = None,
+    bias_correction_mu: bool = True,
+    bias_correction_nu: bool = True,
+) -> GradientTransformation:
+    """AMSGrad (Reddi et al., 2018): Adam with ``nu_hat`` replaced by its running maximum.
+
+    As in optax, ``nu_max = max(nu_max, nu / (1 - b2^t))`` (the bias-corrected second moment,
+    unless ``bias_correction_nu=False``) and the update is ``mu_hat / (sqrt(nu_max + eps_root) + eps)``.
+    torch's ``Adam(amsgrad=True)`` keeps the maximum of the *uncorrected* ``nu`` instead.
+    """
+    owner = "scale_by_amsgrad"
+    b1, b2 = _check_decay("b1", b1, owner), _check_decay("b2", b2, owner)
+    eps, eps_root = float(eps), float(eps_root)
+
+    def init_fn(params: Any) -> ScaleByAmsgradState:
+        return ScaleByAmsgradState(
+            count=fe.zero_count(params),
+            mu=fe.zeros_like_tree(params, mu_dtype),
+            nu=fe.zeros_like_tree(params),
+            nu_max=fe.zeros_like_tree(params),
+        )
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        del params
+        leaves = fe.leaves_of(updates, what=owner)
+        mu = leaves.aligned(state.mu, what=f"{owner}: state.mu")
+        nu = leaves.aligned(state.nu, what=f"{owner}: state.nu")
+        nu_max = leaves.aligned(state.nu_max, what=f"{owner}: state.nu_max")
+        count = fe.increment(state.count, inplace=inplace)
+        inv_bc1 = 1.0 / _correction(b1, count) if bias_correction_mu else None
+        inv_bc2 = 1.0 / _correction(b2, count) if bias_correction_nu else None
+
+        def group(g, m, v, v_max):
+            m = first_moment(m, g, b1, inplace=inplace)
+            v = second_moment(v, g, b2, inplace=inplace)
+            corrected = fe.fresh(v, into=g if inplace else None)
+            if inv_bc2 is not None:
+                fe.mul(corrected, fe.on(inv_bc2, corrected), inplace=True)
+            v_max = fe.maximum(v_max, fe.cast(corrected, v_max[0].dtype), inplace=inplace)
+            root = eps_root if eps_root else None
+            d = denominator(v_max, eps, root, g[0].dtype, into=corrected if inplace else None)
+            out = divide(m, False, d, 1.0 if inv_bc1 is None else fe.on(inv_bc1, d))
+            return fe.finish(out, g), m, v, v_max
+
+        new_updates, new_mu, new_nu, new_max = fe.map_groups(group, leaves.tensors, mu, nu, nu_max, outputs=4)
+        return leaves.rebuild(new_updates), ScaleByAmsgradState(
+            count=count,
+            mu=leaves.rebuild(new_mu, like=state.mu),
+            nu=leaves.rebuild(new_nu, like=state.nu),
+            nu_max=leaves.rebuild(new_max, like=state.nu_max),
+        )
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------- AdaBelief
+
+
+def scale_by_belief(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16, eps_root: float = 1e-16, *, nesterov: bool = False
+) -> GradientTransformation:
+    """AdaBelief (Zhuang et al., 2020): Adam with ``nu`` tracking ``(g - mu)^2 + eps_root``.
+
+    As in optax, ``eps_root`` is added to the stored ``nu`` every step and the update is
+    ``mu_hat / (sqrt(nu_hat) + eps)``.
+    """
+    owner = "scale_by_belief"
+    b1, b2 = _check_decay("b1", b1, owner), _check_decay("b2", b2, owner)
+    eps, eps_root = float(eps), float(eps_root)
+    nesterov = bool(nesterov) and b1 != 0.0
+
+    def init_fn(params: Any) -> ScaleByBeliefState:
+        return ScaleByBeliefState(count=fe.zero_count(params), mu=fe.zeros_like_tree(params), nu=fe.zeros_like_tree(params))
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        del params
+        leaves = fe.leaves_of(updates, what=owner)
+        mu = leaves.aligned(state.mu, what=f"{owner}: state.mu")
+        nu = leaves.aligned(state.nu, what=f"{owner}: state.nu")
+        count = fe.increment(state.count, inplace=inplace)
+        s = _adam_scalars(b1, b2, eps, 0.0, nesterov, count)
+
+        def group(g, m, v):
+            m = first_moment(m, g, b1, inplace=inplace)
+            # The prediction error g - mu lands in the gradients' buffer unless Nesterov still needs g.
+            error = fe.add(g, fe.cast(m, g[0].dtype), alpha=-1.0, inplace=inplace and not nesterov)
+            v = second_moment(v, error, b2, inplace=inplace)
+            fe.add(v, eps_root, inplace=True)
+            # error is ours on both paths, so the denominator can overwrite it.
+            numer = nesterov_numerator(g, m, fe.on(s.nesterov_ratio, g), inplace=inplace) if nesterov else m
+            d = denominator(v, fe.on(s.eps, g), None, g[0].dtype, into=error)
+            return fe.finish(divide(numer, nesterov, d, fe.on(s.step, g)), g), m, v
+
+        new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3)
+        return leaves.rebuild(new_updates), ScaleByBeliefState(
+            count=count, mu=leaves.rebuild(new_mu, like=state.mu), nu=leaves.rebuild(new_nu, like=state.nu)
+        )
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------- Adamax
+
+
+def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Adamax (Kingma & Ba, 2014): ``mu_hat / nu`` with ``nu = max(b2 * nu, |g| + eps)``.
+
+    The state is a :class:`ScaleByAdamState` (``nu`` holds the infinity-norm moment), as in optax.
+    """
+    owner = "scale_by_adamax"
+    b1, b2, eps = _check_decay("b1", b1, owner), _check_decay("b2", b2, owner), float(eps)
+
+    def init_fn(params: Any) -> ScaleByAdamState:
+        return ScaleByAdamState(count=fe.zero_count(params), mu=fe.zeros_like_tree(params), nu=fe.zeros_like_tree(params))
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        del params
+        leaves = fe.leaves_of(updates, what=owner)
+        mu = leaves.aligned(state.mu, what=f"{owner}: state.mu")
+        nu = leaves.aligned(state.nu, what=f"{owner}: state.nu")
+        count = fe.increment(state.count, inplace=inplace)
+        inv_bc1 = 1.0 / _correction(b1, count)
+
+        def group(g, m, v):
+            m = first_moment(m, g, b1, inplace=inplace)
+            magnitude = fe.add(fe.abs(g, inplace=inplace), eps, inplace=True)
+            v = fe.maximum(fe.mul(v, b2, inplace=inplace), fe.cast(magnitude, v[0].dtype), inplace=True)
+            out = fe.div(fe.fresh(fe.cast(m, g[0].dtype), into=magnitude), fe.cast(v, g[0].dtype), inplace=True)
+            return fe.finish(fe.mul(out, fe.on(inv_bc1, out), inplace=True), g), m, v
+
+        new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3)
+        return leaves.rebuild(new_updates), ScaleByAdamState(
+            count=count, mu=leaves.rebuild(new_mu, like=state.mu), nu=leaves.rebuild(new_nu, like=state.nu)
+        )
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------- RAdam
+
+
+def scale_by_radam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    threshold: float = 5.0,
+    *,
+    nesterov: bool = False,
+) -> GradientTransformation:
+    """Rectified Adam (Liu et al., 2020): Adam scaled by the variance rectification ``r_t`` once the
+    approximated SMA length ``rho_t`` reaches ``threshold``, plain ``mu_hat`` before (optax's rule).
+
+    The choice is made with tensor ops on the step count, so it neither syncs nor recompiles.
+    torch's ``RAdam`` switches at ``rho_t > 5`` instead of ``>= threshold``, which agrees for the
+    default ``b2`` (``rho_t`` is never exactly 5 there).
+    """
+    owner = "scale_by_radam"
+    b1, b2 = _check_decay("b1", b1, owner), _check_decay("b2", b2, owner)
+    eps, eps_root, threshold = float(eps), float(eps_root), float(threshold)
+    nesterov = bool(nesterov) and b1 != 0.0
+    rho_inf = 2.0 / (1.0 - b2) - 1.0
+
+    def init_fn(params: Any) -> ScaleByAdamState:
+        return ScaleByAdamState(count=fe.zero_count(params), mu=fe.zeros_like_tree(params), nu=fe.zeros_like_tree(params))
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        del params
+        leaves = fe.leaves_of(updates, what=owner)
+        mu = leaves.aligned(state.mu, what=f"{owner}: state.mu")
+        nu = leaves.aligned(state.nu, what=f"{owner}: state.nu")
+        count = fe.increment(state.count, inplace=inplace)
+        s = _adam_scalars(b1, b2, eps, eps_root, nesterov, count)
+        b2_t = fe.decay_power(b2, count)
+        t = count.to(torch.float64)
+        rho = rho_inf - 2.0 * t * b2_t / (1.0 - b2_t)
+        rectified = rho >= threshold
+        r = torch.sqrt(((rho - 4.0) * (rho - 2.0) * rho_inf) / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho))
+        r = torch.where(rectified, r, 0.0)  # r is NaN while rho < 4, where it is not used
+
+        def group(g, m, v):
+            m = first_moment(m, g, b1, inplace=inplace)
+            v = second_moment(v, g, b2, inplace=inplace)
+            if nesterov:
+                numer = nesterov_numerator(g, m, fe.on(s.nesterov_ratio, g), inplace=inplace)
+                into = None
+            else:
+                numer, into = m, (g if inplace else None)
+            mu_hat = fe.mul(fe.cast(numer, g[0].dtype), fe.on(s.hat, g), inplace=False)
+            d = denominator(v, fe.on(s.eps, g), fe.on(s.root_shift, g), g[0].dtype, into=into)
+            out = divide(numer, nesterov, d, fe.on(s.step * r, g))
+            use_rectified = rectified.to(out[0].device)
+            for o, plain in zip(out, mu_hat):
+                torch.where(use_rectified, o, plain, out=o)
+            return fe.finish(out, g), m, v
+
+        new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3)
+        return leaves.rebuild(new_updates), ScaleByAdamState(
+            count=count, mu=leaves.rebuild(new_mu, like=state.mu), nu=leaves.rebuild(new_nu, like=state.nu)
+        )
+
+    return GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,86 @@
+"""Accumulators of past updates: ``trace`` (heavy-ball / Nesterov momentum) and ``ema``.
+
+``trace = decay * trace + g`` while ``ema = decay * ema + (1 - decay) * g``, as in optax.
+The updates returned never share memory with the state, so a later transform in a donated chain
+may overwrite them freely.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from gradtx.base import GradientTransformation
+from gradtx.transforms import _foreach as fe
+
+
+class TraceState(NamedTuple):
+    """``trace``: the accumulated updates, like the params."""
+
+    trace: Any
+
+
+class EmaState(NamedTuple):
+    """``count``: steps so far (0-d int32); ``ema``: the moving average, like the params."""
+
+    count: Tensor
+    ema: Any
+
+
+def trace(decay: float, nesterov: bool = False, accumulator_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
+    """Momentum: ``trace = g + decay * trace``; returns ``trace``, or ``g + decay * trace`` with Nesterov.
+
+    Equal to ``torch.optim.SGD``'s momentum buffer with ``dampening=0`` (and its ``nesterov``).
+    """
+    decay = float(decay)
+
+    def init_fn(params: Any) -> TraceState:
+        return TraceState(trace=fe.zeros_like_tree(params, accumulator_dtype))
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        del params
+        leaves = fe.leaves_of(updates, what="trace")
+        traces = leaves.aligned(state.trace, what="trace: state.trace")
+
+        def group(g, t):
+            t = fe.mul(t, decay, inplace=inplace)
+            fe.add(t, fe.cast(g, t[0].dtype), inplace=True)
+            if nesterov:
+                out = fe.add(g, fe.cast(t, g[0].dtype), alpha=decay, inplace=inplace)
+            else:
+                out = fe.fresh(fe.cast(t, g[0].dtype), into=g if inplace else None)
+            return out, t
+
+        new_updates, new_traces = fe.map_groups(group, leaves.tensors, traces, outputs=2)
+        return leaves.rebuild(new_updates), TraceState(trace=leaves.rebuild(new_traces, like=state.trace))
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def ema(decay: float, debias: bool = True, accumulator_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
+    """Exponential moving average of the updates, divided by ``1 - decay^t`` when ``debias``."""
+    decay = float(decay)
+
+    def init_fn(params: Any) -> EmaState:
+        return EmaState(count=fe.zero_count(params), ema=fe.zeros_like_tree(params, accumulator_dtype))
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        del params
+        leaves = fe.leaves_of(updates, what="ema")
+        averages = leaves.aligned(state.ema, what="ema: state.ema")
+        count = fe.increment(state.count, inplace=inplace)
+        inv_bc = 1.0 / (1.0 - fe.decay_power(decay, count)) if debias else None
+
+        def group(g, e):
+            e = fe.lerp(e, fe.cast(g, e[0].dtype), 1.0 - decay, inplace=inplace)
+            out = fe.fresh(fe.cast(e, g[0].dtype), into=g if inplace else None)
+            if inv_bc is not None:
+                fe.mul(out, fe.on(inv_bc, out), inplace=True)
+            return out, e
+
+        new_updates, new_averages = fe.map_groups(group, leaves.tensors, averages, outputs=2)
+        return leaves.rebuild(new_updates), EmaState(count=count, ema=leaves.rebuild(new_averages, like=state.ema))
+
+    return GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,132 @@
+"""Scaling by constants, learning rates, schedules and trust ratios (optax's names and defaults).
+
+A schedule is any callable ``count -> step size`` (``gradtx.schedules`` or a plain function); it is
+called with the 0-d int32 step counter kept in the state, so a schedule written with tensor ops
+never makes ``torch.compile`` recompile. It may return a number or a 0-d tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import torch
+from torch import Tensor
+
+from gradtx import tree as tree_lib
+from gradtx.base import EmptyState, GradientTransformation, identity
+from gradtx.transforms import _foreach as fe
+
+Schedule = Callable[[Tensor], Union[float, Tensor]]
+ScalarOrSchedule = Union[float, Schedule]
+
+
+def scale(step_size: float) -> GradientTransformation:
+    """Multiplies every update by the fixed number ``step_size``."""
+    step_size = float(step_size)
+
+    def init_fn(params: Any) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        del params
+        leaves = fe.leaves_of(updates, what="scale")
+        (scaled,) = fe.map_groups(lambda g: (fe.mul(g, step_size, inplace=inplace),), leaves.tensors, outputs=1)
+        return leaves.rebuild(scaled), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+class ScaleByScheduleState(NamedTuple):
+    """``count``: the number of updates so far (0-d int32 tensor), the schedule's argument."""
+
+    count: Tensor
+
+
+def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
+    """Multiplies the updates by ``step_size_fn(count)``, then increments ``count``.
+
+    The step size is rounded to each update's dtype before the product, as optax does.
+    """
+    if not callable(step_size_fn):
+        raise TypeError(f"scale_by_schedule: step_size_fn must be callable, got {type(step_size_fn).__name__}")
+
+    def init_fn(params: Any) -> ScaleByScheduleState:
+        return ScaleByScheduleState(count=fe.zero_count(params))
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        del params
+        leaves = fe.leaves_of(updates, what="scale_by_schedule")
+        step_size = fe.schedule_value(step_size_fn, state.count)
+        (scaled,) = fe.map_groups(lambda g: (fe.mul(g, fe.on(step_size, g), inplace=inplace),), leaves.tensors, outputs=1)
+        return leaves.rebuild(scaled), ScaleByScheduleState(count=fe.increment(state.count, inplace=inplace))
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def scale_by_learning_rate(
+    learning_rate: Optional[ScalarOrSchedule] = None, *, flip_sign: bool = True
+) -> GradientTransformation:
+    """Multiplies the updates by ``-learning_rate`` (``+learning_rate`` when ``flip_sign=False``).
+
+    A number gives :func:`scale` (no state), a schedule :func:`scale_by_schedule`, ``None`` the
+    identity, exactly as in optax.
+    """
+    if learning_rate is None:
+        return identity()
+    sign = -1.0 if flip_sign else 1.0
+    if callable(learning_rate):
+        schedule = learning_rate
+        return scale_by_schedule(lambda count: sign * schedule(count))
+    return scale(sign * float(learning_rate))
+
+
+def _leaf_norms(tree: Any, spec: Any) -> list[Optional[Tensor]]:
+    """Per-leaf L2 norms of ``tree`` (``None`` at ``None`` leaves), sharding-aware when a spec is given."""
+    from gradtx import sharding
+
+    sharded_norms = getattr(sharding, "leaf_norms", None)
+    if sharded_norms is not None:
+        return tree_lib.leaves(sharded_norms(tree, spec))
+    if spec is not None:
+        raise NotImplementedError("scale_by_trust_ratio: a sharding spec needs gradtx.sharding.leaf_norms")
+    all_leaves = tree_lib.leaves(tree)
+    present = [i for i, leaf in enumerate(all_leaves) if leaf is not None]
+    norms = tree_lib.local_norms([all_leaves[i] for i in present], 2.0)
+    return tree_lib.replace_present([None] * len(all_leaves), present, norms)
+
+
+def scale_by_trust_ratio(
+    min_norm: float = 0.0, trust_coefficient: float = 1.0, eps: float = 0.0, *, spec: Any = None
+) -> GradientTransformation:
+    """Scales each leaf by ``trust_coefficient * ||param|| / (||update|| + eps)`` (LARS / LAMB).
+
+    Norms are floored at ``min_norm``; a leaf whose parameter or update has norm zero keeps a ratio
+    of 1, as in optax. With a sharding ``spec`` the per-leaf norms are those of the whole logical
+    leaf, reduced over its shard axes. Norms accumulate in float32 or wider.
+    """
+    min_norm, trust_coefficient, eps = float(min_norm), float(trust_coefficient), float(eps)
+
+    def init_fn(params: Any) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        leaves = fe.leaves_of(updates, what="scale_by_trust_ratio")
+        param_values = fe.params_of(leaves, params, owner="scale_by_trust_ratio")
+        update_norms = _leaf_norms(updates, spec)
+        param_norms = _leaf_norms(leaves.rebuild(param_values), spec)
+        ratios = []
+        for i in leaves.present:
+            param_norm = torch.clamp(param_norms[i], min=min_norm)
+            update_norm = torch.clamp(update_norms[i], min=min_norm).to(param_norm.device)
+            ratio = trust_coefficient * param_norm / (update_norm + eps)
+            ratios.append(torch.where((param_norm == 0.0) | (update_norm == 0.0), 1.0, ratio))
+
+        def scale_group(g, r):
+            return (fe.mul(g, [x.to(device=t.device, dtype=t.dtype) for x, t in zip(r, g)], inplace=inplace),)
+
+        (scaled,) = fe.map_groups(scale_group, leaves.tensors, ratios, outputs=1)
+        return leaves.rebuild(scaled), state
+
+    return GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,77 @@
+"""Decoupled weight decay: ``updates + weight_decay * params`` on the leaves a mask selects."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+from torch import Tensor
+
+from gradtx import tree as tree_lib
+from gradtx.base import EmptyState, GradientTransformation
+from gradtx.transforms import _foreach as fe
+
+ScalarOrSchedule = Union[float, Callable[[Tensor], Any]]
+
+
+class WeightDecaySchedule(NamedTuple):
+    """``count``: steps so far (0-d int32), the argument of a weight-decay schedule."""
+
+    count: Tensor
+
+
+def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Optional[Any] = None) -> GradientTransformation:
+    """Adds ``weight_decay * param`` to each update, as ``optax.add_decayed_weights``.
+
+    Args:
+      weight_decay: a number, or a schedule called with the step count (then the state is a
+        :class:`WeightDecaySchedule`, else ``EmptyState``).
+      mask: a pytree of bools shaped like the params (or a prefix of them), or a callable
+        ``params -> such a tree``; only leaves marked ``True`` are decayed. optax wraps the
+        transformation in ``masked`` for this, which nests its state in a ``MaskedState``; here
+        the mask is applied inside, so the state is the same with or without a mask.
+    """
+    is_schedule = callable(weight_decay)
+    if not is_schedule:
+        weight_decay = float(weight_decay)  # type: ignore[arg-type]
+
+    def init_fn(params: Any):
+        return WeightDecaySchedule(count=fe.zero_count(params)) if is_schedule else EmptyState()
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        if params is None:
+            raise ValueError("add_decayed_weights: params are required (pass them to update)")
+        if is_schedule:
+            factor: Any = fe.schedule_value(weight_decay, state.count)
+            state = WeightDecaySchedule(count=fe.increment(state.count, inplace=inplace))
+        elif weight_decay == 0.0:
+            return updates, state
+        else:
+            factor = weight_decay
+        leaves = fe.leaves_of(updates, what="add_decayed_weights")
+        param_values = fe.params_of(leaves, params, owner="add_decayed_weights")
+        flags = [True] * len(param_values)
+        if mask is not None:
+            selected = tree_lib.mask_leaves(mask, params, what="add_decayed_weights: mask")
+            flags = [selected[i] for i in leaves.present]
+
+        def group(g, p, decayed):
+            chosen = [i for i, flag in enumerate(decayed) if flag]
+            if not chosen:
+                return (g,)
+            targets = [g[i] for i in chosen]
+            values = fe.cast([p[i] for i in chosen], g[0].dtype)
+            scale = fe.on(factor, targets)
+            if isinstance(scale, Tensor):
+                values = fe.mul(values, scale, inplace=False)
+                decayed_values = fe.add(targets, values, inplace=inplace)
+            else:
+                decayed_values = fe.add(targets, values, alpha=scale, inplace=inplace)
+            out = list(g)
+            for i, value in zip(chosen, decayed_values):
+                out[i] = value
+            return (out,)
+
+        (new_updates,) = fe.map_groups(group, leaves.tensors, param_values, flags, outputs=1)
+        return leaves.rebuild(new_updates), state
+
+    return GradientTransformation(init_fn, update_fn)
