@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
+import optree
 import torch
 from torch import Tensor
 
@@ -50,6 +51,16 @@ _HOOK_DICTS = (
     "_optimizer_load_state_dict_pre_hooks",
     "_optimizer_load_state_dict_post_hooks",
 )
+
+
+def _in_parameter_order():
+    """Dicts flatten in insertion order (the optimizer's parameter order) rather than sorted by key.
+
+    The gradient dict is built in parameter order, so reductions over it (the global norm) add
+    the per-parameter terms in the order ``clip_grad_norm_`` does, and the numbers match torch's
+    bit for bit. Keys still match by name, so masks and rules written in any order work.
+    """
+    return optree.dict_insertion_ordered(True, namespace=tree_lib._NAMESPACE)
 
 
 def _describe(tx: Optional[GradientTransformation]) -> str:
@@ -107,7 +118,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
             setattr(self, hooks, OrderedDict())
         self._patch_step_function()
         self._names, self._params = self._name_params()
-        self._tx_state = None if tx is None else tx.init(self._param_tree())
+        with _in_parameter_order():
+            self._tx_state = None if tx is None else tx.init(self._param_tree())
         self._tx_update = None if tx is None else with_inplace(tx)
         self._fold_plan = self._plan_fold(tx)
 
@@ -189,7 +201,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
             return
         self._names, self._params = self._name_params()
         if self.tx is not None:
-            self._tx_state = _carry_over(self._tx_state, self.tx.init(self._param_tree()))
+            with _in_parameter_order():
+                self._tx_state = _carry_over(self._tx_state, self.tx.init(self._param_tree()))
 
     def _write_back(self, updates: dict[str, Optional[Tensor]]) -> None:
         for name, param in zip(self._names, self._params):
@@ -238,6 +251,10 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self._sync_params()
         if self.tx is None:
             return None
+        with _in_parameter_order():
+            return self._run_tx(allow_fold)
+
+    def _run_tx(self, allow_fold: bool) -> Optional[Tensor]:
         grads = self._grad_tree()
         params = self._param_tree()
         present = [g for g in grads.values() if g is not None]
@@ -299,7 +316,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
         kwargs = dict(norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
         clip = clip_by_global_norm(max_norm, self.spec, **kwargs) if self.spec is not None else clip_by_global_norm(max_norm, **kwargs)
         grads = self._grad_tree()
-        updates, state = clip.update(grads, clip.init(grads), self._param_tree(), inplace=True)
+        with _in_parameter_order():
+            updates, state = clip.update(grads, clip.init(grads), self._param_tree(), inplace=True)
         self._write_back(updates)
         return state.norm
 
@@ -309,7 +327,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self._sync_params()
         clip = clip_by_value(clip_value)
         grads = self._grad_tree()
-        updates, _ = clip.update(grads, clip.init(grads), self._param_tree(), inplace=True)
+        with _in_parameter_order():
+            updates, _ = clip.update(grads, clip.init(grads), self._param_tree(), inplace=True)
         self._write_back(updates)
 
     # ------------------------------------------------------------------ the rest of the Optimizer API
@@ -337,7 +356,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
             hook(self)
         state_dict = self.optimizer.state_dict()
         if self.tx is not None:
-            state_dict[STATE_KEY] = {"tx_state": _to_plain(self._tx_state)}
+            with _in_parameter_order():
+                state_dict[STATE_KEY] = {"tx_state": _to_plain(self._tx_state)}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
@@ -359,7 +379,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
         self._sync_params()
         if saved is not None and self.tx is not None:
-            self._tx_state = _from_plain(saved["tx_state"], self._tx_state)
+            with _in_parameter_order():
+                self._tx_state = _from_plain(saved["tx_state"], self._tx_state)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
