@@ -48,26 +48,16 @@ class ScaleByRssState(NamedTuple):
     sum_of_squares: Any
 
 
-def _rms_denominator(second: list[Tensor], eps: float, eps_in_sqrt: bool, bc: Any, *, owned: bool) -> list[Tensor]:
-    """``sqrt(second + eps)`` or ``sqrt(second) + eps``, in ``second``'s buffers when ``owned``.
-
-    With a bias correction ``bc`` (0-d tensor) the true second moment is ``second / bc``; then
-    this returns ``sqrt(second + eps * bc)`` or ``sqrt(second) + eps * sqrt(bc)``, which is the
-    wanted denominator divided by ``sqrt(bc)`` (:func:`_normalise` multiplies it back).
-    """
+def _rms_denominator(second: list[Tensor], eps: float, eps_in_sqrt: bool, *, owned: bool) -> list[Tensor]:
+    """``sqrt(second + eps)`` or ``sqrt(second) + eps``, in ``second``'s buffers when ``owned``."""
     if eps_in_sqrt:
-        d = fe.add(second, eps if bc is None else fe.on(eps * bc, second), inplace=owned)
-        return fe.sqrt(d, inplace=True)
-    d = fe.sqrt(second, inplace=owned)
-    return fe.add(d, eps if bc is None else fe.on(eps * torch.sqrt(bc), d), inplace=True)
+        return fe.sqrt(fe.add(second, eps, inplace=owned), inplace=True)
+    return fe.add(fe.sqrt(second, inplace=owned), eps, inplace=True)
 
 
-def _normalise(g, d, bc, *, inplace):
-    """``g / d`` (times ``sqrt(bc)`` with a bias correction), in ``g``'s buffer when donated."""
-    out = fe.div(g, d, inplace=inplace)
-    if bc is not None:
-        fe.mul(out, fe.on(torch.sqrt(bc), out), inplace=True)
-    return out
+def _corrected(moment: list[Tensor], inv_bc: Any, dtype: torch.dtype) -> list[Tensor]:
+    """``moment / bc`` in new tensors of ``dtype``."""
+    return fe.mul(fe.cast(moment, dtype), fe.on(inv_bc, moment), inplace=False)
 
 
 def scale_by_rms(
@@ -93,16 +83,19 @@ def scale_by_rms(
         del params
         leaves = fe.leaves_of(updates, what="scale_by_rms")
         nu = leaves.aligned(state.nu, what="scale_by_rms: state.nu")
-        count, bc = None, None
+        count, inv_bc = None, None
         if bias_correction:
             count = fe.increment(state.count, inplace=inplace)
-            bc = 1.0 - fe.decay_power(decay, count)
+            inv_bc = 1.0 / (1.0 - fe.decay_power(decay, count))
 
         def group(g, v):
             v = fe.mul(v, decay, inplace=inplace)
             fe.addcmul(v, g, g, 1.0 - decay, inplace=True)
-            d = _rms_denominator(fe.cast(v, g[0].dtype), eps, eps_in_sqrt, bc, owned=False)
-            return _normalise(g, d, bc, inplace=inplace), v
+            if inv_bc is None:
+                d = _rms_denominator(fe.cast(v, g[0].dtype), eps, eps_in_sqrt, owned=False)
+            else:
+                d = _rms_denominator(_corrected(v, inv_bc, g[0].dtype), eps, eps_in_sqrt, owned=True)
+            return fe.div(g, d, inplace=inplace), v
 
         new_updates, new_nu = fe.map_groups(group, leaves.tensors, nu, outputs=2)
         new_nu = leaves.rebuild(new_nu, like=state.nu)
@@ -133,22 +126,23 @@ def scale_by_stddev(
         leaves = fe.leaves_of(updates, what="scale_by_stddev")
         mu = leaves.aligned(state.mu, what="scale_by_stddev: state.mu")
         nu = leaves.aligned(state.nu, what="scale_by_stddev: state.nu")
-        count, bc = None, None
+        count, inv_bc = None, None
         if bias_correction:
             count = fe.increment(state.count, inplace=inplace)
-            bc = 1.0 - fe.decay_power(decay, count)
+            inv_bc = 1.0 / (1.0 - fe.decay_power(decay, count))
 
         def group(g, m, v):
             m = fe.lerp(m, g, 1.0 - decay, inplace=inplace)
             v = fe.mul(v, decay, inplace=inplace)
             fe.addcmul(v, g, g, 1.0 - decay, inplace=True)
-            # nu_hat - mu_hat^2 == (nu - mu^2 / bc) / bc
-            variance = fe.addcmul(fe.cast(v, g[0].dtype), fe.cast(m, g[0].dtype), fe.cast(m, g[0].dtype), -1.0, inplace=False)
-            if bc is not None:
-                extra = fe.mul(fe.mul(m, m, inplace=False), fe.on(1.0 / bc - 1.0, m), inplace=True)
-                fe.add(variance, fe.cast(extra, g[0].dtype), alpha=-1.0, inplace=True)
-            d = _rms_denominator(variance, eps, eps_in_sqrt, bc, owned=True)
-            return _normalise(g, d, bc, inplace=inplace), m, v
+            dtype = g[0].dtype
+            if inv_bc is None:
+                mean, variance = fe.cast(m, dtype), fe.fresh(fe.cast(v, dtype), into=None)
+            else:
+                mean, variance = _corrected(m, inv_bc, dtype), _corrected(v, inv_bc, dtype)
+            fe.addcmul(variance, mean, mean, -1.0, inplace=True)  # nu_hat - mu_hat^2
+            d = _rms_denominator(variance, eps, eps_in_sqrt, owned=True)
+            return fe.div(g, d, inplace=inplace), m, v
 
         new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3)
         new_mu, new_nu = leaves.rebuild(new_mu, like=state.mu), leaves.rebuild(new_nu, like=state.nu)
