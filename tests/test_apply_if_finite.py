@@ -119,3 +119,12 @@ def test_compiles_to_one_graph_with_no_host_sync():
         assert_same(updates, expected)
         assert_same(state, eager_state)
     assert counter.frame_count == 1
+
+
+def test_large_finite_values_are_not_mistaken_for_overflow():
+    params = {"w": torch.zeros(3), "d": torch.zeros(2, dtype=torch.float64)}
+    tx = gtx.apply_if_finite(running_sum(), max_consecutive_errors=0)
+    grads = {"w": torch.tensor([3e38, -3e38, 1.0]), "d": torch.tensor([1e300, -1e300], dtype=torch.float64)}
+    updates, state = tx.update(grads, tx.init(params))
+    assert bool(state.last_finite) and int(state.total_notfinite) == 0
+    assert_same(updates, grads)

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from combinator_helpers import assert_same, make_tree, run_both_paths, running_sum, scale_by
+from combinator_helpers import assert_same, clone, make_tree, run_both_paths, running_sum, scale_by
 
 import gradtx as gtx
 
@@ -171,3 +171,35 @@ def test_compiles_once():
         expected, eager_state = multi.update(grads, eager_state)
         assert_same(updates, expected)
     assert counter.frame_count == 1
+
+
+def _never_skip(updates, gradient_step, params):
+    return torch.zeros((), dtype=torch.bool), ()
+
+
+def test_host_and_device_decisions_agree_and_eager_runs_the_inner_on_emitting_steps_only():
+    params = make_tree()
+    calls = []
+
+    def counting_sum():
+        inner = running_sum()
+
+        def update_fn(updates, state, params=None, *, inplace=False):
+            calls.append(inplace)
+            return inner.update(updates, state, params, inplace=inplace)
+
+        return gtx.GradientTransformation(inner.init, update_fn)
+
+    host = gtx.MultiSteps(counting_sum(), 3)
+    device = gtx.MultiSteps(running_sum(), 3, should_skip_update_fn=_never_skip)
+    assert host.init(params).mini_step.device.type == "cpu"
+    host_state, device_state = host.init(params), device.init(params)
+    for step in range(7):
+        grads = _grads(step)
+        host_updates, host_state = host.update(clone(grads), host_state, params, inplace=step % 2 == 0)
+        device_updates, device_state = device.update(grads, device_state, params)
+        assert_same(host_updates, device_updates)
+        assert_same(host_state.inner_opt_state, device_state.inner_opt_state)
+        assert_same(host_state.acc_grads, device_state.acc_grads)
+        assert bool(host.has_updated(host_state)) == bool(device.has_updated(device_state))
+    assert calls == [True, False]  # steps 2 (donated) and 5 (pure): the emitting ones

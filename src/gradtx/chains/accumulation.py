@@ -5,9 +5,14 @@ default) and returns zero updates, except on every k-th call, which passes the a
 gradients to the inner transformation and returns its updates. ``k`` may follow a schedule of the
 gradient step, which lets the effective batch size grow during training.
 
-The decision stays on the device: the inner transformation runs at every mini-step and
-``torch.where`` keeps its result only on the step that emits, so no count is read back to the host
-and ``torch.compile`` traces a single graph.
+Two ways to decide, with identical results:
+
+- eagerly, the counters live on the CPU, so the step is chosen by a Python branch with no device
+  synchronisation and the inner transformation runs on emitting steps only;
+- under ``torch.compile``, with a ``should_skip_update_fn`` (whose verdict is a device tensor), or
+  when the state was moved off the CPU, the decision stays on the device: the inner transformation
+  runs at every mini-step and ``torch.where`` keeps its result only on the step that emits, so
+  nothing is read back to the host and one graph serves every step.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from torch import Tensor
 
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, with_inplace
-from gradtx.chains._select import all_finite, counter, safe_increment, where_or_zero, where_tree
+from gradtx.chains._select import all_finite, first_device, safe_increment, where_or_zero, where_tree, zeros_like_tree
 
 PyTree = Any
 ShouldSkipUpdateFn = Callable[[PyTree, Tensor, Optional[PyTree]], tuple[Tensor, PyTree]]
@@ -85,8 +90,12 @@ class MultiSteps:
 
     Mini-steps return zeros. Where optax multiplies by 0/1 flags, this selects with ``torch.where``,
     so a NaN in a discarded inner update neither leaks into a mini-step's zeros nor sticks in the
-    accumulator after it is emitted. The inner transformation runs on its pure path (its result
-    is discarded on mini-steps); with ``inplace=True`` the accumulator is updated in place.
+    accumulator after it is emitted. Without ``should_skip_update_fn`` the counters are CPU
+    tensors, so eager updates decide on the
+    host without a device sync and run the inner transformation on emitting steps only (given
+    ``inplace`` then); under ``torch.compile`` or with ``should_skip_update_fn`` the decision stays
+    on the device and the inner transformation runs on its pure path at every mini-step, its
+    result discarded on mini-steps. With ``inplace=True`` the accumulator is updated in place.
     """
 
     def __init__(
@@ -120,12 +129,15 @@ class MultiSteps:
     def init(self, params: PyTree) -> MultiStepsState:
         dtype = self._accumulator_dtype
         acc_grads = tree_lib.tree_map(lambda p: torch.zeros_like(p, dtype=dtype or p.dtype), params)
-        gradient_step = counter(params)
+        # on the CPU when the host may decide (see the module docstring); with a skip function the
+        # verdict is a device tensor, so the counters live beside it and nothing syncs
+        device = torch.device("cpu") if self._should_skip is None else first_device(params)
+        gradient_step = torch.zeros((), dtype=torch.int32, device=device)
         skip_state: Any = ()
         if self._should_skip is not None:
             _, skip_state = self._should_skip(tree_lib.tree_map(torch.zeros_like, params), gradient_step, params)
         return MultiStepsState(
-            mini_step=counter(params),
+            mini_step=torch.zeros_like(gradient_step),
             gradient_step=gradient_step,
             inner_opt_state=self._opt.init(params),
             acc_grads=acc_grads,
@@ -140,6 +152,46 @@ class MultiSteps:
 
     def update(self, updates, state: MultiStepsState, params=None, *, inplace: bool = False):
         """Accumulates ``updates``; returns the inner updates every k-th call and zeros otherwise."""
+        on_host = (
+            self._should_skip is None
+            and state.mini_step.device.type == "cpu"
+            and state.gradient_step.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+        )
+        if on_host:
+            return self._update_on_host(updates, state, params, inplace=inplace)
+        return self._update_on_device(updates, state, params, inplace=inplace)
+
+    def _update_on_host(self, updates, state: MultiStepsState, params, *, inplace: bool):
+        """Branches in Python on the CPU counters: the inner transformation runs on emitting steps only."""
+        k_steps = int(self._k_steps(state.gradient_step))
+        mini_step = int(state.mini_step)
+        acc_grads = self._accumulate(updates, state.acc_grads, state.mini_step, inplace=inplace)
+        if mini_step < k_steps - 1:
+            zeros = zeros_like_tree(updates, inplace=inplace)
+            return zeros, state._replace(mini_step=safe_increment(state.mini_step), acc_grads=acc_grads)
+        # the accumulator is handed to the inner transformation (donated when ``inplace``: its
+        # updates may be written into it), so the next one starts from fresh zeros
+        inner_grads = self._inner_grads(updates, acc_grads)
+        final_updates, inner_state = self._opt_update(inner_grads, state.inner_opt_state, params, inplace=inplace)
+        new_state = MultiStepsState(
+            mini_step=torch.zeros_like(state.mini_step),
+            gradient_step=safe_increment(state.gradient_step),
+            inner_opt_state=inner_state,
+            acc_grads=tree_lib.tree_map(torch.zeros_like, state.acc_grads),
+            skip_state=state.skip_state,
+        )
+        return final_updates, new_state
+
+    @staticmethod
+    def _inner_grads(updates: PyTree, acc_grads: PyTree) -> PyTree:
+        """The accumulated gradients in the updates' dtypes."""
+        return tree_lib.tree_map(
+            lambda u, a: u if a is None else (a if a.dtype == u.dtype else a.to(u.dtype)), updates, acc_grads
+        )
+
+    def _update_on_device(self, updates, state: MultiStepsState, params, *, inplace: bool):
+        """Selects with ``torch.where``: the inner transformation runs every mini-step, nothing syncs."""
         k_steps = self._k_steps(state.gradient_step)
         if self._should_skip is None:
             skip, skip_state = _no_skip(updates, state.gradient_step, params)
@@ -153,9 +205,7 @@ class MultiSteps:
             skip = skip.to(state.gradient_step.device)
         # the old accumulator must survive a skipped mini-step, so it is only reused when none can be
         acc_grads = self._accumulate(updates, state.acc_grads, state.mini_step, inplace=inplace and self._should_skip is None)
-        inner_grads = tree_lib.tree_map(
-            lambda u, a: u if a is None else (a if a.dtype == u.dtype else a.to(u.dtype)), updates, acc_grads
-        )
+        inner_grads = self._inner_grads(updates, acc_grads)
         final_updates, new_inner_state = self._opt_update(inner_grads, state.inner_opt_state, params, inplace=False)
 
         emit = state.mini_step == k_steps - 1
@@ -177,7 +227,7 @@ class MultiSteps:
         return out_updates, new_state
 
     def _accumulate(self, updates: PyTree, acc_grads: PyTree, mini_step: Tensor, *, inplace: bool) -> PyTree:
-        """``acc + (g - acc) / (n + 1)`` (mean) or ``acc + g`` (sum), per (device, dtype) group."""
+        """``acc + (g - acc) / (n + 1)`` (mean, as one ``lerp``) or ``acc + g`` (sum), per (device, dtype) group."""
         acc_leaves, treedef = tree_lib.flatten(acc_grads)
         grad_leaves = tree_lib.flatten_like(updates, treedef, acc_grads, what="MultiSteps: updates")
         present = [i for i, (a, g) in enumerate(zip(acc_leaves, grad_leaves)) if a is not None and g is not None]
@@ -186,10 +236,8 @@ class MultiSteps:
         out = list(acc_leaves)
         for indices, (group_accs, group_grads) in tree_lib.grouped(accs, grads):
             if self._use_grad_mean:
-                count = (mini_step.to(group_accs[0].device) + 1).to(group_accs[0].dtype)
-                deltas = _foreach_sub(group_grads, group_accs)
-                deltas = _foreach_div_(deltas, count)
-                new = tree_lib.foreach_add(group_accs, deltas, inplace=inplace)
+                weight = 1.0 / (mini_step.to(group_accs[0].device) + 1).to(group_accs[0].dtype)
+                new = _foreach_lerp(group_accs, group_grads, weight, inplace=inplace)
             else:
                 new = tree_lib.foreach_add(group_accs, group_grads, inplace=inplace)
             for i, value in zip(indices, new):
@@ -212,15 +260,13 @@ class MultiSteps:
         return GradientTransformation(self.init, self.update)
 
 
-def _foreach_sub(first: list[Tensor], second: list[Tensor]) -> list[Tensor]:
-    if tree_lib.uses_functorch(first) or tree_lib.uses_functorch(second):
-        return [a - b for a, b in zip(first, second)]
-    return list(torch._foreach_sub(first, second))
-
-
-def _foreach_div_(tensors: list[Tensor], divisor: Tensor) -> list[Tensor]:
-    if tree_lib.uses_functorch(tensors):
-        return [t.div_(divisor) for t in tensors]
-    torch._foreach_div_(tensors, divisor)
-    return tensors
-
+def _foreach_lerp(starts: list[Tensor], ends: list[Tensor], weight: Tensor, *, inplace: bool) -> list[Tensor]:
+    """``start + weight * (end - start)`` over two lists (one kernel per list), in place when ``inplace``."""
+    if tree_lib.uses_functorch(starts) or tree_lib.uses_functorch(ends):
+        if inplace:
+            return [s.lerp_(e, weight) for s, e in zip(starts, ends)]
+        return [torch.lerp(s, e, weight) for s, e in zip(starts, ends)]
+    if inplace:
+        torch._foreach_lerp_(starts, ends, weight)
+        return starts
+    return list(torch._foreach_lerp(starts, ends, weight))
