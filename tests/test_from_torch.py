@@ -314,3 +314,22 @@ def test_optimizers_that_need_a_closure_fail_clearly_at_init():
     tx = from_torch(torch.optim.LBFGS, lr=0.1)
     with pytest.raises(RuntimeError, match=r"from_torch\(LBFGS\): a trial step .*failed"):
         tx.init(make_params())
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch without Muon")
+def test_an_optimizer_for_matrices_only():
+    gen = torch.Generator().manual_seed(0)
+    params = {"a": torch.randn(5, 4, generator=gen), "b": torch.randn(3, 6, generator=gen)}
+    tx = from_torch(torch.optim.Muon, lr=0.05, weight_decay=0.1)
+    state = tx.init(params)
+    live = {k: v.clone().requires_grad_() for k, v in params.items()}
+    opt = torch.optim.Muon(list(live.values()), lr=0.05, weight_decay=0.1)
+    for _ in range(3):
+        grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+        for k in live:
+            live[k].grad = grads[k].clone()
+        opt.step()
+        updates, state = tx.update(grads, state, params)
+        for k in params:
+            assert torch.equal(updates[k], live[k].detach() - params[k])
+            params[k] = live[k].detach().clone()

@@ -15,6 +15,7 @@ Two engines compute the step, both with the optimizer's own numbers:
 - any other class, third-party ones included, runs its own ``step`` on one optimizer object built
   when ``from_torch`` is called (which is also when rejected hyperparameters raise): before each
   step the parameters, gradients and state are loaded into it, afterwards the state is read back.
+  ``init`` runs one trial step on copies of the parameters to learn the state's layout.
 
 ``params`` are never modified: the step runs on copies. Without ``inplace`` nothing passed in is
 modified; with ``inplace=True`` the gradients and state are donated and the optimizer updates
@@ -28,7 +29,7 @@ more than a factor of two the sum may differ from the optimizer's result in the 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -62,15 +63,20 @@ def _check_class(optimizer_cls: Any) -> None:
 
 
 def _construct(optimizer_cls: type, hyperparams: dict[str, Any]) -> torch.optim.Optimizer:
-    """Builds the optimizer on a placeholder parameter, so rejected hyperparameters raise now."""
-    placeholder = torch.zeros(1, requires_grad=True)
+    """Builds the optimizer on a placeholder parameter, so rejected hyperparameters raise now.
+
+    A vector placeholder first; a matrix one if that is refused (optimizers such as Muon accept
+    only 2-D parameters). The first refusal is reported if both are.
+    """
     name = optimizer_cls.__name__
-    try:
-        return optimizer_cls([placeholder], **hyperparams)
-    except TypeError as error:
-        raise TypeError(f"from_torch({name}): hyperparameters {hyperparams!r} were rejected: {error}") from error
-    except (ValueError, RuntimeError) as error:
-        raise ValueError(f"from_torch({name}): hyperparameters {hyperparams!r} were rejected: {error}") from error
+    first_error: Optional[Exception] = None
+    for shape in ((1,), (2, 2)):
+        try:
+            return optimizer_cls([torch.zeros(shape, requires_grad=True)], **hyperparams)
+        except (TypeError, ValueError, RuntimeError) as error:
+            first_error = first_error or error
+    kind = TypeError if isinstance(first_error, TypeError) else ValueError
+    raise kind(f"from_torch({name}): hyperparameters {hyperparams!r} were rejected: {first_error}") from first_error
 
 
 def _raw_step(optimizer: torch.optim.Optimizer):
@@ -240,12 +246,13 @@ class _OptimizerEngine:
 # --------------------------------------------------------------------------- the transformation
 
 
-def _check_leaf(owner: str, path: str, grad: Tensor, param: Any) -> None:
+def _check_leaf(owner: str, path: Callable[[], str], grad: Tensor, param: Any) -> None:
+    """Raises naming the leaf (its path is computed only then) when ``grad`` cannot step ``param``."""
     if not isinstance(param, Tensor):
-        raise ValueError(f"{owner}: leaf {path!r} has a gradient but no parameter tensor (got {type(param).__name__})")
+        raise ValueError(f"{owner}: leaf {path()!r} has a gradient but no parameter tensor (got {type(param).__name__})")
     if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
         raise ValueError(
-            f"{owner}: leaf {path!r} has gradient {tuple(grad.shape)} {grad.dtype} on {grad.device} but parameter "
+            f"{owner}: leaf {path()!r} has gradient {tuple(grad.shape)} {grad.dtype} on {grad.device} but parameter "
             f"{tuple(param.shape)} {param.dtype} on {param.device}; a torch optimizer needs them to match"
         )
 
@@ -298,9 +305,8 @@ def from_torch(optimizer_cls: type, **hyperparams: Any) -> GradientTransformatio
         present = [i for i, g in enumerate(grad_leaves) if g is not None]
         slot_leaves = _per_leaf(treedef, state.slots, owner, "slots", updates)
         flag_leaves = _per_leaf(treedef, state.initialized, owner, "initialized", updates)
-        all_paths = tree_lib.paths(updates)
         for i in present:
-            _check_leaf(owner, all_paths[i], grad_leaves[i], param_leaves[i])
+            _check_leaf(owner, lambda i=i: tree_lib.path_at(updates, i), grad_leaves[i], param_leaves[i])
         params_now = [param_leaves[i].detach() for i in present]
         work = [p.clone() for p in params_now]
         grads = [grad_leaves[i] for i in present]
@@ -308,6 +314,7 @@ def from_torch(optimizer_cls: type, **hyperparams: Any) -> GradientTransformatio
         if kernel_engine is not None:
             new_slots = kernel_engine.step(work, grads, slots, None, inplace=inplace)
         else:
+            all_paths = tree_lib.paths(updates)
             kinds = optimizer_engine.kinds_for(param_leaves, treedef, all_paths)
             new_slots = optimizer_engine.step_leaves(
                 work,
