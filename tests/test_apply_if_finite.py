@@ -128,3 +128,24 @@ def test_large_finite_values_are_not_mistaken_for_overflow():
     updates, state = tx.update(grads, tx.init(params))
     assert bool(state.last_finite) and int(state.total_notfinite) == 0
     assert_same(updates, grads)
+
+
+def test_adam_skipping_nan_steps_matches_torch_adam_that_never_saw_them():
+    torch.manual_seed(0)
+    w0 = torch.randn(4)
+    grads = [torch.randn(4) for _ in range(5)]
+    tx = gtx.apply_if_finite(gtx.adam(1e-2), max_consecutive_errors=3)
+    params = {"w": w0.clone()}
+    state = tx.init(params)
+    w = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.Adam([w], lr=1e-2)
+    for i, g in enumerate(grads):
+        if i in (1, 3):  # a NaN step in between: skipped, Adam's count and moments untouched
+            updates, state = tx.update({"w": torch.full((4,), math.nan)}, state, params)
+            params = gtx.apply_updates(params, updates)
+        updates, state = tx.update({"w": g}, state, params)
+        params = gtx.apply_updates(params, updates)
+        w.grad = g.clone()
+        opt.step()
+        torch.testing.assert_close(params["w"], w.detach(), rtol=1e-5, atol=1e-6)
+    assert int(state.total_notfinite) == 2

@@ -148,3 +148,24 @@ def test_compiles_once_over_a_schedule():
         expected, eager_state = tx.update(grads, eager_state)
         assert_same(updates, expected)
     assert counter.frame_count == 1
+
+
+def test_adamw_with_a_scheduled_learning_rate_matches_torch_adamw_with_lambda_lr():
+    torch.manual_seed(0)
+    w0 = torch.randn(5)
+    grads = [torch.randn(5) for _ in range(6)]
+    schedule = gtx.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=2, decay_steps=6, end_value=1e-3)
+    tx = gtx.inject_hyperparams(gtx.adamw)(learning_rate=schedule, weight_decay=0.1)
+    params = {"w": w0.clone()}
+    state = tx.init(params)
+    w = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.AdamW([w], lr=1.0, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda count: schedule(count))
+    for g in grads:
+        updates, state = tx.update({"w": g}, state, params)
+        params = gtx.apply_updates(params, updates)
+        w.grad = g.clone()
+        opt.step()
+        scheduler.step()
+        torch.testing.assert_close(params["w"], w.detach(), rtol=1e-5, atol=1e-6)
+    assert "learning_rate" in state.hyperparams and "weight_decay" in state.hyperparams

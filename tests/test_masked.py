@@ -192,3 +192,37 @@ def test_labels_and_masks_mapped_over_params_may_hold_none_at_none_leaves():
     bad = dict(labels, head=None)
     with pytest.raises(ValueError, match="'head' has no label"):
         gtx.partition({"matrix": scale_by(2.0), "vector": scale_by(3.0)}, bad).init(params)
+
+
+def test_partition_of_adamw_and_adam_matches_torch_param_groups():
+    """Weight decay on matrices only: torch's AdamW with two parameter groups as the reference."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    reference.load_state_dict(model.state_dict())
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    labels = {k: "decay" if v.ndim > 1 else "no_decay" for k, v in params.items()}
+    tx = gtx.partition(
+        {"decay": gtx.adamw(1e-2, weight_decay=0.1), "no_decay": gtx.adamw(1e-2, weight_decay=0.0)}, labels
+    )
+    state = tx.init(params)
+    named = dict(reference.named_parameters())
+    opt = torch.optim.AdamW(
+        [
+            {"params": [named[k] for k in labels if labels[k] == "decay"], "weight_decay": 0.1},
+            {"params": [named[k] for k in labels if labels[k] == "no_decay"], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    for _ in range(4):
+        grads = torch.func.grad(
+            lambda p: ((torch.func.functional_call(model, p, (x,)) - y) ** 2).mean()
+        )(params)
+        updates, state = tx.update(grads, state, params)
+        params = gtx.apply_updates(params, updates)
+        opt.zero_grad()
+        ((reference(x) - y) ** 2).mean().backward()
+        opt.step()
+        for k, p in named.items():
+            torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-6)

@@ -203,3 +203,27 @@ def test_host_and_device_decisions_agree_and_eager_runs_the_inner_on_emitting_st
         assert_same(host_state.acc_grads, device_state.acc_grads)
         assert bool(host.has_updated(host_state)) == bool(device.has_updated(device_state))
     assert calls == [True, False]  # steps 2 (donated) and 5 (pure): the emitting ones
+
+
+def test_multisteps_adamw_matches_full_batch_torch_adamw():
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    model = torch.nn.Linear(3, 1)
+    reference = torch.nn.Linear(3, 1)
+    reference.load_state_dict(model.state_dict())
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    multi = gtx.MultiSteps(gtx.adamw(1e-2, weight_decay=0.05), every_k_schedule=2)
+    state = multi.init(params)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.05)
+    for _ in range(3):
+        for half in (slice(0, 4), slice(4, 8)):
+            grads = torch.func.grad(
+                lambda p: ((torch.func.functional_call(model, p, (x[half],)) - y[half]) ** 2).mean()
+            )(params)
+            updates, state = multi.update(grads, state, params, inplace=True)
+            params = gtx.apply_updates(params, updates)
+        opt.zero_grad()
+        ((reference(x) - y) ** 2).mean().backward()
+        opt.step()
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6)
