@@ -226,3 +226,32 @@ def test_partition_of_adamw_and_adam_matches_torch_param_groups():
         opt.step()
         for k, p in named.items():
             torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_nested_combinator_state_saves_loads_and_resumes():
+    import io
+
+    params = make_tree()
+    tx = gtx.chain(
+        gtx.apply_if_finite(
+            gtx.MultiSteps(
+                gtx.inject_hyperparams(gtx.adamw)(learning_rate=gtx.cosine_decay_schedule(1e-2, 10)), 2
+            ).gradient_transformation(),
+            max_consecutive_errors=2,
+        ),
+        gtx.selective_transform(running_sum(), freeze_mask={"layer": False, "head": True, "frozen": True}),
+        gtx.monitor({"norm": gtx.global_norm}),
+    )
+    run_both_paths(tx, params, [_grads(i) for i in range(3)])
+    state = tx.init(params)
+    for i in range(3):
+        _, state = tx.update(_grads(i), state, params)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    restored = torch.load(buffer, weights_only=False)
+    assert_same(restored, state)
+    for i in range(3, 6):
+        expected, state = tx.update(_grads(i), state, params)
+        resumed, restored = tx.update(_grads(i), restored, params)
+        assert_same(resumed, expected)
