@@ -118,7 +118,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
             setattr(self, hooks, OrderedDict())
         self._patch_step_function()
         self._names, self._params = self._name_params()
-        with _in_parameter_order():
+        with _in_parameter_order(), torch.no_grad():
             self._tx_state = None if tx is None else tx.init(self._param_tree())
         self._tx_update = None if tx is None else with_inplace(tx)
         self._fold_plan = self._plan_fold(tx)
@@ -201,7 +201,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
             return
         self._names, self._params = self._name_params()
         if self.tx is not None:
-            with _in_parameter_order():
+            with _in_parameter_order(), torch.no_grad():
                 self._tx_state = _carry_over(self._tx_state, self.tx.init(self._param_tree()))
 
     def _write_back(self, updates: dict[str, Optional[Tensor]]) -> None:
@@ -313,8 +313,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         The numbers of ``torch.nn.utils.clip_grad_norm_`` (with ``spec``: of the logical gradient).
         """
         self._sync_params()
-        kwargs = dict(norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
-        clip = clip_by_global_norm(max_norm, self.spec, **kwargs) if self.spec is not None else clip_by_global_norm(max_norm, **kwargs)
+        clip = clip_by_global_norm(max_norm, self.spec, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
         grads = self._grad_tree()
         with _in_parameter_order():
             updates, state = clip.update(grads, clip.init(grads), self._param_tree(), inplace=True)
