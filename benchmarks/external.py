@@ -5,7 +5,7 @@ environment. Run from the repository root with that environment's interpreter::
 
     /path/to/benchenv/bin/python benchmarks/external.py [--rounds N]
 
-Every candidate does one full step, clip + AdamW + apply, on the 41.7M-parameter tree of
+Every candidate does one full step, clip + AdamW + apply, on the GPT_41M tree (68.2M elements) of
 ``benchmarks/common.py``; ratios are medians over interleaved rounds against the in-place torch step
 (``clip_grad_norm_`` + ``AdamW(fused=True).step()``).
 """

@@ -1,4 +1,4 @@
-"""Torch interop speed on the 41.7M-parameter GPT tree: wrap and from_torch against torch itself.
+"""Torch interop speed: wrap and from_torch against torch itself, on the GPT_41M tree (68.2M elements).
 
 1. ``opt.clip_grad_by_norm(1.0)`` on a wrapped optimizer vs ``torch.nn.utils.clip_grad_norm_``.
 2. ``wrap(AdamW(fused=True), clip_by_global_norm(1.0)).step()`` vs ``clip_grad_norm_`` followed by
