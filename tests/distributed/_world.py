@@ -1,4 +1,4 @@
-"""Runs many test cases in one real gloo world per world size: processes are spawned once, every
+"""Runs many test cases in one real gloo world per world size: processes are started once, every
 case runs on every rank in turn, and each rank reports its failures back to pytest.
 
 A case is a function ``case(world)`` registered with ``@case(sizes...)``; it runs on all ranks at
@@ -25,7 +25,7 @@ WORLD_TIMEOUT_S = 150
 # Every module defining cases: each world imports them all, so one spawn per size runs every case.
 CASE_MODULES = (
     "test_sharding_layouts",
-    # "test_sharding_dtensor",
+    "test_sharding_dtensor",
     # "test_sharding_validation",
     # "test_sharding_properties",
     # "test_sharding_collectives",
@@ -86,6 +86,8 @@ def _child(rank: int, size: int, store_path: str, modules: list[str], results: A
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # Every group (the mesh's, gradtx's) times out instead of hanging when a rank has failed.
+    dist.distributed_c10d.default_pg_timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     for module in modules:
         importlib.import_module(module)
     dist.init_process_group(
@@ -95,9 +97,14 @@ def _child(rank: int, size: int, store_path: str, modules: list[str], results: A
         world_size=size,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
+    control = dist.new_group(list(range(size)))  # only for "did anyone fail?" between cases
     world = World(rank, size)
+    failed_case = None
     try:
         for name in cases_for(size):
+            if failed_case is not None:
+                results.put((rank, name, f"not run: the world stopped after case {failed_case!r} failed", 0.0))
+                continue
             start = time.perf_counter()
             try:
                 _CASES[size][name](world)
@@ -105,6 +112,15 @@ def _child(rank: int, size: int, store_path: str, modules: list[str], results: A
             except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
                 error = traceback.format_exc()
             results.put((rank, name, error, time.perf_counter() - start))
+            # Ranks still blocked in this case's collectives time out, then all agree to stop:
+            # a failure never cascades into timeouts in every later case.
+            flag = torch.tensor([0 if error is None else 1])
+            try:
+                dist.all_reduce(flag, group=control)
+            except RuntimeError:
+                flag.fill_(1)
+            if flag.item():
+                failed_case = name
     finally:
         results.put((rank, None, None, 0.0))
         dist.destroy_process_group()
@@ -117,7 +133,9 @@ def run_world(size: int, modules: tuple[str, ...] = CASE_MODULES) -> dict[str, l
 
     for module in modules:
         importlib.import_module(module)
-    context = multiprocessing.get_context("spawn")
+    # fork: the children start with torch and the cases already imported (spawning 8 fresh
+    # interpreters costs ~15 s on two cores). The parent never touches torch.distributed.
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     results = context.Queue()
     store_path = tempfile.mktemp(prefix=f"gradtx_world{size}_")
     processes = [
@@ -141,6 +159,8 @@ def run_world(size: int, modules: tuple[str, ...] = CASE_MODULES) -> dict[str, l
             finished.add(rank)
             continue
         seen[name].add(rank)
+        if rank == 0 and os.environ.get("GRADTX_CASE_TIMES"):
+            print(f"[world {size}] {name}: {seconds:.2f}s", flush=True)
         if error is not None:
             reports[name].append(f"rank {rank}:\n{error}")
     for process in processes:

@@ -59,16 +59,9 @@ def locals_of(tensors: Sequence[Tensor]) -> tuple[list[Tensor], Callable[[Sequen
             elif result is local_tensor:
                 out.append(original)
             else:
-                out.append(
-                    cls.from_local(
-                        result,
-                        original.device_mesh,
-                        original.placements,
-                        run_check=False,
-                        shape=original.shape,
-                        stride=original.stride(),
-                    )
-                )
+                # The original's spec (mesh, placements, shard order, global shape) with the new
+                # local data: results keep the layout and dtype of their input.
+                out.append(cls(result, original._spec, requires_grad=result.requires_grad))  # type: ignore[call-arg]
         return out
 
     return locals_, rewrap
@@ -81,31 +74,39 @@ def describe(tensor: Tensor) -> Optional[tuple[Any, tuple[Any, ...]]]:
     return tensor.device_mesh, tuple(tensor.placements)  # type: ignore[attr-defined]
 
 
+def _is_shard(placement: Any) -> bool:
+    """``Shard(d)``, or the ``_StridedShard(d)`` that FSDP2 over TP produces: disjoint pieces either way."""
+    if placement.is_shard():
+        return True
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        return False
+    return isinstance(placement, _StridedShard)
+
+
 def placement_layout(mesh: Any, placements: Sequence[Any], axes_of_dim: Callable[[int], tuple[str, ...]], *, path: str):
     """Sharded axes and their tensor dims from DTensor placements; ``Partial`` is a ``ValueError``.
 
     ``axes_of_dim(i)`` names the reference-mesh axes that the DTensor's mesh dim ``i`` spans.
     """
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
     axes: list[str] = []
     dims: list[Optional[int]] = []
     names = mesh.mesh_dim_names
     for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):
-            for axis in axes_of_dim(mesh_dim):
-                axes.append(axis)
+        axis = names[mesh_dim] if names else f"dim{mesh_dim}"
+        if _is_shard(placement):
+            for spanned in axes_of_dim(mesh_dim):
+                axes.append(spanned)
                 dims.append(placement.dim)
-        elif isinstance(placement, Replicate):
+        elif placement.is_replicate():
             continue
-        elif isinstance(placement, Partial) or placement.is_partial():
-            axis = names[mesh_dim] if names else f"dim{mesh_dim}"
+        elif placement.is_partial():
             raise ValueError(
                 f"leaf {path!r} is a DTensor with a Partial placement on mesh axis {axis!r}: its gradient "
                 "is not reduced yet; reduce it first (e.g. grad.redistribute(placements=[Replicate()]) or "
                 "let FSDP/DDP finish its reduce-scatter) before taking norms"
             )
         else:
-            axis = names[mesh_dim] if names else f"dim{mesh_dim}"
             raise ValueError(f"leaf {path!r}: unsupported DTensor placement {placement!r} on mesh axis {axis!r}")
     return tuple(axes), tuple(dims)

@@ -48,6 +48,18 @@ def _device_of(tensors: Sequence[Tensor], mesh: MeshAxes) -> torch.device:
     return torch.device(mesh.mesh.device_type, handle.current_device())
 
 
+def _local_norms(tensors: Sequence[Tensor], p: float) -> list[Tensor]:
+    """Per-tensor norms in float32 or wider; ``0`` for an empty piece (uneven shards may hold nothing)."""
+    if all(t.numel() > 0 for t in tensors):
+        return tree_lib.local_norms(tensors, p)
+    dtype = tree_lib.accumulation_dtype([t.dtype for t in tensors])
+    norms = [torch.zeros((), dtype=dtype, device=t.device) for t in tensors]
+    nonempty = [i for i, t in enumerate(tensors) if t.numel() > 0]
+    for i, norm in zip(nonempty, tree_lib.local_norms([tensors[i] for i in nonempty], p)):
+        norms[i] = norm.to(dtype)
+    return norms
+
+
 def is_sharded(tree_leaves: Sequence[Any], spec: Optional[ShardingSpec]) -> bool:
     """Whether a norm of these leaves needs the sharded path (a spec, or a DTensor among them)."""
     return spec is not None or dtensor_lib.has_dtensor(tree_leaves)
@@ -121,9 +133,9 @@ def norm_from_plan(plan: Plan, tree_leaves: Sequence[Any], p: float) -> Tensor:
     if plan.check_consistency:
         _check_consistency(plan, device)
     group = plan.global_group()
-    if group is None and len(owned) == len(present):
+    if group is None and len(owned) == len(present) and all(t.numel() > 0 for t in owned):
         return tree_lib.total_norm(owned, p).to(device=device, dtype=dtype) if owned else torch.zeros((), dtype=dtype, device=device)
-    norms = [n.to(device) for n in tree_lib.local_norms(owned, p)]
+    norms = [n.to(device) for n in _local_norms(owned, p)]
     stacked = torch.stack(norms) if norms else torch.zeros(1, dtype=dtype, device=device)
     if p == math.inf:
         partial = stacked.max()
@@ -203,7 +215,7 @@ def norms_from_plan(plan: Plan, tree_leaves: Sequence[Any], p: float, *, with_nu
     """Per-leaf logical norms (``None`` for absent leaves); with ``with_numel``, ``(norm, numel)`` pairs."""
     indices = [i for i, l in enumerate(plan.layouts) if l is not None]
     locals_ = [dtensor_lib.local(tree_leaves[i]) for i in indices]
-    local_norms = tree_lib.local_norms(locals_, p)
+    local_norms = _local_norms(locals_, p)
     partials = _norm_partials(local_norms, p)
     if with_numel:
         partials = [torch.cat([b, b.new_full((1,), float(t.numel()))]) for b, t in zip(partials, locals_)]
