@@ -102,16 +102,14 @@ def _same(a: Any, b: Any) -> bool:
 class _KernelEngine:
     """Runs a torch optimizer's functional kernel on lists (see :mod:`gradtx.chains.torch_kernels`)."""
 
-    reads_initialized = False
-
     def __init__(self, spec: KernelSpec, group: dict[str, Any]):
         self.spec, self.group = spec, group
 
     def init_slots(self, params: Sequence[Tensor]) -> list[Slots]:
         return [self.spec.init(p, self.group) for p in params]
 
-    def step(self, work, grads, slots, initialized, *, inplace):
-        del initialized
+    def step(self, work: list[Tensor], grads: list[Tensor], slots: list[Slots], *, inplace: bool) -> list[Slots]:
+        """Steps ``work`` (copies of the parameters) in place; returns the new slots."""
         if not inplace:
             slots = [{k: v.clone() for k, v in s.items()} for s in slots]
         with torch.no_grad():
@@ -121,8 +119,6 @@ class _KernelEngine:
 
 class _OptimizerEngine:
     """Runs ``optimizer.step`` on one reused optimizer object, loading and reading back the state."""
-
-    reads_initialized = True
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
@@ -199,7 +195,7 @@ class _OptimizerEngine:
         self.kinds[treedef] = kinds
         return templates
 
-    def init_slots_tree(self, params: Sequence[Optional[Tensor]], treedef, paths) -> list[Optional[Slots]]:
+    def init_slots(self, params: Sequence[Optional[Tensor]], treedef, paths) -> list[Optional[Slots]]:
         return self._probe(params, treedef, paths)
 
     def kinds_for(self, params, treedef, paths) -> list[Optional[dict[str, type]]]:
@@ -207,7 +203,8 @@ class _OptimizerEngine:
             self._probe(params, treedef, paths)
         return self.kinds[treedef]
 
-    def step_leaves(self, work, grads, slots, initialized, kinds, paths, *, inplace):
+    def step(self, work, grads, slots, initialized, kinds, paths, *, inplace: bool) -> list[Slots]:
+        """Steps ``work`` in place through ``optimizer.step``; returns the new slots."""
         grads = list(grads) if inplace else [g.clone() for g in grads]
         flags = torch.stack([f.to("cpu", torch.bool) for f in initialized]).tolist() if initialized else []
         states: list[Optional[Slots]] = []
@@ -292,7 +289,7 @@ def from_torch(optimizer_cls: type, **hyperparams: Any) -> GradientTransformatio
             made = iter(kernel_engine.init_slots(present))
             slots = [None if p is None else next(made) for p in param_leaves]
         else:
-            slots = optimizer_engine.init_slots_tree(param_leaves, treedef, tree_lib.paths(params))
+            slots = optimizer_engine.init_slots(param_leaves, treedef, tree_lib.paths(params))
         flags = [None if p is None else torch.zeros((), dtype=torch.bool) for p in param_leaves]
         return FromTorchState(tree_lib.unflatten(treedef, slots), tree_lib.unflatten(treedef, flags))
 
@@ -312,11 +309,11 @@ def from_torch(optimizer_cls: type, **hyperparams: Any) -> GradientTransformatio
         grads = [grad_leaves[i] for i in present]
         slots = [slot_leaves[i] for i in present]
         if kernel_engine is not None:
-            new_slots = kernel_engine.step(work, grads, slots, None, inplace=inplace)
+            new_slots = kernel_engine.step(work, grads, slots, inplace=inplace)
         else:
             all_paths = tree_lib.paths(updates)
             kinds = optimizer_engine.kinds_for(param_leaves, treedef, all_paths)
-            new_slots = optimizer_engine.step_leaves(
+            new_slots = optimizer_engine.step(
                 work,
                 grads,
                 slots,
