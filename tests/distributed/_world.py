@@ -26,7 +26,7 @@ WORLD_TIMEOUT_S = 150
 CASE_MODULES = (
     "test_sharding_layouts",
     "test_sharding_dtensor",
-    # "test_sharding_validation",
+    "test_sharding_validation",
     # "test_sharding_properties",
     # "test_sharding_collectives",
 )
