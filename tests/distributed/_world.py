@@ -28,7 +28,7 @@ CASE_MODULES = (
     "test_sharding_dtensor",
     "test_sharding_validation",
     # "test_sharding_properties",
-    # "test_sharding_collectives",
+    "test_sharding_collectives",
 )
 
 _CASES: dict[int, dict[str, Callable[["World"], None]]] = {}

@@ -1,0 +1,88 @@
+"""The number of collectives, counted from the gloo events of a ``torch.profiler`` trace: one per
+global norm (any p, any mix of layouts, DTensors included), one per distinct group for per-leaf
+norms, none without sharding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import _world
+from _layouts import local_tree, rules
+from _world import case
+from test_sharding_layouts import moe_model, tp_model
+import gradtx as gtx
+from gradtx.sharding import ShardingSpec
+
+
+def count_collectives(fn) -> int:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for event in prof.events() if event.name.startswith("gloo:"))
+
+
+def _assert_one_per_norm(grads, spec):
+    for p in (1.0, 2.0, math.inf):
+        gtx.global_norm(grads, spec, norm_type=p)  # first call: builds the plan and the group
+        assert count_collectives(lambda: gtx.global_norm(grads, spec, norm_type=p)) == 1, f"p={p}"
+        tx = gtx.clip_by_global_norm(1.0, spec, norm_type=p)
+        state = tx.init(grads)
+        assert count_collectives(lambda: tx.update(grads, state)) == 1, f"clip p={p}"
+
+
+@case(8)
+def one_collective_pp_dp_tp_and_moe(world):
+    mesh = world.mesh((2, 2, 2), ("pp", "dp", "tp"))
+    shapes, pieces = tp_model(4, stages=2, tied=True, zero=("dp",))
+    dense = {k: torch.randn(s) for k, s in shapes.items()}
+    spec = ShardingSpec(mesh, rules(pieces), stage_axis="pp")
+    _assert_one_per_norm(local_tree(dense, pieces, mesh, "pp"), spec)
+
+    mesh = world.mesh((2, 2, 2), ("dp", "ep", "tp"))
+    shapes, pieces = moe_model()
+    dense = {k: torch.randn(s) for k, s in shapes.items()}
+    spec = ShardingSpec(mesh, rules(pieces))
+    grads = local_tree(dense, pieces, mesh)
+    _assert_one_per_norm(grads, spec)
+    # Per-leaf norms: leaves over tp and leaves over ep x tp -> two groups, two collectives.
+    gtx.sharding.leaf_norms(grads, spec)
+    assert count_collectives(lambda: gtx.sharding.leaf_norms(grads, spec)) == 2
+    assert count_collectives(lambda: gtx.clip_by_block_rms(0.1, spec).update(grads, None)) == 2
+
+
+@case(4)
+def one_collective_dtensors_mixed(world):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = world.mesh((2, 2), ("dp", "tp"))
+    grads = {
+        "a": distribute_tensor(torch.randn(8, 4), mesh, [Shard(0), Shard(1)]),
+        "b": distribute_tensor(torch.randn(6, 4), mesh["dp"], [Shard(0)]),
+        "c": distribute_tensor(torch.randn(5), mesh, [Replicate(), Replicate()]),
+        "d": torch.randn(3),
+    }
+    _assert_one_per_norm(grads, None)
+    _assert_one_per_norm(grads, ShardingSpec(mesh))
+    # Unit norms of grads and params together: 'a' is split along dim 1 over tp (one group);
+    # 'b' along dim 0 only (no communication).
+    gtx.adaptive_grad_clip(0.1).update(grads, None, grads)
+    assert count_collectives(lambda: gtx.adaptive_grad_clip(0.1).update(grads, None, grads)) == 1
+
+
+@case(2)
+def no_collective_without_sharding(world):
+    mesh = world.mesh((2,), ("dp",))
+    grads = {"w": torch.randn(4, 4), "b": torch.randn(4)}
+    for spec in (None, ShardingSpec(mesh)):  # replicated over dp only: a local norm
+        gtx.global_norm(grads, spec)
+        assert count_collectives(lambda: gtx.global_norm(grads, spec)) == 0
+        torch.testing.assert_close(gtx.global_norm(grads, spec), torch.nn.utils.get_total_norm(list(grads.values())))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("size,name", _world.params_for(__name__))
+def test_collectives(size, name):
+    _world.check(size, name)
