@@ -284,3 +284,20 @@ def test_bad_hyperparameters_and_state_are_named():
         tx.update(tree(1), bad)
     with pytest.raises(TypeError, match="scale"):
         tx.update({**tree(1), "scale": 3.0}, state)
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: gtx.adamw(1e-2, weight_decay=0.1), lambda: gtx.adamax(1e-2), lambda: gtx.radam(1e-2), lambda: gtx.amsgrad(1e-2)]
+)
+def test_runs_under_vmap_over_a_batch_of_models(make):
+    tx, batch = make(), 3
+    params = {k: torch.stack([tree(i)[k] for i in range(batch)]) for k in SHAPES}
+    grads = [{k: torch.stack([g[k] * (i + 1) for i in range(batch)]) for k, _ in SHAPES.items()} for g in grad_sequence(6)]
+    states = torch.func.vmap(tx.init)(params)
+    batched = params
+    for g in grads:
+        updates, states = torch.func.vmap(lambda u, s, p: tx.update(u, s, p))(g, states, batched)
+        batched = gtx.apply_updates(batched, updates)
+    for i in range(batch):
+        single, _ = gradtx_trajectory(tx, tree(i), [{k: v[i] for k, v in g.items()} for g in grads])
+        assert_trees_close({k: v[i] for k, v in batched.items()}, single, rtol=1e-10, atol=1e-12)

@@ -165,3 +165,10 @@ def test_argument_names_and_defaults_follow_optax():
     assert [(n, rms[n].default) for n in ["decay", "eps", "initial_scale", "eps_in_sqrt", "centered", "momentum", "nesterov"]] == [
         ("decay", 0.9), ("eps", 1e-8), ("initial_scale", 0.0), ("eps_in_sqrt", True), ("centered", False), ("momentum", None), ("nesterov", False)
     ]
+
+
+def test_lamb_and_lars_hand_their_spec_to_the_sharded_leaf_norms():
+    params, grads = tree(0), grad_sequence(1)[0]
+    for tx in (gtx.lamb(1e-3, spec="tp"), gtx.lars(1e-3, spec="tp"), gtx.scale_by_trust_ratio(spec="tp")):
+        with pytest.raises(TypeError, match="leaf_norms: spec must be a gradtx.sharding.ShardingSpec"):
+            tx.update(grads, tx.init(params), params)

@@ -260,7 +260,7 @@ def maximum(selves: Sequence[Tensor], others: Sequence[Tensor], *, inplace: bool
     """Elementwise ``max(selves, others)``."""
     selves, others = list(selves), list(others)
     if _per_tensor(selves, others):
-        return [torch.maximum(s, o, out=s) if inplace else torch.maximum(s, o) for s, o in zip(selves, others)]
+        return [s.copy_(torch.maximum(s, o)) if inplace else torch.maximum(s, o) for s, o in zip(selves, others)]
     if inplace:
         torch._foreach_maximum_(selves, others)
         return selves

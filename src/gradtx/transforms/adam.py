@@ -489,7 +489,7 @@ def scale_by_radam(
             out = divide(numer, nesterov, d, fe.on(s.step * r, g))
             use_rectified = rectified.to(out[0].device)
             for o, plain in zip(out, mu_hat):
-                torch.where(use_rectified, o, plain, out=o)
+                o.copy_(torch.where(use_rectified, o, plain))
             return fe.finish(out, g), m, v
 
         new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3)

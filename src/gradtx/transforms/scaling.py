@@ -12,6 +12,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import torch
 from torch import Tensor
 
+from gradtx import sharding
 from gradtx import tree as tree_lib
 from gradtx.base import EmptyState, GradientTransformation, identity
 from gradtx.transforms import _foreach as fe
@@ -81,23 +82,12 @@ def scale_by_learning_rate(
     return scale(sign * float(learning_rate))
 
 
-def _leaf_norms(tree: Any, spec: Any) -> list[Optional[Tensor]]:
-    """Per-leaf L2 norms of ``tree`` (``None`` at ``None`` leaves), sharding-aware when a spec is given."""
-    from gradtx import sharding
-
-    sharded_norms = getattr(sharding, "leaf_norms", None)
-    if sharded_norms is not None:
-        return tree_lib.leaves(sharded_norms(tree, spec))
-    if spec is not None:
-        raise NotImplementedError("scale_by_trust_ratio: a sharding spec needs gradtx.sharding.leaf_norms")
-    all_leaves = tree_lib.leaves(tree)
-    present = [i for i, leaf in enumerate(all_leaves) if leaf is not None]
-    norms = tree_lib.local_norms([all_leaves[i] for i in present], 2.0)
-    return tree_lib.replace_present([None] * len(all_leaves), present, norms)
-
-
 def scale_by_trust_ratio(
-    min_norm: float = 0.0, trust_coefficient: float = 1.0, eps: float = 0.0, *, spec: Any = None
+    min_norm: float = 0.0,
+    trust_coefficient: float = 1.0,
+    eps: float = 0.0,
+    *,
+    spec: Optional[sharding.ShardingSpec] = None,
 ) -> GradientTransformation:
     """Scales each leaf by ``trust_coefficient * ||param|| / (||update|| + eps)`` (LARS / LAMB).
 
@@ -114,8 +104,8 @@ def scale_by_trust_ratio(
     def update_fn(updates, state, params=None, *, inplace=False):
         leaves = fe.leaves_of(updates, what="scale_by_trust_ratio")
         param_values = fe.params_of(leaves, params, owner="scale_by_trust_ratio")
-        update_norms = _leaf_norms(updates, spec)
-        param_norms = _leaf_norms(leaves.rebuild(param_values), spec)
+        update_norms = tree_lib.leaves(sharding.leaf_norms(updates, spec))
+        param_norms = tree_lib.leaves(sharding.leaf_norms(leaves.rebuild(param_values), spec))
         ratios = []
         for i in leaves.present:
             param_norm = torch.clamp(param_norms[i], min=min_norm)
