@@ -1,0 +1,235 @@
+"""Runs every benchmark in ``benchmarks/`` and writes ``results.md`` (tables) and ``results.png`` (a plot).
+
+Each ``benchmarks/*.py`` (but ``common.py`` and this file) runs as a subprocess from the repository
+root, as its docstring says to run it, with ``--rounds 3`` (and ``--small`` / ``--quick`` where it
+has them) under ``--quick``. The lines ``common.report`` prints (candidate, median, ratio) become
+the tables; ``scaling.py`` also leaves its medians as JSON, which become the plot of step time
+against model size.
+
+optax, JAX and torchopt are not dependencies of gradtx; the benchmarks that compare with them
+(``scaling.py``, ``external.py``) skip what does not import. To include them, point
+``--external-python`` (or ``GRADTX_BENCH_PYTHON``) at an interpreter that has them installed
+next to torch, optree and numpy; gradtx itself is taken from this checkout's ``src/``.
+
+Run:  python benchmarks/run_all.py [--quick] [--external-python PATH]   (needs the ``bench`` extra: matplotlib)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+NOT_BENCHMARKS = {"common.py", "run_all.py", "__init__.py"}
+REPORT_LINE = re.compile(r"^\s+(?P<name>.+?)\s+median\s+(?P<ms>[\d.]+) ms\s+ratio vs (?P<base>.+): (?P<ratio>[\d.]+)\s*$")
+TIMEOUT_S = 1800
+
+
+@dataclass
+class Table:
+    title: str
+    baseline: str
+    rows: list[tuple[str, float, float]] = field(default_factory=list)  # (candidate, median ms, ratio)
+
+
+@dataclass
+class Outcome:
+    script: str
+    command: list[str]
+    seconds: float
+    returncode: int
+    output: str
+    tables: list[Table]
+
+
+def benchmark_scripts() -> list[Path]:
+    return sorted(p for p in BENCH_DIR.glob("*.py") if p.name not in NOT_BENCHMARKS and not p.name.startswith("_"))
+
+
+def wants_external(source: str) -> bool:
+    return "import optax" in source or "import torchopt" in source
+
+
+def command_for(script: Path, *, quick: bool, python: str, json_path: Path) -> list[str]:
+    """The script's command line: only the flags it declares (read from its source)."""
+    source = script.read_text()
+    args = [python, str(script.relative_to(ROOT))]
+    if quick:
+        if '"--quick"' in source:
+            args.append("--quick")
+        if '"--rounds"' in source:
+            args += ["--rounds", "3"]
+        if '"--small"' in source:
+            args.append("--small")
+    if '"--json"' in source:
+        args += ["--json", str(json_path)]
+    return args
+
+
+def parse_tables(output: str) -> list[Table]:
+    """The ``common.report`` blocks of ``output``: a title line, then one line per candidate."""
+    tables: list[Table] = []
+    previous = ""
+    for line in output.splitlines():
+        match = REPORT_LINE.match(line)
+        if match:
+            if not tables or tables[-1].title != previous or tables[-1].baseline != match["base"]:
+                tables.append(Table(previous, match["base"]))
+            tables[-1].rows.append((match["name"], float(match["ms"]), float(match["ratio"])))
+        elif line.strip():
+            previous = line.strip()
+    return tables
+
+
+def run(script: Path, *, quick: bool, python: str, json_path: Path) -> Outcome:
+    command = command_for(script, quick=quick, python=python, json_path=json_path)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), str(BENCH_DIR), env.get("PYTHONPATH", "")])
+    print(f"$ {' '.join(command)}", flush=True)
+    start = time.perf_counter()
+    try:
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        returncode, output = result.returncode, result.stdout + result.stderr
+    except subprocess.TimeoutExpired as error:
+        returncode, output = -1, f"timed out after {TIMEOUT_S} s\n{error.stdout or ''}"
+    seconds = time.perf_counter() - start
+    print(output.rstrip() + f"\n[{script.name}: exit {returncode}, {seconds:.0f} s]\n", flush=True)
+    return Outcome(script.name, command, seconds, returncode, output, parse_tables(output))
+
+
+def machine_line(scaling: dict | None) -> str:
+    if scaling is not None:
+        m = scaling["machine"]
+        others = ", ".join(f"{name} {m[name]}" for name in ("jax", "optax", "torchopt") if name in m)
+        return (f"{m['cpu']}, {m['cores']} CPU cores ({m['threads']} torch threads), no GPU; torch {m['torch']}, "
+                f"Python {m['python']}" + (f"; {others}" if others else ""))
+    import platform
+
+    import torch
+
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, no GPU; torch {torch.__version__}"
+
+
+def write_markdown(path: Path, outcomes: list[Outcome], scaling: dict | None, *, quick: bool) -> None:
+    today = datetime.date.today().isoformat()
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Measured {today} on {machine_line(scaling)}, with `python benchmarks/run_all.py{' --quick' if quick else ''}`. "
+        "Times are medians of interleaved rounds (`benchmarks/common.py`); ratios are medians of per-round ratios "
+        "against each table's baseline (lower is faster). The machine is small and shared, so read the ratios, "
+        "not the milliseconds, and expect noise of 10-20%.",
+        "",
+    ]
+    if scaling is not None:
+        results = scaling["results"]
+        names = list(results[0]["median_ms"]) if results else []
+        for r in results[1:]:
+            names += [n for n in r["median_ms"] if n not in names]
+        lines += [
+            "## Step time against model size",
+            "",
+            "One optimizer step on a GPT-style gradient tree: clip by global norm 1.0, AdamW, apply "
+            f"(`benchmarks/scaling.py`, {scaling['rounds']} rounds). Milliseconds (ratio to `{scaling['baseline']}`).",
+            "",
+            "| candidate | " + " | ".join(f"{r['size']} ({r['n_params'] / 1e6:.1f}M)" for r in results) + " |",
+            "| --- | " + " | ".join("---:" for _ in results) + " |",
+        ]
+        for name in names:
+            cells = []
+            for r in results:
+                ms = r["median_ms"].get(name)
+                cells.append("n/a" if ms is None else f"{ms:.1f} ({r['ratio'][name]:.2f}x)")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines += ["", "![step time against model size](results.png)", ""]
+    for outcome in outcomes:
+        if outcome.script == "scaling.py":
+            continue
+        lines += [f"## `{outcome.script}`", "", f"`{' '.join(Path(c).name if i == 0 else c for i, c in enumerate(outcome.command))}`"
+                  f" ({outcome.seconds:.0f} s)", ""]
+        if outcome.returncode != 0:
+            lines += [f"Failed (exit {outcome.returncode}); last lines:", "", "```", *outcome.output.strip().splitlines()[-8:], "```", ""]
+        for table in outcome.tables:
+            lines += [f"**{table.title}**", "", f"| candidate | median ms | ratio vs {table.baseline} |", "| --- | ---: | ---: |"]
+            lines += [f"| {name} | {ms:.2f} | {ratio:.3f} |" for name, ms, ratio in table.rows]
+            lines.append("")
+        if outcome.returncode == 0 and not outcome.tables:
+            lines += ["(no `report` table in its output)", ""]
+    path.write_text("\n".join(lines).rstrip() + "\n")
+
+
+def write_plot(path: Path, scaling: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = scaling["results"]
+    sizes = [r["n_params"] / 1e6 for r in results]
+    names: list[str] = []
+    for r in results:
+        names += [n for n in r["median_ms"] if n not in names]
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    for name in names:
+        points = [(s, r["median_ms"][name]) for s, r in zip(sizes, results) if name in r["median_ms"]]
+        style = "-" if name.startswith("gradtx") else "--"
+        ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=name)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("parameters (millions)")
+    ax.set_ylabel("step time (ms, median)")
+    ax.set_title(f"clip by global norm + AdamW + apply\n{machine_line(scaling)}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and smaller trees (a few minutes)")
+    parser.add_argument("--external-python", default=os.environ.get("GRADTX_BENCH_PYTHON"),
+                        help="an interpreter with optax/jax/torchopt, for the benchmarks that compare with them")
+    parser.add_argument("--only", nargs="*", default=None, help="run only these scripts (e.g. scaling.py wrap.py)")
+    parser.add_argument("--out", default=str(BENCH_DIR), help="where results.md and results.png go")
+    args = parser.parse_args()
+
+    out = Path(args.out)
+    outcomes = []
+    scaling = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for script in benchmark_scripts():
+            if args.only and script.name not in args.only:
+                continue
+            python = sys.executable
+            if args.external_python and wants_external(script.read_text()):
+                python = args.external_python
+            json_path = Path(tmp) / f"{script.stem}.json"
+            outcome = run(script, quick=args.quick, python=python, json_path=json_path)
+            outcomes.append(outcome)
+            if script.name == "scaling.py" and json_path.exists():
+                scaling = json.loads(json_path.read_text())
+    write_markdown(out / "results.md", outcomes, scaling, quick=args.quick)
+    print(f"wrote {out / 'results.md'}")
+    if scaling is not None:
+        write_plot(out / "results.png", scaling)
+        print(f"wrote {out / 'results.png'}")
+    failed = [o.script for o in outcomes if o.returncode != 0]
+    if failed:
+        print(f"failed: {failed}")
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
