@@ -27,7 +27,7 @@ CASE_MODULES = (
     "test_sharding_layouts",
     "test_sharding_dtensor",
     "test_sharding_validation",
-    # "test_sharding_properties",
+    "test_sharding_properties",
     "test_sharding_collectives",
 )
 
@@ -112,14 +112,16 @@ def _child(rank: int, size: int, store_path: str, modules: list[str], results: A
             except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
                 error = traceback.format_exc()
             results.put((rank, name, error, time.perf_counter() - start))
-            # Ranks still blocked in this case's collectives time out, then all agree to stop:
-            # a failure never cascades into timeouts in every later case.
-            flag = torch.tensor([0 if error is None else 1])
+            # A case that failed on some ranks only may have left others blocked in its
+            # collectives: they time out, then all agree to stop, so one failure never cascades
+            # into timeouts in every later case. A case that failed on every rank left the world
+            # in step, and the later cases still run.
+            failures = torch.tensor([0 if error is None else 1])
             try:
-                dist.all_reduce(flag, group=control)
+                dist.all_reduce(failures, group=control)
             except RuntimeError:
-                flag.fill_(1)
-            if flag.item():
+                failures.fill_(1)
+            if 0 < failures.item() < size:
                 failed_case = name
     finally:
         results.put((rank, None, None, 0.0))
