@@ -281,6 +281,13 @@ def _logical_shape(layout: LeafLayout, leaf: Tensor, local: Tensor, mesh: MeshAx
     return tuple(shape)
 
 
+def _local_unitwise_norm(x: Tensor) -> Tensor:
+    dtype = tree_lib.accumulation_dtype([x.dtype])
+    if x.squeeze().ndim <= 1:
+        return torch.linalg.vector_norm(x, 2, dtype=dtype)
+    return torch.linalg.vector_norm(x, 2, dim=tuple(range(1, x.ndim)), keepdim=True, dtype=dtype)
+
+
 def unitwise_norms(*trees: Any, spec: Optional[ShardingSpec] = None) -> tuple[Any, ...]:
     """Per-unit L2 norms (as :func:`gradtx.unitwise_norm`) of the logical leaves of each tree.
 
@@ -293,6 +300,8 @@ def unitwise_norms(*trees: Any, spec: Optional[ShardingSpec] = None) -> tuple[An
     if not trees:
         return ()
     _check_spec(spec, "unitwise_norms")
+    if spec is None and not any(dtensor_lib.has_dtensor(tree_lib.leaves(t)) for t in trees):
+        return tuple(tree_lib.tree_map(_local_unitwise_norm, t) for t in trees)
     plan, first = plan_for(trees[0], spec, what="unitwise_norms")
     all_leaves = [first] + [tree_lib.flatten_like(t, tree_lib.structure(trees[0]), trees[0], what="params") for t in trees[1:]]
     items: list[tuple[tuple[str, ...], Tensor]] = []
