@@ -1,7 +1,8 @@
 """Every example runs, as written, in its quick mode (``GRADTX_EXAMPLES_QUICK=1``), so none rots.
 
 Each example is launched as a user would: ``python examples/NAME.py`` or, for the distributed
-ones, ``torchrun --standalone --nproc_per_node 2 examples/NAME.py`` (gloo, CPU). A run passes
+ones, ``torchrun --standalone --nproc_per_node 2 examples/NAME.py`` (gloo, CPU).
+``hybrid_parallel.py`` (4 processes) is run by ``tests/distributed/test_hybrid_parallel_example.py``. A run passes
 when it exits with 0 and prints the line that shows it did its job. Examples need the
 ``examples`` extra (tqdm, scikit-learn); without it they are skipped, saying so.
 """
@@ -20,29 +21,31 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 TIMEOUT_S = 180
 
-# name -> list of (launcher, extra arguments, text the output must contain)
-RUNS: dict[str, list[tuple[str, list[str], str]]] = {
-    "quickstart.py": [("python", [], "final test accuracy")],
+# name -> list of (processes: 1 for python, n for torchrun --nproc_per_node n, extra arguments,
+#                  text the output must contain)
+RUNS: dict[str, list[tuple[int, list[str], str]]] = {
+    "quickstart.py": [(1, [], "final test accuracy")],
     "colossalai_style.py": [
-        ("python", ["--clip", "chain"], "grad norm before clipping"),
-        ("torchrun", [], "parameters identical on all 2 ranks: True"),
+        (1, ["--clip", "chain"], "grad norm before clipping"),
+        (2, [], "parameters identical on all 2 ranks: True"),
     ],
-    "fsdp2.py": [("torchrun", [], "FSDP2 + gradtx matches dense training")],
-    "per_example_dp.py": [("python", [], "with DP-SGD")],
-    "hybrid_parallel.py": [("torchrun", [], "")],
+    "fsdp2.py": [(2, [], "FSDP2 + gradtx matches dense training")],
+    "per_example_dp.py": [(1, [], "with DP-SGD")],
 }
+# Examples whose run under torchrun is checked by a test of their own (not repeated here).
+RUN_ELSEWHERE = {"hybrid_parallel.py": ROOT / "tests" / "distributed" / "test_hybrid_parallel_example.py"}
 
 CASES = [
     pytest.param(
         name,
-        launcher,
+        nproc,
         args,
         expected,
-        id=f"{name[:-3]}-{launcher}{'-' + '-'.join(a.lstrip('-') for a in args) if args else ''}",
-        marks=[pytest.mark.distributed] if launcher == "torchrun" else [],
+        id=f"{name[:-3]}-{'python' if nproc == 1 else f'torchrun{nproc}'}{''.join('-' + a.lstrip('-') for a in args)}",
+        marks=[pytest.mark.distributed] if nproc > 1 else [],
     )
     for name, runs in RUNS.items()
-    for launcher, args, expected in runs
+    for nproc, args, expected in runs
 ]
 
 
@@ -50,21 +53,24 @@ def _missing_extras() -> list[str]:
     return [module for module in ("sklearn", "tqdm") if importlib.util.find_spec(module) is None]
 
 
-def _command(name: str, launcher: str, args: list[str]) -> list[str]:
+def _command(name: str, nproc: int, args: list[str]) -> list[str]:
     script = str(EXAMPLES / name)
-    if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, *args]
+    if nproc > 1:  # torchrun, through this interpreter
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script, *args]
     return [sys.executable, script, *args]
 
 
-def test_every_example_is_run_here():
+def test_every_example_is_run():
     on_disk = sorted(p.name for p in EXAMPLES.glob("*.py"))
-    unregistered = [name for name in on_disk if name not in RUNS]
+    unregistered = [name for name in on_disk if name not in RUNS and name not in RUN_ELSEWHERE]
     assert not unregistered, f"examples with no quick run in tests/test_examples.py: {unregistered}"
+    for name, test_file in RUN_ELSEWHERE.items():
+        if (EXAMPLES / name).exists():
+            assert test_file.exists() and name in test_file.read_text(), f"examples/{name}: {test_file} does not run it"
 
 
-@pytest.mark.parametrize("name, launcher, args, expected", CASES)
-def test_example_runs(name: str, launcher: str, args: list[str], expected: str):
+@pytest.mark.parametrize("name, nproc, args, expected", CASES)
+def test_example_runs(name: str, nproc: int, args: list[str], expected: str):
     if not (EXAMPLES / name).exists():
         pytest.skip(f"examples/{name} is not in this checkout")
     missing = _missing_extras()
@@ -73,7 +79,7 @@ def test_example_runs(name: str, launcher: str, args: list[str], expected: str):
     env = dict(os.environ, GRADTX_EXAMPLES_QUICK="1", PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
     result = subprocess.run(
-        _command(name, launcher, args),
+        _command(name, nproc, args),
         cwd=ROOT,
         env=env,
         stdin=subprocess.DEVNULL,
