@@ -7,7 +7,7 @@ the batch size. ``torch.func.vmap(torch.func.grad(loss))`` gives every example's
 call (a leading batch dimension on every leaf) and ``gtx.dpsgd`` does the rest.
 
 The script trains the same model twice on scikit-learn's digits, without privacy (``gtx.sgd``) and
-with it (``gtx.dpsgd``), and prints how many examples per batch the clip scaled down (from
+with it (``gtx.dpsgd``), and prints the fraction of examples the clip scaled down (from
 ``gtx.per_example_global_norm_clip``, the function inside ``dpsgd``).
 
 Run:  python examples/per_example_dp.py
