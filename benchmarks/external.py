@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import gradtx as gtx  # noqa: E402
-from benchmarks.common import GPT_41M, interleaved, make_tree, n_elements, report  # noqa: E402
+from benchmarks.common import GPT_41M, interleaved, make_tree, median_ratio, n_elements, report  # noqa: E402
 
 LR, WEIGHT_DECAY, MAX_NORM = 1e-4, 0.01, 1.0
 
@@ -59,6 +59,45 @@ def gradtx_candidates():
         gtx.apply_updates(donated_params, updates, inplace=True)
 
     return pure_step, donated_step
+
+
+def gradtx_native_candidates():
+    """gradtx's own ``chain(clip_by_global_norm, adamw)``: pure, and donated (``inplace=True``)."""
+    tx = gtx.chain(gtx.clip_by_global_norm(MAX_NORM), gtx.adamw(LR, weight_decay=WEIGHT_DECAY))
+    grads = make_tree(GPT_41M, seed=1)
+    pure = {"params": make_tree(GPT_41M, seed=0)}
+    pure["state"] = tx.init(pure["params"])
+    donated_params, donated_grads = make_tree(GPT_41M, seed=0), make_tree(GPT_41M, seed=1)
+    donated = {"state": tx.init(donated_params)}
+
+    def pure_step():
+        updates, pure["state"] = tx.update(grads, pure["state"], pure["params"])
+        pure["params"] = gtx.apply_updates(pure["params"], updates)
+
+    def donated_step():
+        updates, donated["state"] = tx.update(donated_grads, donated["state"], donated_params, inplace=True)
+        gtx.apply_updates(donated_params, updates, inplace=True)
+
+    return pure_step, donated_step
+
+
+def gradtx_compiled_candidate():
+    """The same pure chain and ``apply_updates`` in one ``torch.compile(fullgraph=True)`` function,
+    which fuses the elementwise work as XLA does for optax."""
+    tx = gtx.chain(gtx.clip_by_global_norm(MAX_NORM), gtx.adamw(LR, weight_decay=WEIGHT_DECAY))
+    grads = make_tree(GPT_41M, seed=1)
+    box = {"params": make_tree(GPT_41M, seed=0)}
+    box["state"] = tx.init(box["params"])
+
+    @torch.compile(fullgraph=True)
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return gtx.apply_updates(params, updates), state
+
+    def run():
+        box["params"], box["state"] = step(box["params"], box["state"], grads)
+
+    return run
 
 
 def optax_candidate():
@@ -111,6 +150,10 @@ def main() -> None:
     baseline = "torch clip_grad_norm_ + AdamW(fused).step"
     candidates = {baseline: torch_candidate()}
     candidates["gradtx pure chain(clip, from_torch(AdamW))"], candidates["gradtx donated (inplace=True)"] = gradtx_candidates()
+    native_pure, native_donated = "gradtx pure chain(clip, adamw)", "gradtx chain(clip, adamw), donated"
+    candidates[native_pure], candidates[native_donated] = gradtx_native_candidates()
+    native_compiled = "gradtx pure chain(clip, adamw), torch.compile"
+    candidates[native_compiled] = gradtx_compiled_candidate()
     try:
         candidates["optax chain(clip, adamw), jit, CPU"] = optax_candidate()
     except ImportError as error:
@@ -121,6 +164,10 @@ def main() -> None:
         print(f"torchopt not available: {error}")
     times = interleaved(candidates, rounds=args.rounds)
     report("clip + AdamW + apply, one step", times, baseline)
+    for other, target in (("optax chain(clip, adamw), jit, CPU", 0.5), ("torchopt chain(clip, adamw), pure", 0.25)):
+        if other in times:
+            for ours in (native_pure, native_compiled):
+                print(f"{ours} / {other}: {median_ratio(times, ours, other):.3f} (target <= {target})")
 
 
 if __name__ == "__main__":
