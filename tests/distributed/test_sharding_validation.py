@@ -46,6 +46,7 @@ def bad_specs_fail_fast(world):
     # Found while resolving the tree: named by leaf path (and axis).
     _fails_fast(lambda: gtx.global_norm(grads, ShardingSpec(mesh, {"w": Shard("ep"), "b": Replicate()})), r"'w'.*'ep'")
     _fails_fast(lambda: gtx.global_norm(grads, ShardingSpec(mesh, [("w", Shard("tp"))])), r"no rule matches leaf 'b'")
+    _fails_fast(lambda: gtx.global_norm(grads, ShardingSpec(mesh, [])), r"no rule matches leaf 'b'")
     _fails_fast(lambda: gtx.global_norm(grads, ShardingSpec(mesh, {"w": Shard("tp")})), r"'b' is not covered")
     _fails_fast(
         lambda: gtx.global_norm(grads, ShardingSpec(mesh, {"w": Shard("tp"), "b": Replicate(), "c": Replicate()})),

@@ -10,6 +10,7 @@ mesh from them with ``DeviceMesh.from_group`` (see :class:`gradtx.sharding.Shard
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Optional, Sequence
 
 import torch
@@ -47,10 +48,9 @@ class MeshAxes:
         self.sizes: dict[str, int] = dict(zip(self.names, mesh.shape))
         self.coordinate: dict[str, int] = dict(zip(self.names, coordinate))
         self._grid: torch.Tensor = mesh.mesh.cpu()
-        self._rank_coordinate = {
-            int(rank): tuple(int(c) for c in index)
-            for index, rank in zip(torch.cartesian_prod(*[torch.arange(s) for s in self._grid.shape]).reshape(-1, mesh.ndim), self._grid.reshape(-1))
-        } if mesh.ndim else {}
+        self._rank_coordinate: dict[int, tuple[int, ...]] = {
+            int(self._grid[index]): index for index in itertools.product(*(range(n) for n in self._grid.shape))
+        }
         self._spans: dict[tuple[Any, int], tuple[str, ...]] = {}
 
     # ------------------------------------------------------------------ axes

@@ -8,6 +8,7 @@ spec fails on every rank before any collective.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -164,14 +165,11 @@ def _build(tree: Any, tree_leaves: Sequence[Any], spec: Optional[ShardingSpec], 
     return plan
 
 
-def _fingerprint(plan: Plan) -> int:
-    """A stable 62-bit hash of what ranks of one stage must agree on (paths, specs, groups)."""
-    import hashlib
-
-    text = repr(
-        (
-            plan.global_axes,
-            [None if l is None else (l.path, l.axes, l.dims, l.duplicate) for l in plan.layouts],
-        )
-    )
+def hash_text(text: str) -> int:
+    """A stable 62-bit hash (the same on every rank, unlike ``hash``), so its negation fits int64."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+
+def _fingerprint(plan: Plan) -> int:
+    """What ranks of one stage must agree on: leaf paths, layouts and duplicate flags."""
+    return hash_text(repr([None if l is None else (l.path, l.axes, l.dims, l.duplicate) for l in plan.layouts]))

@@ -21,7 +21,7 @@ from torch import Tensor
 from gradtx import tree as tree_lib
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding.mesh import MeshAxes
-from gradtx.sharding.plan import LeafLayout, Plan, plan_for
+from gradtx.sharding.plan import LeafLayout, Plan, hash_text, plan_for
 from gradtx.sharding.spec import ShardingSpec
 
 _REDUCE_DTYPE = torch.float64  # one scalar per leaf at most: exact enough, and equal on every rank
@@ -97,12 +97,6 @@ def _check_consistency(plan: Plan, device: torch.device) -> None:
                 f"gradtx.sharding: ranks of {where} hold different gradient trees or leaf specs "
                 "(paths, shapes of the layout, or duplicate flags differ), so the norm would be wrong"
             )
-
-
-def hash_text(text: str) -> int:
-    import hashlib
-
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
 
 
 # --------------------------------------------------------------------------- global norm

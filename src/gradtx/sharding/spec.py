@@ -28,9 +28,9 @@ LeafSpecs = Union[None, Rules, Callable[[str, Any], Optional[Shard]], Any]
 
 
 def _is_rules(leaves: Any) -> bool:
+    """A list of ``(glob, spec)`` pairs (an empty list: no rules, every leaf takes the default)."""
     return (
         isinstance(leaves, (list, tuple))
-        and len(leaves) > 0
         and all(
             isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], Shard)
             for item in leaves
