@@ -261,13 +261,20 @@ def total_norm(tensors: Sequence[Tensor], ord: float) -> Tensor:
     """The ``ord``-norm of all ``tensors`` seen as one vector, as ``torch.nn.utils.clip_grad_norm_`` computes it.
 
     Accumulates in float32 (float64 if any input is float64) so half-precision gradients neither
-    overflow nor lose their sum. Returns a 0-d tensor on the first tensor's device.
+    overflow nor lose their sum. Returns a 0-d tensor on the first tensor's device. The per-tensor
+    norms are stacked group by group, in torch's order, and only moved or cast when a group needs it.
     """
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
     first_device = tensors[0].device
-    norms = [n.to(first_device) for n in local_norms(tensors, ord)]
-    return torch.linalg.vector_norm(torch.stack(norms), ord)
+    groups = [foreach_norm(group, ord, accumulation_dtype([group[0].dtype])) for _, (group,) in grouped(tensors)]
+    dtype = accumulation_dtype([norms[0].dtype for norms in groups])
+    stacked: list[Tensor] = []
+    for norms in groups:
+        if norms[0].device != first_device or norms[0].dtype != dtype:
+            norms = [n.to(first_device, dtype) for n in norms]
+        stacked.extend(norms)
+    return torch.linalg.vector_norm(torch.stack(stacked), ord)
 
 
 def scale_(tensors: Sequence[Tensor], factor: Tensor, *, inplace: bool) -> list[Tensor]:
