@@ -40,8 +40,8 @@ def gpt_shapes(n_layer: int, d_model: int, vocab: int, n_ctx: int) -> dict[str, 
 
 # GPT-2 small: 148 leaves, 124M parameters.
 GPT2_124M = dict(n_layer=12, d_model=768, vocab=50257, n_ctx=1024)
-# A 41.7M-parameter model: 4 layers, 16k vocabulary.
-GPT_41M = dict(n_layer=4, d_model=1024, vocab=16384, n_ctx=1024)
+# A 41.7M-parameter model: 4 layers of width 768, 16k vocabulary (52 leaves).
+GPT_41M = dict(n_layer=4, d_model=768, vocab=16384, n_ctx=1024)
 
 
 def make_tree(config: dict, *, dtype: torch.dtype = torch.float32, seed: int = 0, scale: float = 1.0) -> dict[str, torch.Tensor]:
