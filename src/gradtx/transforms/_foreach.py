@@ -283,11 +283,33 @@ def fresh(sources: Sequence[Tensor], *, into: Optional[Sequence[Tensor]]) -> lis
     return [s.clone() for s in sources]
 
 
+def _writes_out(*lists: Sequence[Tensor]) -> bool:
+    """Whether per-tensor ``out=`` kernels serve better than foreach ones: on the CPU, where foreach
+    kernels are a loop over the same per-tensor kernels anyway, ``out=`` saves a pass over memory."""
+    return lists[0][0].device.type == "cpu" and not _per_tensor(*(list(x) for x in lists))
+
+
 def sqrt_of(sources: Sequence[Tensor], *, into: Optional[Sequence[Tensor]]) -> list[Tensor]:
     """``sqrt(sources)`` written into the donated ``into``, or into new tensors (same numbers)."""
-    if into is not None:
-        return sqrt(copy_into(into, sources), inplace=True)
-    return sqrt(sources, inplace=False)
+    if into is None:
+        return sqrt(sources, inplace=False)
+    into = list(into)
+    if _writes_out(into, sources):
+        return [torch.sqrt(s, out=b) for s, b in zip(sources, into)]
+    return sqrt(copy_into(into, sources), inplace=True)
+
+
+def div_into(numerators: Sequence[Tensor], denominators: Sequence[Tensor]) -> list[Tensor]:
+    """``numerators / denominators`` written over ``denominators`` (our own buffers).
+
+    One ``div`` pass on the CPU; elsewhere ``reciprocal`` then ``mul``, as foreach kernels have no
+    reversed division (one rounding more). Either way the pure and the donated paths agree, since
+    both call this on buffers they own.
+    """
+    denominators = list(denominators)
+    if _writes_out(denominators, numerators):
+        return [torch.div(n, d, out=d) for n, d in zip(numerators, denominators)]
+    return mul(reciprocal(denominators, inplace=True), numerators, inplace=True)
 
 
 def finish(values: Sequence[Tensor], like: Sequence[Tensor]) -> list[Tensor]:

@@ -97,7 +97,7 @@ def divide(numer: list[Tensor], numer_is_buffer: bool, d: list[Tensor], step: An
     if numer_is_buffer:
         out = fe.div(numer, d, inplace=True)
     else:
-        out = fe.mul(fe.reciprocal(d, inplace=True), fe.cast(numer, d[0].dtype), inplace=True)
+        out = fe.div_into(fe.cast(numer, d[0].dtype), d)
     return fe.mul(out, step, inplace=True)
 
 
