@@ -42,7 +42,7 @@ MAX_NORM = 1.0
 EPS = 1e-6
 BASELINE = "torch clip_grad_norm_"
 TINY: dict = {}  # GPT-2's 148 leaf names with 4 elements each: the fixed cost of one call
-CONFIGS = {"GPT-2 124M": GPT2_124M, "GPT_41M config (4 layers, 16k vocab)": GPT_41M, "GPT-2 leaves, 4 elements each": TINY}
+CONFIGS = {"GPT-2 124M": GPT2_124M, "GPT 41.7M (4 layers, 16k vocab)": GPT_41M, "GPT-2 leaves, 4 elements each": TINY}
 
 
 def gradients(config: dict) -> dict[str, torch.Tensor]:
