@@ -208,6 +208,20 @@ def test_norms_accumulate_in_float32_or_wider():
     assert empty.shape == () and empty.item() == 0.0
 
 
+@pytest.mark.parametrize("ord", [0.5, 1.0, 2.0, 3.0, math.inf, 0.0])
+def test_norms_of_large_half_tensors_are_exact_to_float32(ord):
+    """Large half tensors on CPU are normed in chunks (no whole float32 copy): same numbers."""
+    gen = torch.Generator().manual_seed(0)
+    exact = torch.randn(3 * 65536 + 17, generator=gen, dtype=torch.float64)
+    exact[::7] = 0.0
+    tensors = [exact.half(), exact.bfloat16()[: 2 * 65536].view(2, 65536).t()]  # contiguous, and not
+    expected = [torch.linalg.vector_norm(t.double(), ord) for t in tensors]
+    norms = tree_lib.foreach_norm(tensors[:1], ord, torch.float32) + tree_lib.foreach_norm(tensors[1:], ord, torch.float32)
+    for norm, reference in zip(norms, expected):
+        assert norm.dtype == torch.float32
+        torch.testing.assert_close(norm.double(), reference, rtol=1e-4, atol=0)  # float32 sums of 2e5 terms
+
+
 def test_foreach_mul_keeps_dtypes_of_zero_dim_tensors():
     """A 0-d half tensor times a float32 0-d factor would promote to float32; results keep their dtype."""
     tensors = [torch.tensor(3.0, dtype=torch.float16), torch.tensor(1.5, dtype=torch.bfloat16), torch.ones(3)]

@@ -195,10 +195,34 @@ def accumulation_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
+_UPCAST_CHUNK = 1 << 16  # elements: the largest float32 temporary a CPU norm of a half tensor makes
+
+
+def _chunked_norm(tensor: Tensor, ord: float, dtype: torch.dtype) -> Tensor:
+    """The norm of a contiguous tensor taken over chunks, each upcast to ``dtype`` in turn.
+
+    For ``ord > 0`` the norm of the chunks' norms is the norm of the whole.
+    """
+    chunks = list(tensor.view(-1).split(_UPCAST_CHUNK))
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(chunks, ord, dtype=dtype)), ord)
+
+
 def foreach_norm(tensors: Sequence[Tensor], ord: float, dtype: torch.dtype) -> list[Tensor]:
-    """Per-tensor ``ord``-norms of same-(device, dtype) tensors, accumulated and returned in ``dtype``."""
+    """Per-tensor ``ord``-norms of same-(device, dtype) tensors, accumulated and returned in ``dtype``.
+
+    On CPU, torch upcasts a whole half-precision tensor to accumulate in ``dtype``; large contiguous
+    ones are taken in chunks instead, so no gradient-sized copy is made.
+    """
     if uses_functorch(tensors):
         return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]
+    if tensors[0].dtype != dtype and tensors[0].device.type == "cpu" and ord > 0 and not torch.compiler.is_compiling():
+        # (CPU foreach kernels loop over the tensors anyway: one call per tensor costs the same)
+        return [
+            _chunked_norm(t, ord, dtype)
+            if t.numel() > _UPCAST_CHUNK and t.is_contiguous()
+            else torch.linalg.vector_norm(t, ord, dtype=dtype)
+            for t in tensors
+        ]
     return list(torch._foreach_norm(list(tensors), ord, dtype=dtype))
 
 
