@@ -1,7 +1,7 @@
 """Runs every benchmark in ``benchmarks/`` and writes ``results.md`` (tables) and ``results.png`` (a plot).
 
 Each ``benchmarks/*.py`` (but ``common.py`` and this file) runs as a subprocess from the repository
-root, as its docstring says to run it, with ``--rounds 3`` (and ``--small`` / ``--quick`` where it
+root, as its docstring says to run it, with ``--rounds 5`` (and ``--small`` / ``--quick`` where it
 has them) under ``--quick``. The lines ``common.report`` prints (candidate, median, ratio) become
 the tables; ``scaling.py`` also leaves its medians as JSON, which become the plot of step time
 against model size.
@@ -33,6 +33,7 @@ ROOT = BENCH_DIR.parent
 NOT_BENCHMARKS = {"common.py", "run_all.py", "__init__.py"}
 REPORT_LINE = re.compile(r"^\s+(?P<name>.+?)\s+median\s+(?P<ms>[\d.]+) ms\s+ratio vs (?P<base>.+): (?P<ratio>[\d.]+)\s*$")
 TIMEOUT_S = 1800
+QUICK_ROUNDS = 5  # enough for a median on a noisy machine, still a few minutes in all
 
 
 @dataclass
@@ -68,7 +69,7 @@ def command_for(script: Path, *, quick: bool, python: str, json_path: Path) -> l
         if '"--quick"' in source:
             args.append("--quick")
         if '"--rounds"' in source:
-            args += ["--rounds", "3"]
+            args += ["--rounds", str(QUICK_ROUNDS)]
         if '"--small"' in source:
             args.append("--small")
     if '"--json"' in source:
