@@ -1,7 +1,5 @@
 """Adam and relatives against torch.optim trajectories and against their published formulas."""
 
-import math
-
 import pytest
 import torch
 

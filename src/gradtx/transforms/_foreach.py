@@ -25,7 +25,6 @@ from torch import Tensor
 from gradtx import tree as tree_lib
 
 Scalar = Union[float, Tensor]
-_INT32_MAX = torch.iinfo(torch.int32).max
 
 
 # --------------------------------------------------------------------------- leaves
@@ -40,12 +39,12 @@ class Leaves(NamedTuple):
     present: list[int]
     tensors: list[Tensor]
 
-    def aligned(self, other: Any, *, what: str, allow_none: bool = False) -> list[Any]:
+    def aligned(self, other: Any, *, what: str) -> list[Any]:
         """The leaves of ``other`` (a tree shaped like the updates) at the non-``None`` updates."""
         other_leaves = tree_lib.flatten_like(other, self.treedef, self.tree, what=what)
         out = [other_leaves[i] for i in self.present]
         for i, leaf in zip(self.present, out):
-            if not isinstance(leaf, Tensor) and not (allow_none and leaf is None):
+            if not isinstance(leaf, Tensor):
                 raise TypeError(
                     f"{what}: leaf {tree_lib.path_at(self.tree, i)!r} has an update but its value is "
                     f"{type(leaf).__name__}, expected a torch.Tensor"
@@ -111,12 +110,15 @@ def increment(count: Tensor, *, inplace: bool) -> Tensor:
 
 def decay_power(decay: float, count: Tensor) -> Tensor:
     """``decay ** count`` as a 0-d float64 tensor on ``count``'s device."""
-    return torch.pow(torch.tensor(decay, dtype=torch.float64, device=count.device), count.to(torch.float64))
+    return torch.pow(decay, count.to(torch.float64))
 
 
 def as_scalar_tensor(value: Any, like: Tensor) -> Tensor:
-    """A schedule's value (a number or a 0-d tensor) as a 0-d float64 tensor next to ``like``."""
-    return torch.as_tensor(value, dtype=torch.float64, device=like.device)
+    """A schedule's value (a number or a 0-d tensor) as a 0-d float64 tensor next to ``like``
+    (a number is filled in on the device, not copied from the host)."""
+    if isinstance(value, Tensor):
+        return value.to(device=like.device, dtype=torch.float64)
+    return torch.full((), float(value), dtype=torch.float64, device=like.device)
 
 
 def schedule_value(schedule: Callable[[Tensor], Any], count: Tensor) -> Tensor:
@@ -212,11 +214,6 @@ def add(selves: Sequence[Tensor], other: Any, *, alpha: float = 1.0, inplace: bo
 def addcmul(selves: Sequence[Tensor], t1: Sequence[Tensor], t2: Sequence[Tensor], value: float, *, inplace: bool) -> list[Tensor]:
     """``selves + value * t1 * t2``."""
     return _run("addcmul", selves, t1, t2, inplace=inplace, value=value)
-
-
-def addcdiv(selves: Sequence[Tensor], t1: Sequence[Tensor], t2: Sequence[Tensor], value: float, *, inplace: bool) -> list[Tensor]:
-    """``selves + value * t1 / t2``."""
-    return _run("addcdiv", selves, t1, t2, inplace=inplace, value=value)
 
 
 def sqrt(selves: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:

@@ -182,7 +182,7 @@ class _Adam:
         new_state = ScaleByAdamState(
             count=count, mu=leaves.rebuild(new_mu, like=state.mu), nu=leaves.rebuild(new_nu, like=state.nu)
         )
-        return leaves, leaves.rebuild(new_updates), new_state
+        return leaves.rebuild(new_updates), new_state
 
 
 def _add_scaled(targets: list[Tensor], values: list[Tensor], factor: Any) -> None:
@@ -212,8 +212,7 @@ def scale_by_adam(
 
     def update_fn(updates, state, params=None, *, inplace=False):
         del params
-        _, new_updates, new_state = adam.update(updates, state, inplace=inplace)
-        return new_updates, new_state
+        return adam.update(updates, state, inplace=inplace)
 
     return GradientTransformation(adam.init, update_fn)
 
@@ -280,7 +279,7 @@ def fused_adam(
                     flags = [selected[i] for i in leaves.present]
                 factor = wd if lr_scale is None else lr_scale * wd
                 decay = (factor, flags, param_values)
-        _, new_updates, new_adam_state = adam.update(updates, adam_state, inplace=inplace, lr_scale=lr_scale, decay=decay)
+        new_updates, new_adam_state = adam.update(updates, adam_state, inplace=inplace, lr_scale=lr_scale, decay=decay)
         if with_decay:
             return new_updates, (new_adam_state, decay_state, lr_state)
         return new_updates, (new_adam_state, lr_state)

@@ -8,7 +8,7 @@ and the same state always draws the same noise. Sampling runs on the host's side
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Union
 
 import torch
 from torch import Tensor
