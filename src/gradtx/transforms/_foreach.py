@@ -181,9 +181,9 @@ def _run(name: str, selves: Sequence[Tensor], *args: Any, inplace: bool, **kwarg
     args = tuple(list(a) if isinstance(a, (list, tuple)) else a for a in args)
     if _per_tensor(selves, *args):
         cols = _columns(args, len(selves))
-        if inplace:
-            return [getattr(s, name + "_")(*xs, **kwargs) for s, *xs in zip(selves, *cols)]
-        return [getattr(torch, name)(s, *xs, **kwargs) for s, *xs in zip(selves, *cols)]
+        results = [getattr(torch, name)(s, *xs, **kwargs) for s, *xs in zip(selves, *cols)]
+        # copy_ has a batching rule where several in-place ops (addcmul_, ...) have none.
+        return [s.copy_(r) for s, r in zip(selves, results)] if inplace else results
     if inplace:
         getattr(torch, f"_foreach_{name}_")(selves, *args, **kwargs)
         return selves
