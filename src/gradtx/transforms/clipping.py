@@ -240,8 +240,9 @@ def adaptive_grad_clip(
         grads = [tree_leaves[i] for i in present]
         if sharding.is_sharded(grads, spec) or sharding.is_sharded([param_leaves[i] for i in present], None):
             grad_tree, param_tree = sharding.unitwise_norms(updates, params, spec=spec)
-            grad_norms = [tree_lib.leaves(grad_tree)[i] for i in present]
-            param_norms = [tree_lib.leaves(param_tree)[i] for i in present]
+            all_grad_norms, all_param_norms = tree_lib.leaves(grad_tree), tree_lib.leaves(param_tree)
+            grad_norms = [all_grad_norms[i] for i in present]
+            param_norms = [all_param_norms[i] for i in present]
         else:
             grad_norms = [unitwise_norm(g) for g in grads]
             param_norms = [unitwise_norm(param_leaves[i]) for i in present]
