@@ -172,3 +172,29 @@ def test_lamb_and_lars_hand_their_spec_to_the_sharded_leaf_norms():
     for tx in (gtx.lamb(1e-3, spec="tp"), gtx.lars(1e-3, spec="tp"), gtx.scale_by_trust_ratio(spec="tp")):
         with pytest.raises(TypeError, match="leaf_norms: spec must be a gradtx.sharding.ShardingSpec"):
             tx.update(grads, tx.init(params), params)
+
+
+def test_injected_tensor_hyperparameters_are_used_without_host_reads_or_recompiles():
+    torch._dynamo.reset()
+    params, grads = tree(0, torch.float32), grad_sequence(4, torch.float32)
+    tx = gtx.inject_hyperparams(gtx.adamw)(learning_rate=1e-2, weight_decay=0.1)
+    frames = {"n": 0}
+
+    def backend(gm, example_inputs):
+        frames["n"] += 1
+        return gm.forward
+
+    step = torch.compile(lambda g, s, p: tx.update(g, s, p), backend=backend, fullgraph=True)
+    state, p_ours, p_ref = tx.init(params), dict(params), dict(params)
+    reference_state = None
+    for i, g in enumerate(grads):
+        lr = 1e-2 / (i + 1)
+        state.hyperparams["learning_rate"].fill_(lr)
+        updates, state = step(g, state, p_ours)
+        p_ours = gtx.apply_updates(p_ours, updates)
+        eager = gtx.adamw(lr, weight_decay=0.1)
+        reference_state = eager.init(params) if reference_state is None else reference_state
+        ref_updates, reference_state = eager.update(g, reference_state, p_ref)
+        p_ref = gtx.apply_updates(p_ref, ref_updates)
+    assert frames["n"] == 1
+    assert_trees_close(p_ours, p_ref, rtol=1e-6, atol=1e-7)

@@ -121,6 +121,16 @@ def as_scalar_tensor(value: Any, like: Tensor) -> Tensor:
     return torch.full((), float(value), dtype=torch.float64, device=like.device)
 
 
+def number_or_tensor(value: Any) -> Union[float, Tensor]:
+    """A hyperparameter as given: a 0-d tensor stays one (``inject_hyperparams`` passes them; reading
+    it on the host would sync and make ``torch.compile`` specialise on its value), else a float."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"expected a number or a one-element tensor, got shape {tuple(value.shape)}")
+        return value.reshape(())
+    return float(value)
+
+
 def schedule_value(schedule: Callable[[Tensor], Any], count: Tensor) -> Tensor:
     return as_scalar_tensor(schedule(count), count)
 
@@ -190,8 +200,10 @@ def _run(name: str, selves: Sequence[Tensor], *args: Any, inplace: bool, **kwarg
     return list(getattr(torch, f"_foreach_{name}")(selves, *args, **kwargs))
 
 
-def lerp(selves: Sequence[Tensor], ends: Sequence[Tensor], weight: float, *, inplace: bool) -> list[Tensor]:
+def lerp(selves: Sequence[Tensor], ends: Sequence[Tensor], weight: Scalar, *, inplace: bool) -> list[Tensor]:
     """``selves + weight * (ends - selves)``: an exponential moving average step."""
+    if isinstance(weight, Tensor):
+        weight = [on(weight, selves)] * len(selves)
     return _run("lerp", selves, ends, weight, inplace=inplace)
 
 
@@ -204,15 +216,19 @@ def div(selves: Sequence[Tensor], other: Any, *, inplace: bool) -> list[Tensor]:
     return _run("div", selves, other, inplace=inplace)
 
 
-def add(selves: Sequence[Tensor], other: Any, *, alpha: float = 1.0, inplace: bool) -> list[Tensor]:
+def add(selves: Sequence[Tensor], other: Any, *, alpha: Scalar = 1.0, inplace: bool) -> list[Tensor]:
     """``selves + alpha * other``; ``other`` a list of tensors, a number or a 0-d tensor."""
+    if isinstance(alpha, Tensor):  # a tensor factor needs its own product
+        return _run("add", selves, mul(other, on(alpha, selves), inplace=False), inplace=inplace)
     if isinstance(other, (list, tuple)) or (isinstance(other, Tensor) and alpha != 1.0):
         return _run("add", selves, other, inplace=inplace, alpha=alpha)
     return _run("add", selves, other, inplace=inplace)
 
 
-def addcmul(selves: Sequence[Tensor], t1: Sequence[Tensor], t2: Sequence[Tensor], value: float, *, inplace: bool) -> list[Tensor]:
+def addcmul(selves: Sequence[Tensor], t1: Sequence[Tensor], t2: Sequence[Tensor], value: Scalar, *, inplace: bool) -> list[Tensor]:
     """``selves + value * t1 * t2``."""
+    if isinstance(value, Tensor):  # a tensor factor needs its own product
+        return _run("addcmul", selves, mul(t1, on(value, selves), inplace=False), t2, inplace=inplace)
     return _run("addcmul", selves, t1, t2, inplace=inplace, value=value)
 
 

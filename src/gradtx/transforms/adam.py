@@ -52,9 +52,10 @@ class ScaleByBeliefState(NamedTuple):
     nu: Any
 
 
-def _check_decay(name: str, value: float, owner: str) -> float:
-    value = float(value)
-    if not 0.0 <= value <= 1.0:
+def _check_decay(name: str, value: Any, owner: str) -> Union[float, Tensor]:
+    """A decay rate in [0, 1]; a 0-d tensor (from ``inject_hyperparams``) is taken as it is."""
+    value = fe.number_or_tensor(value)
+    if isinstance(value, float) and not 0.0 <= value <= 1.0:
         raise ValueError(f"{owner}: {name} must be in [0, 1], got {value}")
     return value
 
@@ -67,14 +68,14 @@ def _correction(decay: float, count: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- shared steps
 
 
-def first_moment(mu: list[Tensor], grads: list[Tensor], b1: float, *, inplace: bool) -> list[Tensor]:
+def first_moment(mu: list[Tensor], grads: list[Tensor], b1: Any, *, inplace: bool) -> list[Tensor]:
     """``b1 * mu + (1 - b1) * g`` (in ``mu``'s dtype)."""
     return fe.lerp(mu, fe.cast(grads, mu[0].dtype), 1.0 - b1, inplace=inplace)
 
 
-def second_moment(nu: list[Tensor], grads: list[Tensor], b2: float, *, inplace: bool) -> list[Tensor]:
+def second_moment(nu: list[Tensor], grads: list[Tensor], b2: Any, *, inplace: bool) -> list[Tensor]:
     """``b2 * nu + (1 - b2) * g * g``."""
-    nu = fe.mul(nu, b2, inplace=inplace)
+    nu = fe.mul(nu, fe.on(b2, nu), inplace=inplace)
     return fe.addcmul(nu, grads, grads, 1.0 - b2, inplace=True)
 
 
@@ -117,7 +118,7 @@ class _Scalars(NamedTuple):
     nesterov_ratio: Optional[Tensor]  # c_b / c_a
 
 
-def _adam_scalars(b1: float, b2: float, eps: float, eps_root: float, nesterov: bool, count: Tensor) -> _Scalars:
+def _adam_scalars(b1: Any, b2: Any, eps: Any, eps_root: Any, nesterov: bool, count: Tensor) -> _Scalars:
     bc1, bc2 = _correction(b1, count), _correction(b2, count)
     sqrt_bc2 = torch.sqrt(bc2)
     hat, ratio = 1.0 / bc1, None
@@ -126,7 +127,7 @@ def _adam_scalars(b1: float, b2: float, eps: float, eps_root: float, nesterov: b
         c_a = b1 / _correction(b1, count + 1)
         c_b = (1.0 - b1) / bc1
         hat, ratio = c_a, c_b / c_a
-    root_shift = eps_root * bc2 if eps_root else None
+    root_shift = eps_root * bc2 if isinstance(eps_root, Tensor) or eps_root else None
     return _Scalars(hat, hat * sqrt_bc2, eps * sqrt_bc2, root_shift, ratio)
 
 
@@ -140,10 +141,10 @@ class _Adam:
         self.owner = owner
         self.b1 = _check_decay("b1", b1, owner)
         self.b2 = _check_decay("b2", b2, owner)
-        self.eps, self.eps_root = float(eps), float(eps_root)
+        self.eps, self.eps_root = fe.number_or_tensor(eps), fe.number_or_tensor(eps_root)
         self.mu_dtype = mu_dtype
-        # With b1 == 0 the Nesterov estimate equals the plain one (mu == g).
-        self.nesterov = bool(nesterov) and self.b1 != 0.0
+        # With b1 == 0 the Nesterov estimate equals the plain one (mu == g), and c_a below is 0.
+        self.nesterov = bool(nesterov) and not (isinstance(self.b1, float) and self.b1 == 0.0)
 
     def init(self, params: Any) -> ScaleByAdamState:
         return ScaleByAdamState(
@@ -241,9 +242,9 @@ def fused_adam(
     with_decay = weight_decay is not None
     lr_is_schedule, decay_is_schedule = callable(learning_rate), callable(weight_decay)
     if with_decay and not decay_is_schedule:
-        weight_decay = float(weight_decay)  # type: ignore[arg-type]
+        weight_decay = fe.number_or_tensor(weight_decay)  # type: ignore[arg-type]
     if learning_rate is not None and not lr_is_schedule:
-        learning_rate = float(learning_rate)  # type: ignore[arg-type]
+        learning_rate = fe.number_or_tensor(learning_rate)  # type: ignore[arg-type]
 
     def init_fn(params: Any) -> tuple:
         lr_state = ScaleByScheduleState(count=fe.zero_count(params)) if lr_is_schedule else EmptyState()
@@ -270,7 +271,7 @@ def fused_adam(
                 decay_state = WeightDecaySchedule(count=fe.increment(decay_state.count, inplace=inplace))
             else:
                 wd = weight_decay
-            if decay_is_schedule or wd != 0.0:
+            if not (isinstance(wd, float) and wd == 0.0):
                 leaves = fe.leaves_of(updates, what=adam.owner)
                 param_values = fe.params_of(leaves, params, owner=adam.owner)
                 flags = [True] * len(param_values)

@@ -34,7 +34,7 @@ def trace(decay: float, nesterov: bool = False, accumulator_dtype: Optional[torc
 
     Equal to ``torch.optim.SGD``'s momentum buffer with ``dampening=0`` (and its ``nesterov``).
     """
-    decay = float(decay)
+    decay = fe.number_or_tensor(decay)
 
     def init_fn(params: Any) -> TraceState:
         return TraceState(trace=fe.zeros_like_tree(params, accumulator_dtype))
@@ -45,7 +45,7 @@ def trace(decay: float, nesterov: bool = False, accumulator_dtype: Optional[torc
         traces = leaves.aligned(state.trace, what="trace: state.trace")
 
         def group(g, t):
-            t = fe.mul(t, decay, inplace=inplace)
+            t = fe.mul(t, fe.on(decay, t), inplace=inplace)
             fe.add(t, fe.cast(g, t[0].dtype), inplace=True)
             if nesterov:
                 out = fe.add(g, fe.cast(t, g[0].dtype), alpha=decay, inplace=inplace)

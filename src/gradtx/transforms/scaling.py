@@ -21,9 +21,9 @@ Schedule = Callable[[Tensor], Union[float, Tensor]]
 ScalarOrSchedule = Union[float, Schedule]
 
 
-def scale(step_size: float) -> GradientTransformation:
-    """Multiplies every update by the fixed number ``step_size``."""
-    step_size = float(step_size)
+def scale(step_size: Union[float, Tensor]) -> GradientTransformation:
+    """Multiplies every update by the fixed number ``step_size`` (or 0-d tensor)."""
+    step_size = fe.number_or_tensor(step_size)
 
     def init_fn(params: Any) -> EmptyState:
         del params
@@ -32,7 +32,7 @@ def scale(step_size: float) -> GradientTransformation:
     def update_fn(updates, state, params=None, *, inplace=False):
         del params
         leaves = fe.leaves_of(updates, what="scale")
-        (scaled,) = fe.map_groups(lambda g: (fe.mul(g, step_size, inplace=inplace),), leaves.tensors, outputs=1)
+        (scaled,) = fe.map_groups(lambda g: (fe.mul(g, fe.on(step_size, g), inplace=inplace),), leaves.tensors, outputs=1)
         return leaves.rebuild(scaled), state
 
     return GradientTransformation(init_fn, update_fn)
@@ -79,7 +79,7 @@ def scale_by_learning_rate(
     if callable(learning_rate):
         schedule = learning_rate
         return scale_by_schedule(lambda count: sign * schedule(count))
-    return scale(sign * float(learning_rate))
+    return scale(sign * fe.number_or_tensor(learning_rate))
 
 
 def scale_by_trust_ratio(

@@ -32,7 +32,7 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Optional[Any
     """
     is_schedule = callable(weight_decay)
     if not is_schedule:
-        weight_decay = float(weight_decay)  # type: ignore[arg-type]
+        weight_decay = fe.number_or_tensor(weight_decay)  # type: ignore[arg-type]
 
     def init_fn(params: Any):
         return WeightDecaySchedule(count=fe.zero_count(params)) if is_schedule else EmptyState()
@@ -43,7 +43,7 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Optional[Any
         if is_schedule:
             factor: Any = fe.schedule_value(weight_decay, state.count)
             state = WeightDecaySchedule(count=fe.increment(state.count, inplace=inplace))
-        elif weight_decay == 0.0:
+        elif isinstance(weight_decay, float) and weight_decay == 0.0:
             return updates, state
         else:
             factor = weight_decay
