@@ -6,7 +6,9 @@ relative difference of the final parameters per case (relative to ``|optax| + 1e
 
 In float64 every case agrees to about 1e-8 or better. In float32 most agree to a few 1e-6; RAdam
 differs by ~3e-5 because optax computes its ``rho_t`` in float32, where the early steps lose three
-digits to cancellation (gradtx uses float64 and agrees with torch.optim.RAdam to 1e-10).
+digits to cancellation (gradtx uses float64 and agrees with torch.optim.RAdam to 1e-10), and
+centered RMSProp with bias correction by ~3e-5, its variance ``nu_hat - mu_hat^2`` being a difference
+of nearly equal numbers (gradtx scales by ``1 / bc`` where optax divides by ``bc``).
 """
 
 import argparse
