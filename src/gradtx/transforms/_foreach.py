@@ -222,6 +222,10 @@ def add(selves: Sequence[Tensor], other: Any, *, alpha: Scalar = 1.0, inplace: b
         return _run("add", selves, mul(other, on(alpha, selves), inplace=False), inplace=inplace)
     if isinstance(other, (list, tuple)) or (isinstance(other, Tensor) and alpha != 1.0):
         return _run("add", selves, other, inplace=inplace, alpha=alpha)
+    if isinstance(other, Tensor) and torch.compiler.is_compiling():
+        # Inductor lowers the 0-d tensor overload with ``.item()`` (a host sync on an accelerator);
+        # the same sum as one broadcast operand per tensor fuses with its neighbours.
+        return _run("add", selves, [other] * len(selves), inplace=inplace)
     return _run("add", selves, other, inplace=inplace)
 
 
