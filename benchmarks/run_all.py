@@ -24,6 +24,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ NOT_BENCHMARKS = {"common.py", "run_all.py", "__init__.py"}
 REPORT_LINE = re.compile(r"^\s+(?P<name>.+?)\s+median\s+(?P<ms>[\d.]+) ms\s+ratio vs (?P<base>.+): (?P<ratio>[\d.]+)\s*$")
 TIMEOUT_S = 1800
 QUICK_ROUNDS = 5  # enough for a median on a noisy machine, still a few minutes in all
+MAX_PRINTED_LINES = 80
 
 
 @dataclass
@@ -84,7 +86,13 @@ def parse_tables(output: str) -> list[Table]:
     for line in output.splitlines():
         match = REPORT_LINE.match(line)
         if match:
-            if not tables or tables[-1].title != previous or tables[-1].baseline != match["base"]:
+            current = tables[-1] if tables else None
+            if (
+                current is None
+                or current.title != previous
+                or current.baseline != match["base"]
+                or any(row[0] == match["name"] for row in current.rows)  # a second report, same title
+            ):
                 tables.append(Table(previous, match["base"]))
             tables[-1].rows.append((match["name"], float(match["ms"]), float(match["ratio"])))
         elif line.strip():
@@ -164,8 +172,10 @@ def write_markdown(path: Path, outcomes: list[Outcome], scaling: dict | None, *,
             lines += [f"**{table.title}**", "", f"| candidate | median ms | ratio vs {table.baseline} |", "| --- | ---: | ---: |"]
             lines += [f"| {name} | {ms:.2f} | {ratio:.3f} |" for name, ms, ratio in table.rows]
             lines.append("")
-        if outcome.returncode == 0 and not outcome.tables:
-            lines += ["(no `report` table in its output)", ""]
+        if outcome.returncode == 0 and not outcome.tables:  # not a timing: show what it printed
+            printed = outcome.output.strip().splitlines()
+            shown = printed[:MAX_PRINTED_LINES] + ([f"... ({len(printed) - MAX_PRINTED_LINES} more lines)"] if len(printed) > MAX_PRINTED_LINES else [])
+            lines += ["```", *shown, "```", ""]
     path.write_text("\n".join(lines).rstrip() + "\n")
 
 
@@ -189,7 +199,8 @@ def write_plot(path: Path, scaling: dict) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("parameters (millions)")
     ax.set_ylabel("step time (ms, median)")
-    ax.set_title(f"clip by global norm + AdamW + apply\n{machine_line(scaling)}", fontsize=9)
+    subtitle = textwrap.fill(machine_line(scaling), width=100)
+    ax.set_title(f"clip by global norm + AdamW + apply, one step\n{subtitle}", fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
