@@ -18,7 +18,7 @@ import argparse
 import torch
 
 import gradtx as gtx
-from benchmarks.common import GPT_41M, interleaved, make_tree, n_elements, report
+from common import GPT_41M, interleaved, make_tree, n_elements, report
 
 
 def leaf_params(seed: int) -> list[torch.Tensor]:

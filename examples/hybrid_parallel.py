@@ -22,12 +22,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from tqdm import tqdm
 
 import gradtx as gtx
 from gradtx.sharding import Replicate, Shard, ShardingSpec
 
 VOCAB, D, HEADS, FFN, SEQ, BATCH = 32, 16, 4, 64, 8, 4
-STEPS, LR, MAX_NORM = 5, 0.5, 0.5
+QUICK = os.environ.get("GRADTX_EXAMPLES_QUICK") == "1"  # a few steps, as the tests run it
+STEPS, LR, MAX_NORM = (2 if QUICK else 5), 0.5, 0.5
 PP, TP = 2, 2
 
 # The layout, declared once: glob rules over parameter paths, matched in order.
@@ -245,7 +247,8 @@ def main() -> None:
     clip_state, dense_state = clip.init(params), dense_clip.init(dense)
     data = torch.Generator().manual_seed(1)
     worst = 0.0
-    for step in range(STEPS):
+    progress = tqdm(range(STEPS), desc="training", unit="step", disable=dist.get_rank() != 0)
+    for step in progress:
         ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=data)
         inputs, targets = ids[:, :-1], ids[:, 1:]
 
@@ -263,10 +266,9 @@ def main() -> None:
         sharded_norm, unsharded_norm = float(clip_state.norm), float(dense_state.norm)
         worst = max(worst, abs(sharded_norm - unsharded_norm) / unsharded_norm)
         if dist.get_rank() == 0:
-            print(
+            progress.write(
                 f"step {step}  loss {loss.item():.4f}  sharded norm {sharded_norm:.6f}  "
-                f"unsharded norm {unsharded_norm:.6f}",
-                flush=True,
+                f"unsharded norm {unsharded_norm:.6f}"
             )
     # Every rank's pieces still equal the matching pieces of the dense model.
     drift = max(float((v - shard_params(dense, stage, tp_rank)[k]).abs().max()) for k, v in params.items())
