@@ -148,3 +148,10 @@ def test_apply_updates_non_tensor_leaf_names_the_path():
         gtx.apply_updates({"w": torch.ones(1)}, {"w": 0.5})
     with pytest.raises(TypeError, match=r"params: leaf 'layers\.1' is a str"):
         gtx.apply_updates({"layers": [torch.ones(1), "w"]}, {"layers": [torch.ones(1), torch.ones(1)]})
+
+
+def test_init_empty_state_is_the_init_of_stateless_transforms():
+    params = {"w": torch.ones(3)}
+    assert gtx.init_empty_state(params) == gtx.EmptyState()
+    for tx in (gtx.identity(), gtx.stateless(lambda u, p: u), gtx.clip_by_value(1.0), gtx.scale(2.0)):
+        assert tx.init(params) == gtx.EmptyState()

@@ -6,6 +6,7 @@ from gradtx.base import (
     GradientTransformation,
     apply_updates,
     identity,
+    init_empty_state,
     stateless,
     stateless_with_tree_map,
 )

@@ -67,32 +67,30 @@ def with_inplace(tx: GradientTransformation) -> TransformUpdateFn:
     return update_fn
 
 
+def init_empty_state(params: Params) -> EmptyState:
+    """The ``init`` of every stateless transformation."""
+    del params
+    return EmptyState()
+
+
 def identity() -> GradientTransformation:
     """Leaves updates untouched."""
-
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
 
     def update_fn(updates, state, params=None, *, inplace=False):
         del params, inplace
         return updates, state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)
 
 
 def stateless(fn: Callable[[Updates, Optional[Params]], Updates]) -> GradientTransformation:
     """Makes a transformation from a pure function ``fn(updates, params) -> updates``."""
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update_fn(updates, state, params=None, *, inplace=False):
         del inplace
         return fn(updates, params), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)
 
 
 def stateless_with_tree_map(fn: Callable[[torch.Tensor], torch.Tensor]) -> GradientTransformation:

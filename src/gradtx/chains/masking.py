@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 from gradtx import tree as tree_lib
-from gradtx.base import EmptyState, GradientTransformation, with_inplace
+from gradtx.base import GradientTransformation, init_empty_state, with_inplace
 from gradtx.chains._select import zeros_like_tree
 
 PyTree = Any
@@ -128,15 +128,12 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
 
 
 def _zero_updates() -> GradientTransformation:
-    def init_fn(params: PyTree) -> EmptyState:
-        del params
-        return EmptyState()
 
     def update_fn(updates, state, params=None, *, inplace=False):
         del params
         return zeros_like_tree(updates, inplace=inplace), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)
 
 
 def freeze(mask: Union[bool, Mask]) -> GradientTransformation:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.base import EmptyState, GradientTransformation, with_inplace
+from gradtx.base import GradientTransformation, init_empty_state, with_inplace
 from gradtx.chains._select import counter, safe_increment
 
 PyTree = Any
@@ -165,15 +165,12 @@ def monitor(measures: Mapping[str, Union[Measure, GradientTransformation]]) -> G
 def _measuring(measure: Measure) -> GradientTransformation:
     """A stateless measuring transformation: its output is ``measure(updates)``."""
 
-    def init_fn(params: PyTree) -> EmptyState:
-        del params
-        return EmptyState()
 
     def update_fn(updates, state, params=None, *, inplace=False):
         del params, inplace
         return measure(updates), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)
 
 
 def get_measurement(state: PyTree, name: str) -> Any:

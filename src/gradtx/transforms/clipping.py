@@ -17,7 +17,7 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import EmptyState, GradientTransformation
+from gradtx.base import GradientTransformation, init_empty_state
 
 _EPS = 1e-6  # the same epsilon as torch.nn.utils.clip_grad_norm_
 
@@ -132,9 +132,6 @@ def clip_by_value(max_delta: float) -> GradientTransformation:
     """Clamps every update element into ``[-max_delta, max_delta]`` (as ``clip_grad_value_``)."""
     max_delta = _check_non_negative("max_delta", max_delta, "clip_by_value")
 
-    def init_fn(params: Any) -> EmptyState:
-        del params
-        return EmptyState()
 
     def update_fn(updates, state, params=None, *, inplace=False):
         del params
@@ -146,7 +143,7 @@ def clip_by_value(max_delta: float) -> GradientTransformation:
                 clipped[i] = value
         return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, clipped)), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)
 
 
 clip = clip_by_value
@@ -163,9 +160,6 @@ def clip_by_block_rms(threshold: float, spec: Optional[sharding.ShardingSpec] = 
     if not threshold > 0.0:
         raise ValueError(f"clip_by_block_rms: threshold must be > 0, got {threshold}")
 
-    def init_fn(params: Any) -> EmptyState:
-        del params
-        return EmptyState()
 
     def update_fn(updates, state, params=None, *, inplace=False):
         del params
@@ -188,7 +182,7 @@ def clip_by_block_rms(threshold: float, spec: Optional[sharding.ShardingSpec] = 
         out = rewrap(out)
         return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, out)), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)
 
 
 def unitwise_norm(x: Tensor) -> Tensor:
@@ -219,9 +213,6 @@ def adaptive_grad_clip(
     clipping = _check_non_negative("clipping", clipping, "adaptive_grad_clip")
     eps = _check_non_negative("eps", eps, "adaptive_grad_clip")
 
-    def init_fn(params: Any) -> EmptyState:
-        del params
-        return EmptyState()
 
     def update_fn(updates, state, params=None, *, inplace=False):
         if params is None:
@@ -256,4 +247,4 @@ def adaptive_grad_clip(
         clipped = rewrap(clipped)
         return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, clipped)), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)

@@ -7,13 +7,8 @@ from typing import Any, NamedTuple
 import torch
 
 from gradtx import tree as tree_lib
-from gradtx.base import EmptyState, GradientTransformation
+from gradtx.base import GradientTransformation, init_empty_state
 from gradtx.transforms import _foreach as fe
-
-
-def _empty_init(params: Any) -> EmptyState:
-    del params
-    return EmptyState()
 
 
 def centralize() -> GradientTransformation:
@@ -35,7 +30,7 @@ def centralize() -> GradientTransformation:
             out.append(g)
         return leaves.rebuild(out), state
 
-    return GradientTransformation(_empty_init, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)
 
 
 class ZeroNansState(NamedTuple):
@@ -75,4 +70,4 @@ def set_to_zero() -> GradientTransformation:
             zeros = [torch.zeros_like(g) for g in leaves.tensors]
         return leaves.rebuild(zeros), state
 
-    return GradientTransformation(_empty_init, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)

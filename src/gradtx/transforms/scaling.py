@@ -14,7 +14,7 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import EmptyState, GradientTransformation, identity
+from gradtx.base import GradientTransformation, identity, init_empty_state
 from gradtx.transforms import _foreach as fe
 
 Schedule = Callable[[Tensor], Union[float, Tensor]]
@@ -25,9 +25,6 @@ def scale(step_size: Union[float, Tensor]) -> GradientTransformation:
     """Multiplies every update by the fixed number ``step_size`` (or 0-d tensor)."""
     step_size = fe.number_or_tensor(step_size)
 
-    def init_fn(params: Any) -> EmptyState:
-        del params
-        return EmptyState()
 
     def update_fn(updates, state, params=None, *, inplace=False):
         del params
@@ -35,7 +32,7 @@ def scale(step_size: Union[float, Tensor]) -> GradientTransformation:
         (scaled,) = fe.map_groups(lambda g: (fe.mul(g, fe.on(step_size, g), inplace=inplace),), leaves.tensors, outputs=1)
         return leaves.rebuild(scaled), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -97,9 +94,6 @@ def scale_by_trust_ratio(
     """
     min_norm, trust_coefficient, eps = float(min_norm), float(trust_coefficient), float(eps)
 
-    def init_fn(params: Any) -> EmptyState:
-        del params
-        return EmptyState()
 
     def update_fn(updates, state, params=None, *, inplace=False):
         leaves = fe.leaves_of(updates, what="scale_by_trust_ratio")
@@ -119,4 +113,4 @@ def scale_by_trust_ratio(
         (scaled,) = fe.map_groups(scale_group, leaves.tensors, ratios, outputs=1)
         return leaves.rebuild(scaled), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)
