@@ -1,8 +1,8 @@
 """Runs every benchmark in ``benchmarks/`` and writes ``results.md`` (tables) and ``results.png`` (a plot).
 
 Each ``benchmarks/*.py`` (but ``common.py`` and this file) runs as a subprocess from the repository
-root, as its docstring says to run it, with ``--rounds 5`` (and ``--small`` / ``--quick`` where it
-has them) under ``--quick``. The lines ``common.report`` prints (candidate, median, ratio) become
+root, as its docstring says to run it; under ``--quick`` with the script's own ``--quick`` where it has
+one, else ``--rounds 5`` (and ``--small``). The lines ``common.report`` prints (candidate, median, ratio) become
 the tables; ``scaling.py`` also leaves its medians as JSON, which become the plot of step time
 against model size.
 
@@ -68,9 +68,9 @@ def command_for(script: Path, *, quick: bool, python: str, json_path: Path) -> l
     source = script.read_text()
     args = [python, str(script.relative_to(ROOT))]
     if quick:
-        if '"--quick"' in source:
+        if '"--quick"' in source:  # the script's own quick mode chooses its rounds
             args.append("--quick")
-        if '"--rounds"' in source:
+        elif '"--rounds"' in source:
             args += ["--rounds", str(QUICK_ROUNDS)]
         if '"--small"' in source:
             args.append("--small")
