@@ -15,7 +15,6 @@ Run:  torchrun --standalone --nproc_per_node 4 examples/hybrid_parallel.py
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch

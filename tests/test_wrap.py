@@ -7,7 +7,6 @@ optimizer) and once through ``gradtx.wrap``, and compares parameters bit for bit
 from __future__ import annotations
 
 import copy
-import io
 import math
 from typing import Any, NamedTuple
 

@@ -7,7 +7,6 @@ an all-reduce, so shrinking stays in step everywhere."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
