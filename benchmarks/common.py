@@ -6,9 +6,13 @@ and compared by the median of their per-round ratios.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
-from typing import Callable
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 
@@ -82,3 +86,23 @@ def report(title: str, times: dict[str, list[float]], baseline: str) -> dict[str
         ratios[name] = ratio
         print(f"  {name:45s} median {statistics.median(ts) * 1e3:9.2f} ms   ratio vs {baseline}: {ratio:5.3f}")
     return ratios
+
+
+def run_worker(
+    script: str, args: list[str], *, label: str, env: Optional[Mapping[str, str]] = None, unset: Iterable[str] = ()
+) -> Optional[dict]:
+    """Runs ``script`` with ``args`` in a fresh process of this interpreter; returns the JSON object on
+    the last line it prints, or None (after saying why) if it failed.
+
+    Benchmarks time libraries that must not share a process (JAX's XLA thread pool starves torch's
+    kernels that run next to it) with one worker process per candidate. ``env`` is added to the
+    worker's environment after the variables named in ``unset`` are removed from it.
+    """
+    worker_env = {k: v for k, v in os.environ.items() if k not in set(unset)}
+    worker_env.update(env or {})
+    done = subprocess.run([sys.executable, os.path.abspath(script), *args], env=worker_env, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+        print(f"  {label} failed: {last}")
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])

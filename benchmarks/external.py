@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Callable, Optional
@@ -307,15 +306,10 @@ _ALLOCATOR_VARIABLES = sorted({k for env in ENVIRONMENTS.values() for k in env})
 
 def run_worker(name: str, environment: str, steps: int, warmup: int) -> Optional[dict]:
     """One worker process; returns its JSON answer, or None if it failed."""
-    env = {k: v for k, v in os.environ.items() if k not in _ALLOCATOR_VARIABLES}
-    env.update(ENVIRONMENTS[environment])
-    command = [sys.executable, os.path.abspath(__file__), "--worker", name, "--steps", str(steps), "--warmup", str(warmup)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
-        print(f"  {name} ({environment}) failed: {last}")
-        return None
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    from benchmarks.common import run_worker as run_process
+
+    args = ["--worker", name, "--steps", str(steps), "--warmup", str(warmup)]
+    return run_process(__file__, args, label=f"{name} ({environment})", env=ENVIRONMENTS[environment], unset=_ALLOCATOR_VARIABLES)
 
 
 def available(names: list[str]) -> list[str]:

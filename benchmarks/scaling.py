@@ -11,14 +11,24 @@ parameters. Candidates:
 - ``gradtx chain, pure``: the same chain with nothing mutated (new state and parameters every step);
 - ``optax`` (jit, CPU) and ``torchopt`` (in place), when they import.
 
-Medians over interleaved rounds (``common.interleaved``). Run from the repository root::
+Method. Each library runs in worker processes of its own (``scaling.py --worker LIB --size NAME``):
+JAX's XLA thread pool keeps spinning after a jitted call and starves torch's kernels that run in the
+same process (see ``benchmarks/external.py``), so optax and torchopt each get their own worker, and
+torch and gradtx (which do not disturb each other) share one. A worker builds its candidates,
+interleaves them (``common.interleaved``) for a few warm-up and ``K`` timed steps, and prints every
+step's time as JSON. For each size the parent launches the workers interleaved at the process level
+(torch, optax, torchopt, torch, optax, ...) for ``N`` rounds; a candidate's time in a round is the
+median of its ``K`` steps, and the report gives the median over rounds and the median over rounds of
+per-round ratios against torch's fused step. Run from the repository root::
 
-    python benchmarks/scaling.py [--quick] [--rounds N] [--json PATH]
+    python benchmarks/scaling.py [--quick] [--rounds N] [--steps K] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -32,7 +42,7 @@ sys.path[:0] = [os.path.join(_ROOT, "src"), _ROOT]  # runs from a checkout, also
 import torch  # noqa: E402
 
 import gradtx as gtx  # noqa: E402
-from benchmarks.common import GPT_41M, gpt_shapes, interleaved, make_tree, n_elements, report  # noqa: E402
+from benchmarks.common import GPT_41M, gpt_shapes, interleaved, make_tree, n_elements, report, run_worker  # noqa: E402
 
 LR, WEIGHT_DECAY, MAX_NORM = 1e-3, 0.01, 1.0
 
@@ -123,22 +133,22 @@ def torchopt_step(config: dict) -> Callable[[], None]:
     return run
 
 
-def candidates(config: dict) -> dict[str, Callable[[], None]]:
-    out = {
+def torch_candidates(config: dict) -> dict[str, Callable[[], None]]:
+    return {
         "torch (clip_grad_norm_ + AdamW fused)": torch_step(config, fused=True),
         "torch (clip_grad_norm_ + AdamW default)": torch_step(config),
         "gradtx wrap(AdamW fused, clip)": gradtx_wrap_step(config),
         "gradtx chain(clip, adamw), donated": gradtx_chain_step(config, donated=True),
         "gradtx chain(clip, adamw), pure": gradtx_chain_step(config, donated=False),
     }
-    for name, factory in (("optax chain(clip, adamw), jit", optax_step), ("torchopt chain(clip, adamw), inplace", torchopt_step)):
-        try:
-            out[name] = factory(config)
-        except ImportError:
-            pass
-    return out
 
 
+# Worker groups: candidates that share a process. (builder, the module it needs).
+GROUPS: dict[str, tuple[Callable[[dict], dict[str, Callable[[], None]]], str]] = {
+    "torch": (torch_candidates, "torch"),
+    "optax": (lambda config: {"optax chain(clip, adamw), jit": optax_step(config)}, "optax"),
+    "torchopt": (lambda config: {"torchopt chain(clip, adamw), inplace": torchopt_step(config)}, "torchopt"),
+}
 BASELINE = "torch (clip_grad_norm_ + AdamW fused)"
 
 
@@ -156,31 +166,74 @@ def machine() -> dict[str, str]:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
-    for module in ("jax", "optax", "torchopt"):
+    for module in ("jax", "optax", "torchopt"):  # versions only: JAX is never imported next to torch's timings
         try:
-            info[module] = __import__(module).__version__
-        except ImportError:
+            info[module] = importlib.metadata.version(module)
+        except importlib.metadata.PackageNotFoundError:
             pass
     return info
 
 
+def worker(group: str, size: str, steps: int, warmup: int) -> None:
+    """Builds one group's candidates for one size, times them interleaved; prints ``{name: [seconds]}``."""
+    with torch.no_grad():
+        times = interleaved(GROUPS[group][0](SIZES[size]), rounds=steps, warmup=warmup)
+    print(json.dumps(times))
+
+
+def available_groups() -> list[str]:
+    kept = []
+    for group, (_, module) in GROUPS.items():
+        if importlib.util.find_spec(module) is None:
+            print(f"{group}: not installed here, left out")
+        else:
+            kept.append(group)
+    return kept
+
+
+def time_size(size: str, groups: list[str], *, rounds: int, steps: int, warmup: int) -> dict[str, list[float]]:
+    """Per candidate, the median step time of each round; the groups' workers interleaved per round."""
+    times: dict[str, list[float]] = {}
+    for r in range(rounds):
+        for group in groups:
+            args = ["--worker", group, "--size", size, "--steps", str(steps), "--warmup", str(warmup)]
+            answer = run_worker(__file__, args, label=f"{group} ({size})")
+            for name, step_times in (answer or {}).items():
+                times.setdefault(name, [float("nan")] * r).append(statistics.median(step_times))
+        for name, ts in times.items():  # a worker that failed this round
+            ts += [float("nan")] * (r + 1 - len(ts))
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the three smaller sizes, 3 rounds")
-    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="the three smaller sizes, fewer rounds and steps")
+    parser.add_argument("--rounds", type=int, default=None, help="process-level interleaved rounds (default 5, quick 3)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per worker (default 7, quick 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per worker")
     parser.add_argument("--json", default=None, help="write the medians here (for benchmarks/run_all.py)")
+    parser.add_argument("--worker", choices=sorted(GROUPS), help=argparse.SUPPRESS)
+    parser.add_argument("--size", choices=sorted(SIZES), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    rounds = args.rounds or (3 if args.quick else 9)
+    rounds = args.rounds or (3 if args.quick else 5)
+    steps = args.steps or (5 if args.quick else 7)
+    if args.worker:
+        worker(args.worker, args.size, steps, args.warmup)
+        return
     names = QUICK_SIZES if args.quick else tuple(SIZES)
     info = machine()
-    print(f"{info['cpu']}, {info['cores']} cores, {info['threads']} threads, torch {info['torch']}")
+    groups = available_groups()
+    print(
+        f"{info['cpu']}, {info['cores']} cores, {info['threads']} threads, torch {info['torch']}; "
+        f"workers {', '.join(groups)}: {rounds} rounds, {args.warmup} warm-up + {steps} timed steps each"
+    )
     results = []
     for name in names:
         config = SIZES[name]
         n_params = n_elements({k: torch.empty(s, device="meta") for k, s in gpt_shapes(**config).items()})
-        with torch.no_grad():
-            cands = candidates(config)
-            times = interleaved(cands, rounds=rounds, warmup=2)
+        times = time_size(name, groups, rounds=rounds, steps=steps, warmup=args.warmup)
+        if BASELINE not in times:
+            raise SystemExit(f"{name}: the torch worker failed")
         ratios = report(f"{name} ({n_params / 1e6:.1f}M parameters): clip + AdamW + apply, one step", times, BASELINE)
         results.append(
             {
@@ -190,10 +243,11 @@ def main() -> None:
                 "ratio": ratios,
             }
         )
-        del cands
     if args.json:
+        method = f"separate processes per library, {rounds} interleaved rounds x {steps} steps, medians"
         with open(args.json, "w") as f:
-            json.dump({"machine": info, "rounds": rounds, "baseline": BASELINE, "results": results}, f, indent=1)
+            json.dump({"machine": info, "rounds": rounds, "steps": steps, "method": method, "baseline": BASELINE,
+                       "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":
