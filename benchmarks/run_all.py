@@ -149,7 +149,8 @@ def write_markdown(path: Path, outcomes: list[Outcome], scaling: dict | None, *,
             "## Step time against model size",
             "",
             "One optimizer step on a GPT-style gradient tree: clip by global norm 1.0, AdamW, apply "
-            f"(`benchmarks/scaling.py`, {scaling['rounds']} rounds). Milliseconds (ratio to `{scaling['baseline']}`).",
+            f"(`benchmarks/scaling.py`: {scaling.get('method', str(scaling['rounds']) + ' rounds')}). "
+            f"Milliseconds (ratio to `{scaling['baseline']}`).",
             "",
             "| candidate | " + " | ".join(f"{r['size']} ({r['n_params'] / 1e6:.1f}M)" for r in results) + " |",
             "| --- | " + " | ".join("---:" for _ in results) + " |",
