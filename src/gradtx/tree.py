@@ -11,6 +11,7 @@ fall back to one ordinary op per tensor there.
 
 from __future__ import annotations
 
+import itertools
 import functools
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -235,33 +236,39 @@ def _keep_dtypes(tensors: Sequence[Tensor], results: Sequence[Tensor]) -> list[T
     return [r if r.dtype == t.dtype else r.to(t.dtype) for t, r in zip(tensors, results)]
 
 
+def needs_per_tensor(*args: Any) -> bool:
+    """Whether any tensor list among ``args`` is wrapped by ``torch.func`` (no foreach kernel then)."""
+    return any(isinstance(a, list) and a and isinstance(a[0], Tensor) and uses_functorch(a) for a in args)
+
+
+def foreach(name: str, selves: Sequence[Tensor], *args: Any, inplace: bool, **kwargs: Any) -> list[Tensor]:
+    """``torch._foreach_<name>[_](selves, *args, **kwargs)``, or one op per tensor under ``torch.func``.
+
+    ``inplace=True`` overwrites ``selves`` and returns them; otherwise new tensors are returned.
+    Arguments are numbers, 0-d tensors, or lists with one entry per tensor.
+    """
+    selves = list(selves)
+    args = tuple(list(a) if isinstance(a, (list, tuple)) else a for a in args)
+    if needs_per_tensor(selves, *args):
+        columns = [a if isinstance(a, list) else itertools.repeat(a, len(selves)) for a in args]
+        results = [getattr(torch, name)(s, *xs, **kwargs) for s, *xs in zip(selves, *columns)]
+        # copy_ has a batching rule where several in-place ops (addcmul_, ...) have none.
+        return [s.copy_(r) for s, r in zip(selves, results)] if inplace else results
+    if inplace:
+        getattr(torch, f"_foreach_{name}_")(selves, *args, **kwargs)
+        return selves
+    return list(getattr(torch, f"_foreach_{name}")(selves, *args, **kwargs))
+
+
 def foreach_mul(tensors: Sequence[Tensor], scalar: Tensor | float | Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
     """``tensors * scalar`` (one scalar, or one per tensor), in place when ``inplace``; dtypes are kept."""
-    tensors = list(tensors)
-    per_tensor = isinstance(scalar, (list, tuple))
-    if uses_functorch(tensors) or (per_tensor and uses_functorch(scalar)):
-        factors = scalar if per_tensor else [scalar] * len(tensors)
-        if inplace:
-            return [t.mul_(s) for t, s in zip(tensors, factors)]
-        return _keep_dtypes(tensors, [t * s for t, s in zip(tensors, factors)])
-    factor = list(scalar) if per_tensor else scalar
-    if inplace:
-        torch._foreach_mul_(tensors, factor)
-        return tensors
-    return _keep_dtypes(tensors, torch._foreach_mul(tensors, factor))
+    results = foreach("mul", tensors, scalar, inplace=inplace)
+    return results if inplace else _keep_dtypes(tensors, results)
 
 
 def foreach_add(first: Sequence[Tensor], second: Sequence[Tensor], *, inplace: bool = False) -> list[Tensor]:
     """``first + second`` elementwise over two lists, in place into ``first`` when ``inplace``."""
-    first = list(first)
-    if uses_functorch(first) or uses_functorch(second):
-        if inplace:
-            return [a.add_(b) for a, b in zip(first, second)]
-        return [a + b for a, b in zip(first, second)]
-    if inplace:
-        torch._foreach_add_(first, list(second))
-        return first
-    return list(torch._foreach_add(first, list(second)))
+    return foreach("add", first, second, inplace=inplace)
 
 
 def local_norms(tensors: Sequence[Tensor], ord: float) -> list[Tensor]:

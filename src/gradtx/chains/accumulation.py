@@ -237,7 +237,7 @@ class MultiSteps:
         for indices, (group_accs, group_grads) in tree_lib.grouped(accs, grads):
             if self._use_grad_mean:
                 weight = 1.0 / (mini_step.to(group_accs[0].device) + 1).to(group_accs[0].dtype)
-                new = _foreach_lerp(group_accs, group_grads, weight, inplace=inplace)
+                new = tree_lib.foreach("lerp", group_accs, group_grads, weight, inplace=inplace)
             else:
                 new = tree_lib.foreach_add(group_accs, group_grads, inplace=inplace)
             for i, value in zip(indices, new):
@@ -259,14 +259,3 @@ class MultiSteps:
         """This accumulator as a ``GradientTransformation`` (to put it in a chain)."""
         return GradientTransformation(self.init, self.update)
 
-
-def _foreach_lerp(starts: list[Tensor], ends: list[Tensor], weight: Tensor, *, inplace: bool) -> list[Tensor]:
-    """``start + weight * (end - start)`` over two lists (one kernel per list), in place when ``inplace``."""
-    if tree_lib.uses_functorch(starts) or tree_lib.uses_functorch(ends):
-        if inplace:
-            return [s.lerp_(e, weight) for s, e in zip(starts, ends)]
-        return [torch.lerp(s, e, weight) for s, e in zip(starts, ends)]
-    if inplace:
-        torch._foreach_lerp_(starts, ends, weight)
-        return starts
-    return list(torch._foreach_lerp(starts, ends, weight))

@@ -16,8 +16,7 @@ tensor ops, never read on the host: no device sync, no recompilation under ``tor
 
 from __future__ import annotations
 
-import itertools
-from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -175,99 +174,74 @@ def cast(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
 # --------------------------------------------------------------------------- foreach ops
 
 
-def _per_tensor(*args: Any) -> bool:
-    return any(
-        isinstance(a, list) and a and isinstance(a[0], Tensor) and tree_lib.uses_functorch(a) for a in args
-    )
-
-
-def _columns(args: Iterable[Any], n: int) -> list[Iterable[Any]]:
-    return [a if isinstance(a, list) else itertools.repeat(a, n) for a in args]
-
-
-def _run(name: str, selves: Sequence[Tensor], *args: Any, inplace: bool, **kwargs: Any) -> list[Tensor]:
-    """``torch._foreach_<name>[_](selves, *args, **kwargs)``, or a per-tensor loop under torch.func."""
-    selves = list(selves)
-    args = tuple(list(a) if isinstance(a, (list, tuple)) else a for a in args)
-    if _per_tensor(selves, *args):
-        cols = _columns(args, len(selves))
-        results = [getattr(torch, name)(s, *xs, **kwargs) for s, *xs in zip(selves, *cols)]
-        # copy_ has a batching rule where several in-place ops (addcmul_, ...) have none.
-        return [s.copy_(r) for s, r in zip(selves, results)] if inplace else results
-    if inplace:
-        getattr(torch, f"_foreach_{name}_")(selves, *args, **kwargs)
-        return selves
-    return list(getattr(torch, f"_foreach_{name}")(selves, *args, **kwargs))
-
-
 def lerp(selves: Sequence[Tensor], ends: Sequence[Tensor], weight: Scalar, *, inplace: bool) -> list[Tensor]:
     """``selves + weight * (ends - selves)``: an exponential moving average step."""
     if isinstance(weight, Tensor):
         weight = [on(weight, selves)] * len(selves)
-    return _run("lerp", selves, ends, weight, inplace=inplace)
+    return tree_lib.foreach("lerp", selves, ends, weight, inplace=inplace)
 
 
 def mul(selves: Sequence[Tensor], other: Any, *, inplace: bool) -> list[Tensor]:
     """``selves * other``; ``other`` a number, a 0-d tensor, or a list of tensors."""
-    return _run("mul", selves, other, inplace=inplace)
+    return tree_lib.foreach("mul", selves, other, inplace=inplace)
 
 
 def div(selves: Sequence[Tensor], other: Any, *, inplace: bool) -> list[Tensor]:
-    return _run("div", selves, other, inplace=inplace)
+    return tree_lib.foreach("div", selves, other, inplace=inplace)
 
 
 def add(selves: Sequence[Tensor], other: Any, *, alpha: Scalar = 1.0, inplace: bool) -> list[Tensor]:
     """``selves + alpha * other``; ``other`` a list of tensors, a number or a 0-d tensor."""
     if isinstance(alpha, Tensor):  # a tensor factor needs its own product
-        return _run("add", selves, mul(other, on(alpha, selves), inplace=False), inplace=inplace)
+        return tree_lib.foreach("add", selves, mul(other, on(alpha, selves), inplace=False), inplace=inplace)
     if isinstance(other, (list, tuple)) or (isinstance(other, Tensor) and alpha != 1.0):
-        return _run("add", selves, other, inplace=inplace, alpha=alpha)
+        return tree_lib.foreach("add", selves, other, inplace=inplace, alpha=alpha)
     if isinstance(other, Tensor) and torch.compiler.is_compiling():
         # Inductor lowers the 0-d tensor overload with ``.item()`` (a host sync on an accelerator);
         # the same sum as one broadcast operand per tensor fuses with its neighbours.
-        return _run("add", selves, [other] * len(selves), inplace=inplace)
-    return _run("add", selves, other, inplace=inplace)
+        return tree_lib.foreach("add", selves, [other] * len(selves), inplace=inplace)
+    return tree_lib.foreach("add", selves, other, inplace=inplace)
 
 
 def addcmul(selves: Sequence[Tensor], t1: Sequence[Tensor], t2: Sequence[Tensor], value: Scalar, *, inplace: bool) -> list[Tensor]:
     """``selves + value * t1 * t2``."""
     if isinstance(value, Tensor):  # a tensor factor needs its own product
-        return _run("addcmul", selves, mul(t1, on(value, selves), inplace=False), t2, inplace=inplace)
-    return _run("addcmul", selves, t1, t2, inplace=inplace, value=value)
+        return tree_lib.foreach("addcmul", selves, mul(t1, on(value, selves), inplace=False), t2, inplace=inplace)
+    return tree_lib.foreach("addcmul", selves, t1, t2, inplace=inplace, value=value)
 
 
 def sqrt(selves: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
-    return _run("sqrt", selves, inplace=inplace)
+    return tree_lib.foreach("sqrt", selves, inplace=inplace)
 
 
 def reciprocal(selves: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
-    return _run("reciprocal", selves, inplace=inplace)
+    return tree_lib.foreach("reciprocal", selves, inplace=inplace)
 
 
 def abs(selves: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:  # noqa: A001 - mirrors torch
-    return _run("abs", selves, inplace=inplace)
+    return tree_lib.foreach("abs", selves, inplace=inplace)
 
 
 def sign(selves: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
-    return _run("sign", selves, inplace=inplace)
+    return tree_lib.foreach("sign", selves, inplace=inplace)
 
 
 def clamp_min(selves: Sequence[Tensor], low: float, *, inplace: bool) -> list[Tensor]:
-    return _run("clamp_min", selves, low, inplace=inplace)
+    return tree_lib.foreach("clamp_min", selves, low, inplace=inplace)
 
 
 def clamp_max(selves: Sequence[Tensor], high: float, *, inplace: bool) -> list[Tensor]:
-    return _run("clamp_max", selves, high, inplace=inplace)
+    return tree_lib.foreach("clamp_max", selves, high, inplace=inplace)
 
 
 def tanh(selves: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
-    return _run("tanh", selves, inplace=inplace)
+    return tree_lib.foreach("tanh", selves, inplace=inplace)
 
 
 def zero(selves: Sequence[Tensor]) -> list[Tensor]:
     """Zeroes donated buffers in place."""
     selves = list(selves)
-    if _per_tensor(selves):
+    if tree_lib.needs_per_tensor(selves):
         return [s.zero_() for s in selves]
     torch._foreach_zero_(selves)
     return selves
@@ -276,7 +250,7 @@ def zero(selves: Sequence[Tensor]) -> list[Tensor]:
 def maximum(selves: Sequence[Tensor], others: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
     """Elementwise ``max(selves, others)``."""
     selves, others = list(selves), list(others)
-    if _per_tensor(selves, others):
+    if tree_lib.needs_per_tensor(selves, others):
         return [s.copy_(torch.maximum(s, o)) if inplace else torch.maximum(s, o) for s, o in zip(selves, others)]
     if inplace:
         torch._foreach_maximum_(selves, others)
@@ -287,7 +261,7 @@ def maximum(selves: Sequence[Tensor], others: Sequence[Tensor], *, inplace: bool
 def copy_into(buffers: Sequence[Tensor], sources: Sequence[Tensor]) -> list[Tensor]:
     """Overwrites donated ``buffers`` with ``sources`` (converting dtypes) and returns them."""
     buffers, sources = list(buffers), list(sources)
-    if _per_tensor(buffers, sources):
+    if tree_lib.needs_per_tensor(buffers, sources):
         return [b.copy_(s) for b, s in zip(buffers, sources)]
     torch._foreach_copy_(buffers, sources)
     return buffers
@@ -303,7 +277,7 @@ def fresh(sources: Sequence[Tensor], *, into: Optional[Sequence[Tensor]]) -> lis
 def _writes_out(*lists: Sequence[Tensor]) -> bool:
     """Whether per-tensor ``out=`` kernels serve better than foreach ones: on the CPU, where foreach
     kernels are a loop over the same per-tensor kernels anyway, ``out=`` saves a pass over memory."""
-    return lists[0][0].device.type == "cpu" and not _per_tensor(*(list(x) for x in lists))
+    return lists[0][0].device.type == "cpu" and not tree_lib.needs_per_tensor(*(list(x) for x in lists))
 
 
 def sqrt_of(sources: Sequence[Tensor], *, into: Optional[Sequence[Tensor]]) -> list[Tensor]:

@@ -118,14 +118,8 @@ def clip_by_global_norm(
 
 
 def _clamp_all(tensors: list[Tensor], low: float, high: float, *, inplace: bool) -> list[Tensor]:
-    if tree_lib.uses_functorch(tensors):
-        return [t.clamp_(low, high) if inplace else t.clamp(low, high) for t in tensors]
-    if not inplace:
-        tensors = list(torch._foreach_clamp_min(tensors, low))
-    else:
-        torch._foreach_clamp_min_(tensors, low)
-    torch._foreach_clamp_max_(tensors, high)
-    return tensors
+    clamped = tree_lib.foreach("clamp_min", tensors, low, inplace=inplace)
+    return tree_lib.foreach("clamp_max", clamped, high, inplace=True)
 
 
 def clip_by_value(max_delta: float) -> GradientTransformation:
