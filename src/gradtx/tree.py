@@ -288,6 +288,19 @@ def local_norms(tensors: Sequence[Tensor], ord: float) -> list[Tensor]:
     return norms  # type: ignore[return-value]
 
 
+def unitwise_norm(x: Tensor) -> Tensor:
+    """The L2 norm of each output unit of ``x``, broadcastable against ``x``, in float32 or wider.
+
+    Torch stores weights output-first (``Linear``: ``(out, in)``, ``Conv2d``: ``(out, in, kh, kw)``),
+    so a unit is a slice along dim 0 and the norm reduces over every other dim. Scalars and vectors
+    (after squeezing) are one unit. This is optax's ``unitwise_norm`` in torch's layout.
+    """
+    dtype = accumulation_dtype([x.dtype])
+    if x.squeeze().ndim <= 1:
+        return torch.linalg.vector_norm(x, 2, dtype=dtype)
+    return torch.linalg.vector_norm(x, 2, dim=tuple(range(1, x.ndim)), keepdim=True, dtype=dtype)
+
+
 def total_norm(tensors: Sequence[Tensor], ord: float) -> Tensor:
     """The ``ord``-norm of all ``tensors`` seen as one vector, as ``torch.nn.utils.clip_grad_norm_`` computes it.
 

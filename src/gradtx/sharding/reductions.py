@@ -132,18 +132,12 @@ def norm_from_plan(plan: Plan, tree_leaves: Sequence[Any], p: float) -> Tensor:
     norms = [n.to(device) for n in _local_norms(owned, p)]
     stacked = torch.stack(norms) if norms else torch.zeros(1, dtype=dtype, device=device)
     if p == math.inf:
-        partial = stacked.max()
-        nan = torch.isnan(partial)
-        buffer = torch.stack([torch.where(nan, 0.0, partial).to(_REDUCE_DTYPE), nan.to(_REDUCE_DTYPE)])
-        if group is not None:
-            dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=group)
-        total = torch.where(buffer[1] > 0, math.nan, buffer[0])
+        buffer, op = _norm_partials([stacked.max()], p)[0].to(_REDUCE_DTYPE), dist.ReduceOp.MAX
     else:
-        buffer = (stacked.to(_REDUCE_DTYPE) ** p).sum().reshape(1)
-        if group is not None:
-            dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
-        total = buffer[0] ** (1.0 / p)
-    return total.to(dtype)
+        buffer, op = (stacked.to(_REDUCE_DTYPE) ** p).sum().reshape(1), dist.ReduceOp.SUM
+    if group is not None:
+        dist.all_reduce(buffer, op=op, group=group)
+    return _finish_norm(buffer, p, dtype)
 
 
 # --------------------------------------------------------------------------- per-leaf reductions
@@ -275,13 +269,6 @@ def _logical_shape(layout: LeafLayout, leaf: Tensor, local: Tensor, mesh: MeshAx
     return tuple(shape)
 
 
-def _local_unitwise_norm(x: Tensor) -> Tensor:
-    dtype = tree_lib.accumulation_dtype([x.dtype])
-    if x.squeeze().ndim <= 1:
-        return torch.linalg.vector_norm(x, 2, dtype=dtype)
-    return torch.linalg.vector_norm(x, 2, dim=tuple(range(1, x.ndim)), keepdim=True, dtype=dtype)
-
-
 def unitwise_norms(*trees: Any, spec: Optional[ShardingSpec] = None) -> tuple[Any, ...]:
     """Per-unit L2 norms (as :func:`gradtx.unitwise_norm`) of the logical leaves of each tree.
 
@@ -295,7 +282,7 @@ def unitwise_norms(*trees: Any, spec: Optional[ShardingSpec] = None) -> tuple[An
         return ()
     _check_spec(spec, "unitwise_norms")
     if spec is None and not any(dtensor_lib.has_dtensor(tree_lib.leaves(t)) for t in trees):
-        return tuple(tree_lib.tree_map(_local_unitwise_norm, t) for t in trees)
+        return tuple(tree_lib.tree_map(tree_lib.unitwise_norm, t) for t in trees)
     plan, first = plan_for(trees[0], spec, what="unitwise_norms")
     all_leaves = [first] + [tree_lib.flatten_like(t, tree_lib.structure(trees[0]), trees[0], what="params") for t in trees[1:]]
     items: list[tuple[tuple[str, ...], Tensor]] = []

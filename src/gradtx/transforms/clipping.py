@@ -18,6 +18,7 @@ from torch import Tensor
 from gradtx import sharding
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, init_empty_state
+from gradtx.tree import unitwise_norm
 
 _EPS = 1e-6  # the same epsilon as torch.nn.utils.clip_grad_norm_
 
@@ -177,19 +178,6 @@ def clip_by_block_rms(threshold: float, spec: Optional[sharding.ShardingSpec] = 
         return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, out)), state
 
     return GradientTransformation(init_empty_state, update_fn)
-
-
-def unitwise_norm(x: Tensor) -> Tensor:
-    """The L2 norm of each output unit of ``x``, broadcastable against ``x``, in float32 or wider.
-
-    Torch stores weights output-first (``Linear``: ``(out, in)``, ``Conv2d``: ``(out, in, kh, kw)``),
-    so a unit is a slice along dim 0 and the norm reduces over every other dim. Scalars and vectors
-    (after squeezing) are one unit. This is optax's ``unitwise_norm`` in torch's layout.
-    """
-    dtype = tree_lib.accumulation_dtype([x.dtype])
-    if x.squeeze().ndim <= 1:
-        return torch.linalg.vector_norm(x, 2, dtype=dtype)
-    return torch.linalg.vector_norm(x, 2, dim=tuple(range(1, x.ndim)), keepdim=True, dtype=dtype)
 
 
 def adaptive_grad_clip(
