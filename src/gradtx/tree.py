@@ -60,6 +60,14 @@ def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
     return optree.tree_map(visit, tree, *rest, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
 
 
+def first_device(tree: PyTree) -> torch.device:
+    """The device of the first tensor leaf (CPU for a tree with none): where step counters live."""
+    for leaf in leaves(tree):
+        if isinstance(leaf, Tensor):
+            return leaf.device
+    return torch.device("cpu")
+
+
 def join_path(path: Sequence[Any]) -> str:
     """``("layers", 0, "qkv", "weight")`` -> ``"layers.0.qkv.weight"``."""
     return ".".join(str(part) for part in path)
@@ -310,13 +318,13 @@ def total_norm(tensors: Sequence[Tensor], ord: float) -> Tensor:
     """
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
-    first_device = tensors[0].device
+    device = tensors[0].device
     groups = [foreach_norm(group, ord, accumulation_dtype([group[0].dtype])) for _, (group,) in grouped(tensors)]
     dtype = accumulation_dtype([norms[0].dtype for norms in groups])
     stacked: list[Tensor] = []
     for norms in groups:
-        if norms[0].device != first_device or norms[0].dtype != dtype:
-            norms = [n.to(first_device, dtype) for n in norms]
+        if norms[0].device != device or norms[0].dtype != dtype:
+            norms = [n.to(device, dtype) for n in norms]
         stacked.extend(norms)
     return torch.linalg.vector_norm(torch.stack(stacked), ord)
 

@@ -18,17 +18,9 @@ from gradtx import tree as tree_lib
 PyTree = Any
 
 
-def first_device(tree: PyTree) -> torch.device:
-    """The device of the first tensor leaf (CPU for a tree with none): where counters live."""
-    for leaf in tree_lib.leaves(tree):
-        if isinstance(leaf, Tensor):
-            return leaf.device
-    return torch.device("cpu")
-
-
 def counter(tree: PyTree, dtype: torch.dtype = torch.int32) -> Tensor:
     """A 0-d zero counter on ``tree``'s device."""
-    return torch.zeros((), dtype=dtype, device=first_device(tree))
+    return torch.zeros((), dtype=dtype, device=tree_lib.first_device(tree))
 
 
 def safe_increment(count: Tensor) -> Tensor:
@@ -113,7 +105,7 @@ def all_finite(tree: PyTree, *, device: Optional[torch.device] = None) -> Tensor
     """
     tensors = [leaf for leaf in tree_lib.leaves(tree) if isinstance(leaf, Tensor) and leaf.numel() > 0]
     if not tensors:
-        return torch.ones((), dtype=torch.bool, device=device or first_device(tree))
+        return torch.ones((), dtype=torch.bool, device=device or tree_lib.first_device(tree))
     target = device or tensors[0].device
     dtype = tree_lib.accumulation_dtype([t.dtype for t in tensors])  # float64 extremes must not overflow
     extremes = []

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, with_inplace
-from gradtx.chains._select import all_finite, first_device, safe_increment, where_or_zero, where_tree, zeros_like_tree
+from gradtx.chains._select import all_finite, safe_increment, where_or_zero, where_tree, zeros_like_tree
 
 PyTree = Any
 ShouldSkipUpdateFn = Callable[[PyTree, Tensor, Optional[PyTree]], tuple[Tensor, PyTree]]
@@ -131,7 +131,7 @@ class MultiSteps:
         acc_grads = tree_lib.tree_map(lambda p: torch.zeros_like(p, dtype=dtype or p.dtype), params)
         # on the CPU when the host may decide (see the module docstring); with a skip function the
         # verdict is a device tensor, so the counters live beside it and nothing syncs
-        device = torch.device("cpu") if self._should_skip is None else first_device(params)
+        device = torch.device("cpu") if self._should_skip is None else tree_lib.first_device(params)
         gradient_step = torch.zeros((), dtype=torch.int32, device=device)
         skip_state: Any = ()
         if self._should_skip is not None:

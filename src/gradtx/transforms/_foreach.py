@@ -88,17 +88,9 @@ def full_like_tree(params: Any, value: float) -> Any:
     return tree_lib.tree_map(lambda p: torch.full_like(p, value), params)
 
 
-def state_device(params: Any) -> torch.device:
-    """Where a transform keeps its counters: on the first parameter's device."""
-    for leaf in tree_lib.leaves(params):
-        if isinstance(leaf, Tensor):
-            return leaf.device
-    return torch.device("cpu")
-
-
 def zero_count(params: Any) -> Tensor:
     """A step counter: a 0-d int32 tensor, as optax's."""
-    return torch.zeros((), dtype=torch.int32, device=state_device(params))
+    return torch.zeros((), dtype=torch.int32, device=tree_lib.first_device(params))
 
 
 def increment(count: Tensor, *, inplace: bool) -> Tensor:

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Union
 import torch
 from torch import Tensor
 
+from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation
 from gradtx.transforms import _foreach as fe
 
@@ -46,7 +47,7 @@ def add_noise(eta: float, gamma: float, key: Union[int, torch.Generator, None] =
     eta, gamma = float(eta), float(gamma)
 
     def init_fn(params: Any) -> AddNoiseState:
-        device = fe.state_device(params)
+        device = tree_lib.first_device(params)
         return AddNoiseState(count=fe.zero_count(params), rng_key=_generator_state(key, device))
 
     def update_fn(updates, state, params=None, *, inplace=False):
@@ -95,7 +96,7 @@ def differentially_private_aggregate(
     noise_std = l2_norm_clip * noise_multiplier
 
     def init_fn(params: Any) -> DifferentiallyPrivateAggregateState:
-        return DifferentiallyPrivateAggregateState(rng_key=_generator_state(key, fe.state_device(params)))
+        return DifferentiallyPrivateAggregateState(rng_key=_generator_state(key, tree_lib.first_device(params)))
 
     def update_fn(updates, state, params=None, *, inplace=False):
         del params
