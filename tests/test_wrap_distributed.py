@@ -10,6 +10,7 @@ wrapped optimizer's norm, through ``spec``, is the norm of the whole gradient.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 
 import pytest
@@ -126,7 +127,11 @@ def worker(rank: int, init_file: str) -> None:
         check_ddp(rank, clip_in_step=False)
         check_ddp(rank, clip_in_step=True)
         check_sharded_rows(rank)
+        dist.barrier()  # nobody tears down while the other rank still talks to it
     finally:
+        # DDP's reducer sits in reference cycles: collect it so no gloo thread outlives the group
+        # (a joinable thread destroyed at interpreter exit aborts the process).
+        gc.collect()
         dist.destroy_process_group()
 
 
