@@ -1,6 +1,7 @@
 """The number of collectives, counted from the gloo events of a ``torch.profiler`` trace: one per
 global norm (any p, any mix of layouts, DTensors included), one per distinct group for per-leaf
-norms, none without sharding."""
+norms, none without sharding; the consistency check adds one on a new plan (the default), one at
+every call (``check_consistency=True``) or none (``False``)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def one_collective_pp_dp_tp_and_moe(world):
     # Per-leaf norms: leaves over tp and leaves over ep x tp -> two groups, two collectives.
     gtx.sharding.leaf_norms(grads, spec)
     assert count_collectives(lambda: gtx.sharding.leaf_norms(grads, spec)) == 2
+    # the first block-RMS call meets a new reduction: checked once, then never again
+    assert count_collectives(lambda: gtx.clip_by_block_rms(0.1, spec).update(grads, None)) == 3
     assert count_collectives(lambda: gtx.clip_by_block_rms(0.1, spec).update(grads, None)) == 2
 
 
@@ -70,6 +73,22 @@ def one_collective_dtensors_mixed(world):
     # 'b' along dim 0 only (no communication).
     gtx.adaptive_grad_clip(0.1).update(grads, None, grads)
     assert count_collectives(lambda: gtx.adaptive_grad_clip(0.1).update(grads, None, grads)) == 1
+
+
+@case(2, 4)
+def consistency_check_costs_by_mode(world):
+    mesh = world.mesh((world.size,), ("tp",))
+    grads = {"w": torch.randn(4, 4), "b": torch.randn(4)}
+    rule_list = [("w", gtx.sharding.Shard("tp")), ("b", gtx.sharding.Replicate())]
+    once = ShardingSpec(mesh, rule_list)
+    assert count_collectives(lambda: gtx.global_norm(grads, once)) == 2  # new plan: check + norm
+    assert count_collectives(lambda: gtx.global_norm(grads, once)) == 1
+    assert count_collectives(lambda: gtx.global_norm({"w": grads["w"]}, once)) == 2  # a new tree: checked again
+    always = ShardingSpec(mesh, rule_list, check_consistency=True)
+    for _ in range(2):
+        assert count_collectives(lambda: gtx.global_norm(grads, always)) == 2
+    never = ShardingSpec(mesh, rule_list, check_consistency=False)
+    assert count_collectives(lambda: gtx.global_norm(grads, never)) == 1
 
 
 @case(2)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
+from gradtx.tree import all_finite  # noqa: F401 - the combinators' finiteness test
 
 PyTree = Any
 
@@ -94,22 +95,3 @@ def zeros_like_tree(tree: PyTree, *, inplace: bool = False) -> PyTree:
         else:
             torch._foreach_zero_(group)
     return tree
-
-
-def all_finite(tree: PyTree, *, device: Optional[torch.device] = None) -> Tensor:
-    """A 0-d bool tensor: whether every element of every tensor leaf is finite.
-
-    One ``aminmax`` pass per leaf: a NaN propagates into both extremes and an infinity shows in
-    one, so the test is exact (a sum or a 2-norm would overflow on large finite values). It is also
-    much faster on CPU than an ``inf``-norm.
-    """
-    tensors = [leaf for leaf in tree_lib.leaves(tree) if isinstance(leaf, Tensor) and leaf.numel() > 0]
-    if not tensors:
-        return torch.ones((), dtype=torch.bool, device=device or tree_lib.first_device(tree))
-    target = device or tensors[0].device
-    dtype = tree_lib.accumulation_dtype([t.dtype for t in tensors])  # float64 extremes must not overflow
-    extremes = []
-    for t in tensors:
-        low, high = torch.aminmax(t)
-        extremes.append(torch.stack([low, high]).to(device=target, dtype=dtype))
-    return torch.isfinite(torch.cat(extremes)).all()

@@ -6,7 +6,9 @@ element once with one collective; ``leaf_norms`` / ``leaf_rms`` / ``unitwise_nor
 quantities of the logical tensors, batched into one collective per distinct group.
 """
 
+from gradtx.sharding.decisions import all_finite, any_rank, count_not_finite
 from gradtx.sharding.dtensor import has_dtensor, locals_of
+from gradtx.sharding.probe import finiteness_probe
 from gradtx.sharding.placements import LeafSpec, Replicate, Shard
 from gradtx.sharding.reductions import global_norm, is_sharded, leaf_norms, leaf_rms, unitwise_norms
 from gradtx.sharding.spec import ShardingSpec
@@ -16,6 +18,10 @@ __all__ = [
     "Replicate",
     "Shard",
     "ShardingSpec",
+    "all_finite",
+    "any_rank",
+    "count_not_finite",
+    "finiteness_probe",
     "global_norm",
     "has_dtensor",
     "is_sharded",

@@ -71,7 +71,8 @@ class MeshAxes:
         if not axes:
             return None
         if len(axes) == 1:
-            return self.mesh.get_group(axes[0])
+            # by index: a mesh without names (FSDP2's default) has no dim to look up by name
+            return self.mesh.get_group(self.names.index(axes[0]))
         ranks = self.ranks(axes)
         key = (_world_key(), tuple(ranks))
         group = _GROUPS.get(key)

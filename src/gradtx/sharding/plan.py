@@ -8,11 +8,11 @@ spec fails on every rank before any collective.
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Sequence, Union
 
 from gradtx import tree as tree_lib
+from gradtx.sharding import consistency
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding.mesh import MeshAxes, _world_key
 from gradtx.sharding.placements import Shard
@@ -20,6 +20,8 @@ from gradtx.sharding.spec import ShardingSpec
 
 _PLAIN, _ABSENT = 1, 0
 _MAX_CACHED_PLANS = 64
+
+CheckMode = Union[bool, Literal["once"]]
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,13 @@ class LeafLayout:
 
 @dataclass
 class Plan:
+    """A resolved layout; ``checked`` holds the reductions already checked across ranks ("once" mode)."""
+
     mesh: MeshAxes
     layouts: list[Optional[LeafLayout]]  # None for None leaves
     global_axes: tuple[str, ...]
     stage_axis: Optional[str]
-    check_consistency: bool
-    fingerprint: Optional[int] = None
+    checked: set[str] = field(default_factory=set)
 
     def global_group(self) -> Optional[Any]:
         return self.mesh.group(self.global_axes)
@@ -64,28 +67,53 @@ def _layout_key(tree_leaves: Sequence[Any]) -> tuple[Any, ...]:
     )
 
 
-def plan_for(tree: Any, spec: Optional[ShardingSpec], *, what: str) -> tuple[Plan, list[Any]]:
-    """The (cached) plan of ``tree`` under ``spec`` and the tree's leaves (``None`` included)."""
+def plan_for(tree: Any, spec: Optional[ShardingSpec], *, what: str, op: Optional[str] = None) -> tuple[Plan, list[Any]]:
+    """The (cached) plan of ``tree`` under ``spec`` and the tree's leaves (``None`` included).
+
+    ``op`` names the reduction about to run (``"global_norm(p=2.0)"``); ranks are checked to agree
+    on it, the plan and the mesh before it runs: on a new plan (``check_consistency="once"``, the
+    default), at every call (``True``) or never (``False``). A plan that cannot be built (no rule
+    for a leaf, a ``Partial`` DTensor, an axis the mesh lacks) is an error on every rank when the
+    check runs, raised by all of them alike, so no rank is left waiting in a collective.
+    """
     tree_leaves, treedef = tree_lib.flatten(tree)
-    key = (treedef, _layout_key(tree_leaves))
-    if spec is not None:
-        plan = spec.plans.get(key)
+    key: tuple[Any, ...] = (treedef, _layout_key(tree_leaves))
+    cache = spec.plans if spec is not None else _DTENSOR_PLANS
+    mesh: Optional[MeshAxes] = spec.axes if spec is not None else None
+    plan: Optional[Plan] = None
+    error: Optional[Exception] = None
+    try:
+        given: Optional[list[Optional[Shard]]] = None
+        if spec is not None and spec.looks_at_tensors:
+            # a callable may look at shapes or dtypes: the plan is cached by what it answers
+            tree_lib.check_tensors(tree, tree_leaves, what=what)
+            given = spec.resolve(tree, tree_leaves, tree_lib.paths(tree))
+            key += (tuple(given),)
+        if spec is None:
+            key = (_world_key(),) + key
+        plan = cache.get(key)
         if plan is None:
             tree_lib.check_tensors(tree, tree_leaves, what=what)
-            plan = _build(tree, tree_leaves, spec, spec.axes, key)
-            if len(spec.plans) >= _MAX_CACHED_PLANS:
-                spec.plans.clear()
-            spec.plans[key] = plan
-        return plan, tree_leaves
-    world_key = (_world_key(), key)
-    plan = _DTENSOR_PLANS.get(world_key)
-    if plan is None:
-        tree_lib.check_tensors(tree, tree_leaves, what=what)
-        plan = _build(tree, tree_leaves, None, _reference_mesh(tree_leaves), key)
-        if len(_DTENSOR_PLANS) >= _MAX_CACHED_PLANS:
-            _DTENSOR_PLANS.clear()
-        _DTENSOR_PLANS[world_key] = plan
-    return plan, tree_leaves
+            if mesh is None:
+                mesh = _reference_mesh(tree_leaves)
+            plan = _build(tree, tree_leaves, spec, mesh, given)
+            if len(cache) >= _MAX_CACHED_PLANS:
+                cache.clear()
+            cache[key] = plan
+    except (ValueError, TypeError) as exc:
+        error = exc
+    mode: CheckMode = spec.check_consistency if spec is not None else "once"
+    op = op or what
+    if mode is True or (mode == "once" and (plan is None or op not in plan.checked)):
+        mesh = mesh or (plan.mesh if plan is not None else None)
+        if mesh is None:  # no mesh to check over (not even a DTensor's): nothing to fold the error into
+            raise error  # type: ignore[misc]
+        consistency.check(mesh, plan, tree_leaves, op=op, mode=mode, spec=spec, error=error)
+        if plan is not None:
+            plan.checked.add(op)
+    elif error is not None:
+        raise error
+    return plan, tree_leaves  # type: ignore[return-value]
 
 
 def _reference_mesh(tree_leaves: Sequence[Any]) -> MeshAxes:
@@ -105,9 +133,12 @@ def _reference_mesh(tree_leaves: Sequence[Any]) -> MeshAxes:
     return axes
 
 
-def _build(tree: Any, tree_leaves: Sequence[Any], spec: Optional[ShardingSpec], mesh: MeshAxes, key: Any) -> Plan:
+def _build(
+    tree: Any, tree_leaves: Sequence[Any], spec: Optional[ShardingSpec], mesh: MeshAxes, given: Optional[list[Optional[Shard]]]
+) -> Plan:
     paths = tree_lib.paths(tree)
-    given: list[Optional[Shard]] = spec.resolve(tree, tree_leaves, paths) if spec is not None else [None] * len(paths)
+    if given is None:
+        given = spec.resolve(tree, tree_leaves, paths) if spec is not None else [None] * len(paths)
     shards: list[Optional[tuple[tuple[str, ...], tuple[Optional[int], ...], bool]]] = []
     for path, leaf, leaf_spec in zip(paths, tree_leaves, given):
         if leaf is None:
@@ -159,17 +190,5 @@ def _build(tree: Any, tree_leaves: Sequence[Any], spec: Optional[ShardingSpec], 
         copies = [a for a in global_axes if a not in axes and a != stage_axis]
         counted = not duplicate and all(mesh.coordinate[a] == 0 for a in copies)
         layouts.append(LeafLayout(path, axes, dims, duplicate, counted))
-    plan = Plan(mesh, layouts, global_axes, stage_axis, bool(spec is not None and spec.check_consistency))
-    if plan.check_consistency:
-        plan.fingerprint = _fingerprint(plan)
-    return plan
+    return Plan(mesh, layouts, global_axes, stage_axis)
 
-
-def hash_text(text: str) -> int:
-    """A stable 62-bit hash (the same on every rank, unlike ``hash``), so its negation fits int64."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
-
-
-def _fingerprint(plan: Plan) -> int:
-    """What ranks of one stage must agree on: leaf paths, layouts and duplicate flags."""
-    return hash_text(repr([None if l is None else (l.path, l.axes, l.dims, l.duplicate) for l in plan.layouts]))

@@ -20,8 +20,9 @@ from torch import Tensor
 
 from gradtx import tree as tree_lib
 from gradtx.sharding import dtensor as dtensor_lib
+from gradtx.sharding import probe as probe_lib
 from gradtx.sharding.mesh import MeshAxes
-from gradtx.sharding.plan import LeafLayout, Plan, hash_text, plan_for
+from gradtx.sharding.plan import LeafLayout, Plan, plan_for
 from gradtx.sharding.spec import ShardingSpec
 
 _REDUCE_DTYPE = torch.float64  # one scalar per leaf at most: exact enough, and equal on every rank
@@ -65,40 +66,6 @@ def is_sharded(tree_leaves: Sequence[Any], spec: Optional[ShardingSpec]) -> bool
     return spec is not None or dtensor_lib.has_dtensor(tree_leaves)
 
 
-# --------------------------------------------------------------------------- consistency
-
-
-def _check_consistency(plan: Plan, device: torch.device) -> None:
-    """One all-reduce (MAX) over the whole mesh comparing what ranks must agree on; raises if they differ."""
-    mesh = plan.mesh
-    stages = mesh.sizes[plan.stage_axis] if plan.stage_axis else 1
-    stage = mesh.coordinate[plan.stage_axis] if plan.stage_axis else 0
-    axes_hash = hash_text(repr(plan.global_axes))
-    floor = -(2**62)
-    values = [axes_hash, -axes_hash] + [floor] * (2 * stages)
-    values[2 + 2 * stage] = plan.fingerprint
-    values[3 + 2 * stage] = -plan.fingerprint  # type: ignore[operator]
-    buffer = torch.tensor(values, dtype=torch.int64, device=device)
-    group = mesh.group(mesh.names)
-    if group is not None:
-        dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=group)
-    result = buffer.tolist()
-    if result[0] != -result[1]:
-        raise ValueError(
-            "gradtx.sharding: ranks disagree on the reduction group of the global norm (this rank: "
-            f"axes {plan.global_axes}); pass reduce_axes= to the ShardingSpec, or declare the sharded axes "
-            "in a rule list, so that every rank joins the same collective"
-        )
-    for s in range(stages):
-        high, low = result[2 + 2 * s], result[3 + 2 * s]
-        if high != floor and high != -low:
-            where = f"pipeline stage {s}" if plan.stage_axis else "the mesh"
-            raise ValueError(
-                f"gradtx.sharding: ranks of {where} hold different gradient trees or leaf specs "
-                "(paths, shapes of the layout, or duplicate flags differ), so the norm would be wrong"
-            )
-
-
 # --------------------------------------------------------------------------- global norm
 
 
@@ -115,29 +82,39 @@ def global_norm(tree: Any, spec: Optional[ShardingSpec] = None, *, norm_type: fl
     if not is_sharded(tree_leaves, spec):
         return tree_lib.total_norm([tree_leaves[i] for i in present], float(norm_type))
     p = _check_norm_type(norm_type, "global_norm")
-    plan, tree_leaves = plan_for(tree, spec, what="global_norm")
-    return norm_from_plan(plan, tree_leaves, p)
+    probe = probe_lib.waiting_probe(tree_leaves, spec)
+    op = f"global_norm(p={p})" + (" with a finiteness flag" if probe is not None else "")
+    plan, tree_leaves = plan_for(tree, spec, what="global_norm", op=op)
+    norm, finite = norm_from_plan(plan, tree_leaves, p, with_finite=probe is not None)
+    if probe is not None:
+        probe.finite = finite
+    return norm
 
 
-def norm_from_plan(plan: Plan, tree_leaves: Sequence[Any], p: float) -> Tensor:
+def norm_from_plan(plan: Plan, tree_leaves: Sequence[Any], p: float, *, with_finite: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """The logical norm, and with ``with_finite`` whether every rank's pieces are all finite, reduced
+    in the same all-reduce (as a 0/1 flag: gloo's MIN/MAX would drop a NaN value)."""
     present = [dtensor_lib.local(tree_leaves[i]) for i, l in enumerate(plan.layouts) if l is not None]
     owned = [dtensor_lib.local(tree_leaves[i]) for i, l in enumerate(plan.layouts) if l is not None and l.counted]
     dtype = tree_lib.accumulation_dtype([t.dtype for t in present])
     device = _device_of(present, plan.mesh)
-    if plan.check_consistency:
-        _check_consistency(plan, device)
     group = plan.global_group()
+    local_finite = tree_lib.all_finite(present, device=device) if with_finite else None
     if group is None and len(owned) == len(present) and all(t.numel() > 0 for t in owned):
-        return tree_lib.total_norm(owned, p).to(device=device, dtype=dtype) if owned else torch.zeros((), dtype=dtype, device=device)
+        norm = tree_lib.total_norm(owned, p).to(device=device, dtype=dtype) if owned else torch.zeros((), dtype=dtype, device=device)
+        return norm, local_finite
     norms = [n.to(device) for n in _local_norms(owned, p)]
     stacked = torch.stack(norms) if norms else torch.zeros(1, dtype=dtype, device=device)
     if p == math.inf:
         buffer, op = _norm_partials([stacked.max()], p)[0].to(_REDUCE_DTYPE), dist.ReduceOp.MAX
     else:
         buffer, op = (stacked.to(_REDUCE_DTYPE) ** p).sum().reshape(1), dist.ReduceOp.SUM
+    if local_finite is not None:
+        buffer = torch.cat([buffer, (~local_finite).to(_REDUCE_DTYPE).reshape(1)])
     if group is not None:
         dist.all_reduce(buffer, op=op, group=group)
-    return _finish_norm(buffer, p, dtype)
+    finite = buffer[-1] == 0 if local_finite is not None else None
+    return _finish_norm(buffer, p, dtype), finite
 
 
 # --------------------------------------------------------------------------- per-leaf reductions
@@ -194,7 +171,7 @@ def leaf_norms(tree: Any, spec: Optional[ShardingSpec] = None, *, norm_type: flo
         norms = tree_lib.local_norms([tree_leaves[i] for i in present], float(norm_type))
         return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, norms))
     p = _check_norm_type(norm_type, "leaf_norms")
-    plan, tree_leaves = plan_for(tree, spec, what="leaf_norms")
+    plan, tree_leaves = plan_for(tree, spec, what="leaf_norms", op=f"leaf_norms(p={p})")
     norms = norms_from_plan(plan, tree_leaves, p)
     return tree_lib.unflatten(treedef, norms)
 
@@ -227,7 +204,7 @@ def leaf_rms(tree: Any, spec: Optional[ShardingSpec] = None) -> Any:
         norms = tree_lib.local_norms(grads, 2.0)
         rms = [n / math.sqrt(max(g.numel(), 1)) for n, g in zip(norms, grads)]
         return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, rms))
-    plan, tree_leaves = plan_for(tree, spec, what="leaf_rms")
+    plan, tree_leaves = plan_for(tree, spec, what="leaf_rms", op="leaf_rms")
     pairs = norms_from_plan(plan, tree_leaves, 2.0, with_numel=True)
     rms = [None if pair is None else pair[0] / torch.clamp(pair[1], min=1.0).sqrt().to(pair[0].dtype) for pair in pairs]
     return tree_lib.unflatten(treedef, rms)
@@ -283,7 +260,7 @@ def unitwise_norms(*trees: Any, spec: Optional[ShardingSpec] = None) -> tuple[An
     _check_spec(spec, "unitwise_norms")
     if spec is None and not any(dtensor_lib.has_dtensor(tree_lib.leaves(t)) for t in trees):
         return tuple(tree_lib.tree_map(tree_lib.unitwise_norm, t) for t in trees)
-    plan, first = plan_for(trees[0], spec, what="unitwise_norms")
+    plan, first = plan_for(trees[0], spec, what="unitwise_norms", op=f"unitwise_norms({len(trees)} trees)")
     all_leaves = [first] + [tree_lib.flatten_like(t, tree_lib.structure(trees[0]), trees[0], what="params") for t in trees[1:]]
     items: list[tuple[tuple[str, ...], Tensor]] = []
     shapes: list[tuple[int, tuple[int, ...], torch.dtype]] = []

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import optree
 
@@ -60,10 +60,15 @@ class ShardingSpec:
       stage_axis: the pipeline axis: ranks along it hold *different* leaves, each counted on its
         own stage.
       default: the spec of a leaf no rule matches (``None``: such a leaf is a ``ValueError``).
-      check_consistency: before each norm, run one extra small all-reduce over the whole mesh that
-        compares the trees, specs and reduction groups of all ranks (ranks of one pipeline stage
-        must hold the same leaf paths and specs) and raises ``ValueError`` when they differ, rather
-        than returning a silently wrong norm or hanging. Off by default (it costs a collective).
+      check_consistency: when ranks compare what they are about to reduce, with one small
+        ``all_gather`` over the whole mesh: their trees, leaf specs, dtypes, reduction groups and
+        the reduction itself (ranks of one pipeline stage must hold the same leaves), and any error
+        found while resolving the tree on any rank. Disagreement is the same ``ValueError`` on every
+        rank, naming the rank, the leaf and the axis, instead of a hang or a wrong number.
+        ``"once"`` (default): the first time each resolved plan meets each reduction (the first
+        step, and whenever the tree structure or layout changes), so steady-state steps pay
+        nothing; ``True``: at every call; ``False``: never (an error then raises on the ranks that
+        find it, and the others wait in their collective until it times out).
       reduce_axes: extra axes the global reduction spans. The reduction group is the stage axis
         plus every axis a leaf is sharded over (those named by rules, the default, and the local
         leaves); give this when pipeline stages shard over different axes (one stage has no
@@ -82,7 +87,7 @@ class ShardingSpec:
         *,
         stage_axis: Optional[str] = None,
         default: Optional[Shard] = None,
-        check_consistency: bool = False,
+        check_consistency: Union[bool, Literal["once"]] = "once",
         reduce_axes: Sequence[str] = (),
     ):
         self.axes = MeshAxes(mesh, require_names=True)
@@ -90,7 +95,9 @@ class ShardingSpec:
         self.leaves = leaves
         self.stage_axis = stage_axis
         self.default = default
-        self.check_consistency = bool(check_consistency)
+        if not (isinstance(check_consistency, bool) or check_consistency == "once"):
+            raise ValueError(f"ShardingSpec: check_consistency must be True, False or 'once', got {check_consistency!r}")
+        self.check_consistency: Union[bool, Literal["once"]] = check_consistency
         if stage_axis is not None:
             self._check_axis(stage_axis, "stage_axis")
         if isinstance(reduce_axes, str):
@@ -114,6 +121,11 @@ class ShardingSpec:
             declared += list(default.axes)
         self.declared_axes: tuple[str, ...] = self.axes.ordered(declared)
         self.plans: dict[Any, Any] = {}
+
+    @property
+    def looks_at_tensors(self) -> bool:
+        """Whether leaf specs come from a callable, which may look at each tensor (its shape, say)."""
+        return self._rules is None and callable(self.leaves)
 
     def __repr__(self) -> str:
         return f"ShardingSpec(mesh={self.mesh}, leaves={self.leaves!r}, stage_axis={self.stage_axis!r})"

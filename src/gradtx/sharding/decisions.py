@@ -1,0 +1,77 @@
+"""Data-dependent decisions taken on the logical gradient, so every rank takes the same one.
+
+Skipping a non-finite step or a too-large update is a decision about the whole gradient; with a
+``ShardingSpec`` or DTensor leaves each rank sees only its pieces, so the local verdicts are turned
+into one global verdict by an all-reduce of 0/1 flags (never of raw values: gloo's MIN and MAX
+drop NaN) over the group the plan spans, the global norm's group. Without a spec and without
+DTensors these are the local computations, with no communication.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gradtx import tree as tree_lib
+from gradtx.sharding import dtensor as dtensor_lib
+from gradtx.sharding.plan import plan_for
+from gradtx.sharding.reductions import is_sharded
+from gradtx.sharding.spec import ShardingSpec
+
+_FLAG_DTYPE = torch.float64
+
+
+def _present_locals(tree_leaves: list[Any], plan: Any, *, counted_only: bool = False) -> list[Tensor]:
+    return [
+        dtensor_lib.local(leaf)
+        for leaf, layout in zip(tree_leaves, plan.layouts)
+        if layout is not None and (layout.counted or not counted_only)
+    ]
+
+
+def _reduce(plan: Any, values: list[Tensor]) -> Tensor:
+    buffer = torch.stack([v.to(_FLAG_DTYPE) for v in values])
+    group = plan.global_group()
+    if group is not None:
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+    return buffer
+
+
+def all_finite(tree: Any, spec: Optional[ShardingSpec] = None, *, device: Optional[torch.device] = None) -> Tensor:
+    """Whether every element of the logical gradient is finite (a 0-d bool, equal on every rank)."""
+    tree_leaves = tree_lib.leaves(tree)
+    if not is_sharded(tree_leaves, spec):
+        return tree_lib.all_finite(tree, device=device)
+    plan, tree_leaves = plan_for(tree, spec, what="all_finite", op="all_finite")
+    local = tree_lib.all_finite(_present_locals(tree_leaves, plan), device=device)
+    return (_reduce(plan, [~local])[0] == 0).to(local.device)
+
+
+def count_not_finite(tree: Any, spec: Optional[ShardingSpec] = None) -> tuple[Tensor, Tensor]:
+    """``(all finite, number of non-finite elements)`` of the logical gradient, each element counted
+    once (copies and duplicates are not counted again), equal on every rank, in one all-reduce."""
+    tree_leaves = tree_lib.leaves(tree)
+    tensors = [leaf for leaf in tree_leaves if isinstance(leaf, Tensor)]
+    if not is_sharded(tree_leaves, spec):
+        count = sum((~torch.isfinite(t)).sum() for t in tensors) if tensors else torch.zeros((), dtype=torch.int64)
+        return tree_lib.all_finite(tree), torch.as_tensor(count)
+    plan, tree_leaves = plan_for(tree, spec, what="count_not_finite", op="count_not_finite")
+    present = _present_locals(tree_leaves, plan)
+    local = tree_lib.all_finite(present)
+    owned = _present_locals(tree_leaves, plan, counted_only=True)
+    count = sum((~torch.isfinite(t)).sum() for t in owned) if owned else torch.zeros((), dtype=torch.int64)
+    reduced = _reduce(plan, [~local, torch.as_tensor(count, device=local.device)])
+    return (reduced[0] == 0).to(local.device), reduced[1].to(torch.int64).to(local.device)
+
+
+def any_rank(flag: Tensor, tree: Any, spec: Optional[ShardingSpec] = None) -> Tensor:
+    """Whether ``flag`` (a 0-d bool computed by each rank from its pieces of ``tree``) holds on any
+    rank of the group the tree's plan spans; ``flag`` itself without sharding."""
+    tree_leaves = tree_lib.leaves(tree)
+    if not is_sharded(tree_leaves, spec):
+        return flag
+    plan, _ = plan_for(tree, spec, what="any_rank", op="any_rank")
+    return (_reduce(plan, [flag])[0] > 0).to(flag.device)
