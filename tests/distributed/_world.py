@@ -29,6 +29,7 @@ CASE_MODULES = (
     "test_sharding_validation",
     "test_sharding_properties",
     "test_sharding_collectives",
+    "test_sharding_decisions",
 )
 
 _CASES: dict[int, dict[str, Callable[["World"], None]]] = {}

@@ -17,14 +17,17 @@ Two ways to decide, with identical results:
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
 
+from gradtx import sharding
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, with_inplace
-from gradtx.chains._select import all_finite, safe_increment, where_or_zero, where_tree, zeros_like_tree
+from gradtx.chains._select import safe_increment, where_or_zero, where_tree, zeros_like_tree
 
 PyTree = Any
 ShouldSkipUpdateFn = Callable[[PyTree, Tensor, Optional[PyTree]], tuple[Tensor, PyTree]]
@@ -48,25 +51,50 @@ class MultiStepsState(NamedTuple):
     skip_state: Any = ()
 
 
-def skip_not_finite(updates: PyTree, gradient_step: Tensor, params: Optional[PyTree]) -> tuple[Tensor, dict]:
-    """A ``should_skip_update_fn``: skip mini-steps whose gradients hold a NaN or an infinity."""
+def skip_not_finite(
+    updates: PyTree, gradient_step: Tensor, params: Optional[PyTree], *, spec: Optional[sharding.ShardingSpec] = None
+) -> tuple[Tensor, dict]:
+    """A ``should_skip_update_fn``: skip mini-steps whose gradients hold a NaN or an infinity.
+
+    Under sharding (``spec``, passed by ``MultiSteps(..., spec=)``, or DTensor gradients) the verdict
+    and the count are those of the logical gradient, the same on every rank (one all-reduce).
+    """
     del gradient_step, params
-    tensors = [leaf for leaf in tree_lib.leaves(updates) if isinstance(leaf, Tensor)]
-    num_not_finite = sum((~torch.isfinite(t)).sum() for t in tensors) if tensors else torch.zeros((), dtype=torch.int64)
-    should_skip = ~all_finite(updates)
-    return should_skip, {"should_skip": should_skip, "num_not_finite": torch.as_tensor(num_not_finite)}
+    finite, num_not_finite = sharding.count_not_finite(updates, spec)
+    should_skip = ~finite
+    return should_skip, {"should_skip": should_skip, "num_not_finite": num_not_finite}
 
 
 def skip_large_updates(
-    updates: PyTree, gradient_step: Tensor, params: Optional[PyTree], max_squared_norm: float
+    updates: PyTree,
+    gradient_step: Tensor,
+    params: Optional[PyTree],
+    max_squared_norm: float,
+    *,
+    spec: Optional[sharding.ShardingSpec] = None,
 ) -> tuple[Tensor, dict]:
     """A ``should_skip_update_fn`` (bind ``max_squared_norm`` with ``functools.partial``): skip
-    mini-steps whose squared global norm is not below ``max_squared_norm`` (NaN norms included)."""
+    mini-steps whose squared global norm is not below ``max_squared_norm`` (NaN norms included).
+
+    Under sharding the norm is that of the logical gradient (one all-reduce), so every rank agrees.
+    """
     del gradient_step, params
     tensors = [leaf for leaf in tree_lib.leaves(updates) if isinstance(leaf, Tensor)]
-    norm_sq = tree_lib.total_norm(tensors, 2.0).square()
+    if sharding.is_sharded(tensors, spec):
+        norm_sq = sharding.global_norm(updates, spec).square()
+    else:
+        norm_sq = tree_lib.total_norm(tensors, 2.0).square()
     should_skip = ~(norm_sq < max_squared_norm)
     return should_skip, {"should_skip": should_skip, "norm_squared": norm_sq}
+
+
+def _takes_spec(fn: Callable[..., Any]) -> bool:
+    """Whether a skip function takes ``spec=`` (and so decides on the logical gradient itself)."""
+    try:
+        parameter = inspect.signature(fn).parameters.get("spec")
+    except (TypeError, ValueError):
+        return False
+    return parameter is not None and parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD)
 
 
 def _no_skip(updates: PyTree, gradient_step: Tensor, params: Optional[PyTree]) -> tuple[Tensor, tuple]:
@@ -87,6 +115,11 @@ class MultiSteps:
         :func:`skip_not_finite`, :func:`skip_large_updates`).
       accumulator_dtype: the accumulator's dtype (float32, as optax), or ``None`` for each
         parameter's own.
+      spec: how the gradients are sharded (a :class:`gradtx.sharding.ShardingSpec`; DTensor
+        gradients need none). Skip decisions are then the same on every rank: a skip function
+        that takes ``spec=`` (``skip_not_finite``, ``skip_large_updates``) receives it and decides on
+        the logical gradient; any other one decides per rank, and every rank skips when any rank
+        says so (one all-reduce of a 0/1 flag).
 
     Mini-steps return zeros. Where optax multiplies by 0/1 flags, this selects with ``torch.where``,
     so a NaN in a discarded inner update neither leaks into a mini-step's zeros nor sticks in the
@@ -105,6 +138,7 @@ class MultiSteps:
         use_grad_mean: bool = True,
         should_skip_update_fn: Optional[ShouldSkipUpdateFn] = None,
         accumulator_dtype: Optional[torch.dtype] = torch.float32,
+        spec: Optional[sharding.ShardingSpec] = None,
     ):
         if not isinstance(opt, GradientTransformation):
             raise TypeError(f"MultiSteps: opt must be a GradientTransformation, got {type(opt).__name__}")
@@ -120,7 +154,9 @@ class MultiSteps:
         self._every_k_schedule = every_k_schedule
         self._use_grad_mean = use_grad_mean
         self._should_skip = should_skip_update_fn
+        self._skip_takes_spec = should_skip_update_fn is not None and _takes_spec(should_skip_update_fn)
         self._accumulator_dtype = accumulator_dtype
+        self._spec = spec
 
     @property
     def inner_opt(self) -> GradientTransformation:
@@ -135,7 +171,7 @@ class MultiSteps:
         gradient_step = torch.zeros((), dtype=torch.int32, device=device)
         skip_state: Any = ()
         if self._should_skip is not None:
-            _, skip_state = self._should_skip(tree_lib.tree_map(torch.zeros_like, params), gradient_step, params)
+            _, skip_state = self._skip_fn()(tree_lib.tree_map(torch.zeros_like, params), gradient_step, params)
         return MultiStepsState(
             mini_step=torch.zeros_like(gradient_step),
             gradient_step=gradient_step,
@@ -143,6 +179,11 @@ class MultiSteps:
             acc_grads=acc_grads,
             skip_state=skip_state,
         )
+
+    def _skip_fn(self) -> ShouldSkipUpdateFn:
+        if self._skip_takes_spec and self._spec is not None:
+            return functools.partial(self._should_skip, spec=self._spec)  # type: ignore[arg-type]
+        return self._should_skip  # type: ignore[return-value]
 
     def _k_steps(self, gradient_step: Tensor) -> Tensor:
         k = self._every_k_schedule(gradient_step)
@@ -196,12 +237,14 @@ class MultiSteps:
         if self._should_skip is None:
             skip, skip_state = _no_skip(updates, state.gradient_step, params)
         else:
-            skip, skip_state = self._should_skip(updates, state.gradient_step, params)
+            skip, skip_state = self._skip_fn()(updates, state.gradient_step, params)
             if not isinstance(skip, Tensor) or skip.dtype != torch.bool or skip.ndim != 0:
                 raise ValueError(
                     "MultiSteps: should_skip_update_fn must return a 0-d bool tensor, got "
                     f"{type(skip).__name__} {getattr(skip, 'dtype', '')} {tuple(getattr(skip, 'shape', ()))}"
                 )
+            if not self._skip_takes_spec:  # a per-rank verdict: any rank's skip is everyone's
+                skip = sharding.any_rank(skip, updates, self._spec)
             skip = skip.to(state.gradient_step.device)
         # the old accumulator must survive a skipped mini-step, so it is only reused when none can be
         acc_grads = self._accumulate(updates, state.acc_grads, state.mini_step, inplace=inplace and self._should_skip is None)

@@ -3,17 +3,25 @@
 The decision stays on the device: the inner transformation always runs, then ``torch.where``
 selects, leaf by leaf, either its updates and new state or zeros and the old state. Nothing is
 read back to the host, so the wrapper costs no synchronisation and compiles to one graph.
+
+Under sharding (a ``spec``, or DTensor gradients) the decision is taken on the logical gradient
+and is the same on every rank: a NaN in one rank's shard skips the step everywhere. When the inner
+transformation takes the global norm of the same gradients anyway (``clip_by_global_norm`` first
+in the chain), the finiteness flag rides in that norm's all-reduce; otherwise it costs one
+all-reduce of a 0/1 flag.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
+from gradtx import sharding
+from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, with_inplace
-from gradtx.chains._select import all_finite, counter, safe_increment, where_or_zero, where_tree
+from gradtx.chains._select import counter, safe_increment, where_or_zero, where_tree
 
 PyTree = Any
 
@@ -34,12 +42,18 @@ class ApplyIfFiniteState(NamedTuple):
     inner_state: Any
 
 
-def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) -> GradientTransformation:
+def apply_if_finite(
+    inner: GradientTransformation, max_consecutive_errors: int, spec: Optional[sharding.ShardingSpec] = None
+) -> GradientTransformation:
     """Runs ``inner`` only on steps whose incoming updates are all finite.
 
     A step with a NaN or an infinity anywhere in the updates returns zero updates and leaves the
     inner state untouched, unless more than ``max_consecutive_errors`` such steps came in a row:
     then the step is applied anyway (as optax does), NaNs and all.
+
+    ``spec`` (a :class:`gradtx.sharding.ShardingSpec`; DTensor gradients need none) makes the
+    decision global: every rank skips when any rank's piece is not finite, and the counters agree
+    on every rank.
 
     The inner transformation always runs on its pure path (its state must survive a skipped
     step), so with ``inplace=True`` only this wrapper's own counters are reused.
@@ -58,16 +72,25 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
             inner_state=inner.init(params),
         )
 
+    def decide_and_run(updates, state, params):
+        """``(all finite, inner updates, inner state)``, the flag global under sharding."""
+        device = state.notfinite_count.device
+        if torch.compiler.is_compiling() or not sharding.is_sharded(tree_lib.leaves(updates), spec):
+            isfinite = sharding.all_finite(updates, spec, device=device)
+            return (isfinite, *inner_update(updates, state.inner_state, params, inplace=False))
+        with sharding.finiteness_probe(updates, spec) as probe:
+            new_updates, new_inner_state = inner_update(updates, state.inner_state, params, inplace=False)
+        isfinite = probe.finite if probe.finite is not None else sharding.all_finite(updates, spec, device=device)
+        return isfinite.to(device), new_updates, new_inner_state
+
     def update_fn(updates, state, params=None, *, inplace=False):
         del inplace  # the inner state must survive a rejected step: see the docstring
-        isfinite = all_finite(updates, device=state.notfinite_count.device)
+        isfinite, new_updates, new_inner_state = decide_and_run(updates, state, params)
         notfinite_count = torch.where(
             isfinite, torch.zeros_like(state.notfinite_count), safe_increment(state.notfinite_count)
         )
         total_notfinite = torch.where(isfinite, state.total_notfinite, safe_increment(state.total_notfinite))
         apply = isfinite | (notfinite_count > max_consecutive_errors)
-
-        new_updates, new_inner_state = inner_update(updates, state.inner_state, params, inplace=False)
         out_updates = where_or_zero(apply, new_updates)
         inner_state = where_tree(apply, new_inner_state, state.inner_state, what="apply_if_finite")
         return out_updates, ApplyIfFiniteState(notfinite_count, isfinite, total_notfinite, inner_state)
