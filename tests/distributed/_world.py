@@ -30,6 +30,7 @@ CASE_MODULES = (
     "test_sharding_properties",
     "test_sharding_collectives",
     "test_sharding_decisions",
+    "test_sharding_disagreement",
 )
 
 _CASES: dict[int, dict[str, Callable[["World"], None]]] = {}

@@ -172,13 +172,6 @@ def explain(descriptions: Sequence[dict]) -> str:
                 prefix + f"on the reduction to run: rank {d['rank']} is about to run {d['op']} while rank {reference['rank']} runs "
                 f"{reference['op']} (the ranks run different transformations)"
             )
-    for d in descriptions[1:]:
-        if d["group"] != reference["group"]:
-            return (
-                prefix + f"on the reduction group of the global norm: rank {d['rank']} spans axes {d['group']}, rank "
-                f"{reference['rank']} spans {reference['group']}; pass reduce_axes= to the ShardingSpec, or "
-                "declare the sharded axes in a rule list, so that every rank joins the same collective"
-            )
     first_of_stage: dict[int, dict] = {}
     for d in descriptions:
         ref = first_of_stage.setdefault(d["stage"], d)
@@ -187,5 +180,12 @@ def explain(descriptions: Sequence[dict]) -> str:
             return (
                 prefix + f"on the gradients: ranks{where} hold different gradient trees or leaf specs: "
                 + _leaf_difference(ref, d)
+            )
+    for d in descriptions[1:]:
+        if d["group"] != reference["group"]:
+            return (
+                prefix + f"on the reduction group of the global norm: rank {d['rank']} spans axes {d['group']}, rank "
+                f"{reference['rank']} spans {reference['group']}; pass reduce_axes= to the ShardingSpec, or "
+                "declare the sharded axes in a rule list, so that every rank joins the same collective"
             )
     return prefix + "on what they are about to reduce"
