@@ -108,6 +108,18 @@ def consistency_check(world):
     close(gtx.global_norm(grads, spec), gtx.global_norm(dense), "rules")
 
 
+@case(2)
+def callable_spec_is_asked_again_for_each_tree(world):
+    """A callable that looks at the tensor is not served the plan of another tree of the same structure."""
+    mesh = world.mesh((2,), ("tp",))
+    spec = ShardingSpec(mesh, lambda path, t: Shard("tp") if t.ndim == 2 else Replicate())
+    matrix = torch.full((2, 3), 1.0)  # this rank's half of a (4, 3) matrix of ones
+    vector = torch.full((6,), 1.0)  # the same structure, replicated: every rank holds all of it
+    assert float(gtx.global_norm({"x": matrix}, spec, norm_type=1.0)) == 12.0
+    assert float(gtx.global_norm({"x": vector}, spec, norm_type=1.0)) == 6.0
+    assert float(gtx.global_norm({"x": matrix}, spec, norm_type=1.0)) == 12.0
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("size,name", _world.params_for(__name__))
 def test_validation(size, name):
