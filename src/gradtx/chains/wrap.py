@@ -30,7 +30,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
-import optree
 import torch
 from torch import Tensor
 
@@ -51,16 +50,6 @@ _HOOK_DICTS = (
     "_optimizer_load_state_dict_pre_hooks",
     "_optimizer_load_state_dict_post_hooks",
 )
-
-
-def _in_parameter_order():
-    """Dicts flatten in insertion order (the optimizer's parameter order) rather than sorted by key.
-
-    The gradient dict is built in parameter order, so reductions over it (the global norm) add
-    the per-parameter terms in the order ``clip_grad_norm_`` does, and the numbers match torch's
-    bit for bit. Keys still match by name, so masks and rules written in any order work.
-    """
-    return optree.dict_insertion_ordered(True, namespace=tree_lib._NAMESPACE)
 
 
 def _describe(tx: Optional[GradientTransformation]) -> str:
@@ -118,7 +107,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
             setattr(self, hooks, OrderedDict())
         self._patch_step_function()
         self._names, self._params = self._name_params()
-        with _in_parameter_order(), torch.no_grad():
+        with torch.no_grad():
             self._tx_state = None if tx is None else tx.init(self._param_tree())
         self._tx_update = None if tx is None else with_inplace(tx)
         self._fold_plan = self._plan_fold(tx)
@@ -188,11 +177,16 @@ class ChainedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"wrap: two optimized parameters share the name {duplicate!r}")
         return names, params
 
-    def _param_tree(self) -> dict[str, Tensor]:
-        return dict(zip(self._names, self._params))
+    # The chain sees OrderedDicts: they flatten in parameter order (a plain dict flattens sorted by
+    # key), so reductions over them (the global norm) add the per-parameter terms in the order
+    # ``clip_grad_norm_`` does and match torch's numbers bit for bit, with no process-wide mode.
+    # Masks, labels and spec prefixes written as plain dicts still match them key by key.
 
-    def _grad_tree(self) -> dict[str, Optional[Tensor]]:
-        return {name: param.grad for name, param in zip(self._names, self._params)}
+    def _param_tree(self) -> OrderedDict[str, Tensor]:
+        return OrderedDict(zip(self._names, self._params))
+
+    def _grad_tree(self) -> OrderedDict[str, Optional[Tensor]]:
+        return OrderedDict((name, param.grad) for name, param in zip(self._names, self._params))
 
     def _sync_params(self) -> None:
         """Re-derives names (and re-initialises new state) if the param groups were changed."""
@@ -201,7 +195,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
             return
         self._names, self._params = self._name_params()
         if self.tx is not None:
-            with _in_parameter_order(), torch.no_grad():
+            with torch.no_grad():
                 self._tx_state = _carry_over(self._tx_state, self.tx.init(self._param_tree()))
 
     def _write_back(self, updates: dict[str, Optional[Tensor]]) -> None:
@@ -251,8 +245,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self._sync_params()
         if self.tx is None:
             return None
-        with _in_parameter_order():
-            return self._run_tx(allow_fold)
+        return self._run_tx(allow_fold)
 
     def _run_tx(self, allow_fold: bool) -> Optional[Tensor]:
         grads = self._grad_tree()
@@ -315,8 +308,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self._sync_params()
         clip = clip_by_global_norm(max_norm, self.spec, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
         grads = self._grad_tree()
-        with _in_parameter_order():
-            updates, state = clip.update(grads, clip.init(grads), self._param_tree(), inplace=True)
+        updates, state = clip.update(grads, clip.init(grads), self._param_tree(), inplace=True)
         self._write_back(updates)
         return state.norm
 
@@ -326,8 +318,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self._sync_params()
         clip = clip_by_value(clip_value)
         grads = self._grad_tree()
-        with _in_parameter_order():
-            updates, _ = clip.update(grads, clip.init(grads), self._param_tree(), inplace=True)
+        updates, _ = clip.update(grads, clip.init(grads), self._param_tree(), inplace=True)
         self._write_back(updates)
 
     # ------------------------------------------------------------------ the rest of the Optimizer API
@@ -355,8 +346,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
             hook(self)
         state_dict = self.optimizer.state_dict()
         if self.tx is not None:
-            with _in_parameter_order():
-                state_dict[STATE_KEY] = {"tx_state": _to_plain(self._tx_state)}
+            state_dict[STATE_KEY] = {"tx_state": _to_plain(self._tx_state)}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
@@ -378,8 +368,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
         self._sync_params()
         if saved is not None and self.tx is not None:
-            with _in_parameter_order():
-                self._tx_state = _from_plain(saved["tx_state"], self._tx_state)
+            self._tx_state = _from_plain(saved["tx_state"], self._tx_state)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
