@@ -36,6 +36,7 @@ from torch import Tensor
 from gradtx import sharding
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, with_inplace
+from gradtx.chains.accumulation import MultiSteps
 from gradtx.chains.chain import _PARTS
 from gradtx.transforms.clipping import clip_by_global_norm, clip_by_value
 
@@ -50,6 +51,15 @@ _HOOK_DICTS = (
     "_optimizer_load_state_dict_pre_hooks",
     "_optimizer_load_state_dict_post_hooks",
 )
+
+
+_AMP_ATTRS = ("grad_scale", "found_inf")
+"""What ``GradScaler`` sets on an optimizer with ``_step_supports_amp_scaling`` before its step."""
+
+
+def _is_dp_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """Opacus's ``DPOptimizer`` family: ``step`` rebuilds ``.grad`` from per-sample gradients."""
+    return hasattr(optimizer, "original_optimizer") and callable(getattr(optimizer, "pre_step", None))
 
 
 def _describe(tx: Optional[GradientTransformation]) -> str:
@@ -93,8 +103,21 @@ class ChainedOptimizer(torch.optim.Optimizer):
                 f"wrap: expected a torch.optim.Optimizer instance, got {type(optimizer).__name__}"
                 + (" (a class: build the optimizer first, or use gradtx.from_torch)" if isinstance(optimizer, type) else "")
             )
+        if isinstance(tx, MultiSteps):
+            tx = tx.gradient_transformation()
         if tx is not None and not isinstance(tx, GradientTransformation):
-            raise TypeError(f"wrap: tx must be a GradientTransformation or None, got {type(tx).__name__}")
+            raise TypeError(
+                f"wrap: tx must be a GradientTransformation, a MultiSteps or None, got {type(tx).__name__}"
+            )
+        if tx is not None and _is_dp_optimizer(optimizer):
+            raise TypeError(
+                f"wrap: {type(optimizer).__name__} recomputes .grad from the per-sample gradients in its step, "
+                "so a transformation run before it would be silently ignored, and one run on the per-sample "
+                "gradients would change the privacy guarantee. Wrap the optimizer Opacus wraps instead, so the "
+                "transformation sees the privatized gradient: DPOptimizer(gradtx.wrap(torch.optim.SGD(...), tx), "
+                "noise_multiplier=..., max_grad_norm=..., expected_batch_size=...) or "
+                "PrivacyEngine().make_private(module=..., optimizer=gradtx.wrap(torch.optim.SGD(...), tx), ...)"
+            )
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"wrap: model must be a torch.nn.Module, got {type(model).__name__}")
         # Deliberately no Optimizer.__init__: param_groups, state and defaults are the inner ones.
