@@ -162,6 +162,31 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self.optimizer.defaults = value
 
     @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Whether ``GradScaler`` may hand ``grad_scale`` / ``found_inf`` to :meth:`step` (its fused contract).
+
+        Only without a transformation, and when the inner optimizer supports it: they are then passed
+        on to the inner step. A transformation must see unscaled gradients, so with one ``GradScaler``
+        unscales them (and skips non-finite steps) before :meth:`step`, as for a plain optimizer.
+        """
+        return self.tx is None and bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
+
+    def __getattr__(self, name: str) -> Any:
+        """Forwards what the wrapper does not define to the inner optimizer.
+
+        (``consolidate_state_dict`` of ``ZeroRedundancyOptimizer``, ``train`` / ``eval`` of
+        schedule-free optimizers, ...). Only called when ordinary lookup fails; dunder names and a
+        wrapper without its inner optimizer yet (during unpickling) raise ``AttributeError``.
+        """
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        try:
+            inner = self.__dict__["optimizer"]
+        except KeyError:
+            raise AttributeError(name) from None
+        return getattr(inner, name)
+
+    @property
     def tx_state(self) -> Any:
         """The transformation's current state (e.g. ``tx_state[0].norm``: the last pre-clip norm)."""
         return self._tx_state
@@ -297,11 +322,56 @@ class ChainedOptimizer(torch.optim.Optimizer):
         local, _ = sharding.locals_of(grads)
         tree_lib.scale_(local, factor, inplace=True)
 
+    def _inner_step(self, closure: Optional[Callable[[], Any]] = None, **amp: Tensor) -> Any:
+        """The inner optimizer's step, with ``amp`` (``grad_scale`` / ``found_inf``) set on it meanwhile.
+
+        The process-wide step hooks (``register_optimizer_step_pre_hook``) have run for the wrapper,
+        as for any optimizer, so the inner step runs without them: they fire once per step, with the
+        wrapper. The inner optimizer's own hooks still run around it.
+        """
+        inner = self.optimizer
+        step = getattr(type(inner), "step", None)
+        raw = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
+        args = () if closure is None else (closure,)
+        for name, value in amp.items():
+            setattr(inner, name, value)
+        try:
+            if raw is None or "step" in inner.__dict__:
+                # not torch's hooked step, or patched on the instance (a scheduler's counter): call as is
+                return inner.step(*args)
+            kwargs: dict[str, Any] = {}
+            for hook in inner._optimizer_step_pre_hooks.values():
+                result = hook(inner, args, kwargs)
+                if result is not None:
+                    args, kwargs = result
+            out = raw(inner, *args, **kwargs)
+            for hook in inner._optimizer_step_post_hooks.values():
+                hook(inner, args, kwargs)
+            return out
+        finally:
+            for name in amp:
+                delattr(inner, name)
+
+    def _amp_attrs(self) -> dict[str, Tensor]:
+        """What ``GradScaler`` (or a caller following its fused contract) set on the wrapper for this step."""
+        return {name: self.__dict__[name] for name in _AMP_ATTRS if self.__dict__.get(name) is not None}
+
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
         """Transforms the gradients, writes them back to ``.grad``, then runs the inner step.
 
         With a ``closure`` the transformation runs after each evaluation the inner optimizer makes.
+        ``grad_scale`` / ``found_inf`` set on the wrapper (``GradScaler``'s fused contract) go to the
+        inner step; with a transformation, the wrapper first unscales the gradients by
+        ``grad_scale`` and skips the whole step (transformation included) when ``found_inf`` is set.
         """
+        amp = self._amp_attrs()
+        if amp and self.tx is not None:
+            if "found_inf" in amp and bool(amp["found_inf"]):
+                return None  # what a fused kernel does with found_inf: nothing at all
+            if "grad_scale" in amp:
+                self._sync_params()
+                self._scale_grads(torch.reciprocal(amp["grad_scale"].double()).float())
+            amp = {}
         if closure is not None:
 
             def transformed_closure():
@@ -310,15 +380,11 @@ class ChainedOptimizer(torch.optim.Optimizer):
                 self._transform(allow_fold=False)
                 return loss
 
-            return self.optimizer.step(transformed_closure)
-        grad_scale = self._transform(allow_fold=True)
-        if grad_scale is None:
-            return self.optimizer.step()
-        self.optimizer.grad_scale = grad_scale
-        try:
-            return self.optimizer.step()
-        finally:
-            del self.optimizer.grad_scale
+            return self._inner_step(transformed_closure, **amp)
+        grad_scale = self._transform(allow_fold=not amp)
+        if grad_scale is not None:
+            amp = {"grad_scale": grad_scale}
+        return self._inner_step(**amp)
 
     # ------------------------------------------------------------------ clipping between backward and step
 
