@@ -257,6 +257,24 @@ def test_names_let_masks_pick_leaves():
     assert same_params(model, reference)
 
 
+def test_a_mask_dict_in_any_key_order_matches_by_name():
+    # the chain sees the gradients in parameter order; a plain-dict mask written in another order
+    # (here reversed) still selects by name
+    model, reference = mlp(), mlp()
+    names = [name for name, _ in model.named_parameters()]
+    mask = {name: name.endswith("weight") for name in reversed(names)}
+    opt = gtx.wrap(torch.optim.SGD(model.parameters(), lr=0.1), gtx.masked(gtx.clip_by_value(0.0), mask), model=model)
+    ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for m in (model, reference):
+        loss_of(m, 0).backward()
+    for name, p in reference.named_parameters():
+        if name.endswith("weight"):
+            p.grad.zero_()
+    opt.step()
+    ref.step()
+    assert same_params(model, reference)
+
+
 # --------------------------------------------------------------------------- the Optimizer API
 
 

@@ -154,6 +154,18 @@ def tensor_leaves(tree: PyTree, *, what: str) -> tuple[list[Any], TreeSpec, list
     return tree_leaves, treedef, present
 
 
+def broadcast_leaves(prefix: PyTree, tree: PyTree) -> list[Any]:
+    """The leaves of ``prefix`` broadcast to ``tree``'s structure, one per leaf of ``tree``, in its order.
+
+    Dict keys match by name: a plain-dict prefix fits an ``OrderedDict`` tree (as :func:`gradtx.wrap`
+    builds, in parameter order) whatever order either was written in. Raises ``ValueError`` when
+    ``prefix`` is not a prefix of ``tree``.
+    """
+    full = optree.tree_broadcast_prefix(prefix, tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
+    # the broadcast keeps the prefix's containers (and their key order): read it in the tree's
+    return structure(tree).flatten_up_to(full)
+
+
 def mask_leaves(mask: Any, tree: PyTree, *, what: str = "mask") -> list[bool]:
     """Resolves an optax-style mask against ``tree``: one bool per leaf of ``tree``.
 
@@ -163,10 +175,9 @@ def mask_leaves(mask: Any, tree: PyTree, *, what: str = "mask") -> list[bool]:
     if callable(mask):
         mask = mask(tree)
     try:
-        full = optree.tree_broadcast_prefix(mask, tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
+        values = broadcast_leaves(mask, tree)
     except ValueError:
         raise ValueError(f"{what} does not fit the tree: {_uncovered(mask, tree)}") from None
-    values = leaves(full)
     for index, value in enumerate(values):
         if not isinstance(value, (bool, int)) and not (isinstance(value, Tensor) and value.numel() == 1):
             raise TypeError(f"{what}: leaf {path_at(tree, index)!r} has mask value {value!r}, expected a bool")

@@ -30,13 +30,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
-import optree
 import torch
 from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, with_inplace
+from gradtx.chains.accumulation import MultiSteps
 from gradtx.chains.chain import _PARTS
 from gradtx.transforms.clipping import clip_by_global_norm, clip_by_value
 
@@ -53,14 +53,13 @@ _HOOK_DICTS = (
 )
 
 
-def _in_parameter_order():
-    """Dicts flatten in insertion order (the optimizer's parameter order) rather than sorted by key.
+_AMP_ATTRS = ("grad_scale", "found_inf")
+"""What ``GradScaler`` sets on an optimizer with ``_step_supports_amp_scaling`` before its step."""
 
-    The gradient dict is built in parameter order, so reductions over it (the global norm) add
-    the per-parameter terms in the order ``clip_grad_norm_`` does, and the numbers match torch's
-    bit for bit. Keys still match by name, so masks and rules written in any order work.
-    """
-    return optree.dict_insertion_ordered(True, namespace=tree_lib._NAMESPACE)
+
+def _is_dp_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """Opacus's ``DPOptimizer`` family: ``step`` rebuilds ``.grad`` from per-sample gradients."""
+    return hasattr(optimizer, "original_optimizer") and callable(getattr(optimizer, "pre_step", None))
 
 
 def _describe(tx: Optional[GradientTransformation]) -> str:
@@ -104,8 +103,21 @@ class ChainedOptimizer(torch.optim.Optimizer):
                 f"wrap: expected a torch.optim.Optimizer instance, got {type(optimizer).__name__}"
                 + (" (a class: build the optimizer first, or use gradtx.from_torch)" if isinstance(optimizer, type) else "")
             )
+        if isinstance(tx, MultiSteps):
+            tx = tx.gradient_transformation()
         if tx is not None and not isinstance(tx, GradientTransformation):
-            raise TypeError(f"wrap: tx must be a GradientTransformation or None, got {type(tx).__name__}")
+            raise TypeError(
+                f"wrap: tx must be a GradientTransformation, a MultiSteps or None, got {type(tx).__name__}"
+            )
+        if tx is not None and _is_dp_optimizer(optimizer):
+            raise TypeError(
+                f"wrap: {type(optimizer).__name__} recomputes .grad from the per-sample gradients in its step, "
+                "so a transformation run before it would be silently ignored, and one run on the per-sample "
+                "gradients would change the privacy guarantee. Wrap the optimizer Opacus wraps instead, so the "
+                "transformation sees the privatized gradient: DPOptimizer(gradtx.wrap(torch.optim.SGD(...), tx), "
+                "noise_multiplier=..., max_grad_norm=..., expected_batch_size=...) or "
+                "PrivacyEngine().make_private(module=..., optimizer=gradtx.wrap(torch.optim.SGD(...), tx), ...)"
+            )
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"wrap: model must be a torch.nn.Module, got {type(model).__name__}")
         # Deliberately no Optimizer.__init__: param_groups, state and defaults are the inner ones.
@@ -118,7 +130,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
             setattr(self, hooks, OrderedDict())
         self._patch_step_function()
         self._names, self._params = self._name_params()
-        with _in_parameter_order(), torch.no_grad():
+        with torch.no_grad():
             self._tx_state = None if tx is None else tx.init(self._param_tree())
         self._tx_update = None if tx is None else with_inplace(tx)
         self._fold_plan = self._plan_fold(tx)
@@ -148,6 +160,31 @@ class ChainedOptimizer(torch.optim.Optimizer):
     @defaults.setter
     def defaults(self, value: dict[str, Any]) -> None:
         self.optimizer.defaults = value
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Whether ``GradScaler`` may hand ``grad_scale`` / ``found_inf`` to :meth:`step` (its fused contract).
+
+        Only without a transformation, and when the inner optimizer supports it: they are then passed
+        on to the inner step. A transformation must see unscaled gradients, so with one ``GradScaler``
+        unscales them (and skips non-finite steps) before :meth:`step`, as for a plain optimizer.
+        """
+        return self.tx is None and bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
+
+    def __getattr__(self, name: str) -> Any:
+        """Forwards what the wrapper does not define to the inner optimizer.
+
+        (``consolidate_state_dict`` of ``ZeroRedundancyOptimizer``, ``train`` / ``eval`` of
+        schedule-free optimizers, ...). Only called when ordinary lookup fails; dunder names and a
+        wrapper without its inner optimizer yet (during unpickling) raise ``AttributeError``.
+        """
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        try:
+            inner = self.__dict__["optimizer"]
+        except KeyError:
+            raise AttributeError(name) from None
+        return getattr(inner, name)
 
     @property
     def tx_state(self) -> Any:
@@ -188,11 +225,16 @@ class ChainedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"wrap: two optimized parameters share the name {duplicate!r}")
         return names, params
 
-    def _param_tree(self) -> dict[str, Tensor]:
-        return dict(zip(self._names, self._params))
+    # The chain sees OrderedDicts: they flatten in parameter order (a plain dict flattens sorted by
+    # key), so reductions over them (the global norm) add the per-parameter terms in the order
+    # ``clip_grad_norm_`` does and match torch's numbers bit for bit, with no process-wide mode.
+    # Masks, labels and spec prefixes written as plain dicts still match them key by key.
 
-    def _grad_tree(self) -> dict[str, Optional[Tensor]]:
-        return {name: param.grad for name, param in zip(self._names, self._params)}
+    def _param_tree(self) -> OrderedDict[str, Tensor]:
+        return OrderedDict(zip(self._names, self._params))
+
+    def _grad_tree(self) -> OrderedDict[str, Optional[Tensor]]:
+        return OrderedDict((name, param.grad) for name, param in zip(self._names, self._params))
 
     def _sync_params(self) -> None:
         """Re-derives names (and re-initialises new state) if the param groups were changed."""
@@ -201,7 +243,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
             return
         self._names, self._params = self._name_params()
         if self.tx is not None:
-            with _in_parameter_order(), torch.no_grad():
+            with torch.no_grad():
                 self._tx_state = _carry_over(self._tx_state, self.tx.init(self._param_tree()))
 
     def _write_back(self, updates: dict[str, Optional[Tensor]]) -> None:
@@ -251,8 +293,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self._sync_params()
         if self.tx is None:
             return None
-        with _in_parameter_order():
-            return self._run_tx(allow_fold)
+        return self._run_tx(allow_fold)
 
     def _run_tx(self, allow_fold: bool) -> Optional[Tensor]:
         grads = self._grad_tree()
@@ -281,11 +322,56 @@ class ChainedOptimizer(torch.optim.Optimizer):
         local, _ = sharding.locals_of(grads)
         tree_lib.scale_(local, factor, inplace=True)
 
+    def _inner_step(self, closure: Optional[Callable[[], Any]] = None, **amp: Tensor) -> Any:
+        """The inner optimizer's step, with ``amp`` (``grad_scale`` / ``found_inf``) set on it meanwhile.
+
+        The process-wide step hooks (``register_optimizer_step_pre_hook``) have run for the wrapper,
+        as for any optimizer, so the inner step runs without them: they fire once per step, with the
+        wrapper. The inner optimizer's own hooks still run around it.
+        """
+        inner = self.optimizer
+        step = getattr(type(inner), "step", None)
+        raw = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
+        args = () if closure is None else (closure,)
+        for name, value in amp.items():
+            setattr(inner, name, value)
+        try:
+            if raw is None or "step" in inner.__dict__:
+                # not torch's hooked step, or patched on the instance (a scheduler's counter): call as is
+                return inner.step(*args)
+            kwargs: dict[str, Any] = {}
+            for hook in inner._optimizer_step_pre_hooks.values():
+                result = hook(inner, args, kwargs)
+                if result is not None:
+                    args, kwargs = result
+            out = raw(inner, *args, **kwargs)
+            for hook in inner._optimizer_step_post_hooks.values():
+                hook(inner, args, kwargs)
+            return out
+        finally:
+            for name in amp:
+                delattr(inner, name)
+
+    def _amp_attrs(self) -> dict[str, Tensor]:
+        """What ``GradScaler`` (or a caller following its fused contract) set on the wrapper for this step."""
+        return {name: self.__dict__[name] for name in _AMP_ATTRS if self.__dict__.get(name) is not None}
+
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
         """Transforms the gradients, writes them back to ``.grad``, then runs the inner step.
 
         With a ``closure`` the transformation runs after each evaluation the inner optimizer makes.
+        ``grad_scale`` / ``found_inf`` set on the wrapper (``GradScaler``'s fused contract) go to the
+        inner step; with a transformation, the wrapper first unscales the gradients by
+        ``grad_scale`` and skips the whole step (transformation included) when ``found_inf`` is set.
         """
+        amp = self._amp_attrs()
+        if amp and self.tx is not None:
+            if "found_inf" in amp and bool(amp["found_inf"]):
+                return None  # what a fused kernel does with found_inf: nothing at all
+            if "grad_scale" in amp:
+                self._sync_params()
+                self._scale_grads(torch.reciprocal(amp["grad_scale"].double()).float())
+            amp = {}
         if closure is not None:
 
             def transformed_closure():
@@ -294,15 +380,11 @@ class ChainedOptimizer(torch.optim.Optimizer):
                 self._transform(allow_fold=False)
                 return loss
 
-            return self.optimizer.step(transformed_closure)
-        grad_scale = self._transform(allow_fold=True)
-        if grad_scale is None:
-            return self.optimizer.step()
-        self.optimizer.grad_scale = grad_scale
-        try:
-            return self.optimizer.step()
-        finally:
-            del self.optimizer.grad_scale
+            return self._inner_step(transformed_closure, **amp)
+        grad_scale = self._transform(allow_fold=not amp)
+        if grad_scale is not None:
+            amp = {"grad_scale": grad_scale}
+        return self._inner_step(**amp)
 
     # ------------------------------------------------------------------ clipping between backward and step
 
@@ -315,8 +397,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self._sync_params()
         clip = clip_by_global_norm(max_norm, self.spec, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
         grads = self._grad_tree()
-        with _in_parameter_order():
-            updates, state = clip.update(grads, clip.init(grads), self._param_tree(), inplace=True)
+        updates, state = clip.update(grads, clip.init(grads), self._param_tree(), inplace=True)
         self._write_back(updates)
         return state.norm
 
@@ -326,8 +407,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self._sync_params()
         clip = clip_by_value(clip_value)
         grads = self._grad_tree()
-        with _in_parameter_order():
-            updates, _ = clip.update(grads, clip.init(grads), self._param_tree(), inplace=True)
+        updates, _ = clip.update(grads, clip.init(grads), self._param_tree(), inplace=True)
         self._write_back(updates)
 
     # ------------------------------------------------------------------ the rest of the Optimizer API
@@ -355,8 +435,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
             hook(self)
         state_dict = self.optimizer.state_dict()
         if self.tx is not None:
-            with _in_parameter_order():
-                state_dict[STATE_KEY] = {"tx_state": _to_plain(self._tx_state)}
+            state_dict[STATE_KEY] = {"tx_state": _to_plain(self._tx_state)}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
@@ -378,8 +457,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
         self._sync_params()
         if saved is not None and self.tx is not None:
-            with _in_parameter_order():
-                self._tx_state = _from_plain(saved["tx_state"], self._tx_state)
+            self._tx_state = _from_plain(saved["tx_state"], self._tx_state)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

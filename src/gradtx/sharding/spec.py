@@ -17,8 +17,6 @@ import fnmatch
 import re
 from typing import Any, Callable, Literal, Optional, Sequence, Union
 
-import optree
-
 from gradtx import tree as tree_lib
 from gradtx.sharding.mesh import MeshAxes
 from gradtx.sharding.placements import Shard
@@ -183,9 +181,8 @@ class ShardingSpec:
 
     def _broadcast(self, prefix: Any, tree: Any) -> list[Optional[Shard]]:
         try:
-            full = optree.tree_broadcast_prefix(prefix, tree, none_is_leaf=True, namespace="gradtx")
+            return tree_lib.broadcast_leaves(prefix, tree)
         except ValueError:
             raise ValueError(
                 f"ShardingSpec: the leaf specs do not fit the gradient tree: {tree_lib._uncovered(prefix, tree)}"
             ) from None
-        return tree_lib.leaves(full)
