@@ -51,6 +51,11 @@ class MultiStepsState(NamedTuple):
     skip_state: Any = ()
 
 
+def _copy(tree: PyTree) -> PyTree:
+    """``tree`` with every tensor leaf cloned (other leaves kept)."""
+    return tree_lib.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, tree)
+
+
 def skip_not_finite(
     updates: PyTree, gradient_step: Tensor, params: Optional[PyTree], *, spec: Optional[sharding.ShardingSpec] = None
 ) -> tuple[Tensor, dict]:
@@ -210,7 +215,14 @@ class MultiSteps:
         acc_grads = self._accumulate(updates, state.acc_grads, state.mini_step, inplace=inplace)
         if mini_step < k_steps - 1:
             zeros = zeros_like_tree(updates, inplace=inplace)
-            return zeros, state._replace(mini_step=safe_increment(state.mini_step), acc_grads=acc_grads)
+            new_state = state._replace(mini_step=safe_increment(state.mini_step), acc_grads=acc_grads)
+            if not inplace:  # what a mini-step keeps is copied: the new state shares no storage with the old
+                new_state = new_state._replace(
+                    gradient_step=state.gradient_step.clone(),
+                    inner_opt_state=_copy(state.inner_opt_state),
+                    skip_state=_copy(state.skip_state),
+                )
+            return zeros, new_state
         # the accumulator is handed to the inner transformation (donated when ``inplace``: its
         # updates may be written into it), so the next one starts from fresh zeros
         inner_grads = self._inner_grads(updates, acc_grads)
@@ -220,7 +232,7 @@ class MultiSteps:
             gradient_step=safe_increment(state.gradient_step),
             inner_opt_state=inner_state,
             acc_grads=tree_lib.tree_map(torch.zeros_like, state.acc_grads),
-            skip_state=state.skip_state,
+            skip_state=state.skip_state if inplace else _copy(state.skip_state),
         )
         return final_updates, new_state
 

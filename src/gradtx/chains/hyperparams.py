@@ -147,6 +147,8 @@ def inject_hyperparams(
                 floats = [v.dtype for v in state.hyperparams.values() if isinstance(v, Tensor) and v.is_floating_point()]
                 dtype = tree_lib.accumulation_dtype(floats)
             hyperparams = current(state.hyperparams, state.count, dtype)
+            if not inplace:  # values read from the state are copied: the new state shares no storage with the old
+                hyperparams.update({name: hyperparams[name].clone() for name in numeric})
             inner = inner_factory(**other, **hyperparams)
             if takes_inplace:
                 new_updates, inner_state = inner.update(updates, state.inner_state, params, inplace=inplace)

@@ -27,6 +27,7 @@ gradient otherwise. ``wrap(..., fold=False)`` keeps the separate pass, which mat
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
@@ -41,7 +42,14 @@ from gradtx.chains.chain import _PARTS
 from gradtx.transforms.clipping import clip_by_global_norm, clip_by_value
 
 STATE_KEY = "gradtx"
-"""The key of a :class:`ChainedOptimizer` state dict under which the transformation's state is kept."""
+"""The key, in the first param group of a :class:`ChainedOptimizer` state dict, of the transformation's state.
+
+The state travels inside ``param_groups`` because that is the part of an optimizer state dict every
+checkpointing API keeps: ``torch.distributed.checkpoint.state_dict.get_state_dict`` rebuilds the
+state dict from ``state`` (keyed by parameter) and ``param_groups`` only, and maps every ``state``
+key to a parameter name; a group's entries other than ``params`` pass through, and ``dcp.save``
+stores the tensors in them as tensors.
+"""
 
 _HOOK_DICTS = (
     "_optimizer_step_pre_hooks",
@@ -85,8 +93,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose gradients pass through a :class:`GradientTransformation` first.
 
     Built by :func:`wrap`. ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's.
-    The transformation's state is :attr:`tx_state`; ``state_dict()`` carries it under
-    ``STATE_KEY`` next to the inner optimizer's entries, as tensors and plain containers only.
+    The transformation's state is :attr:`tx_state`; ``state_dict()`` carries it in its first param
+    group under ``STATE_KEY``, as a dict of tensors (and plain numbers) keyed by state path.
     """
 
     def __init__(
@@ -364,6 +372,11 @@ class ChainedOptimizer(torch.optim.Optimizer):
         inner step; with a transformation, the wrapper first unscales the gradients by
         ``grad_scale`` and skips the whole step (transformation included) when ``found_inf`` is set.
         """
+        if closure is None and _in_checkpoint_init_step():
+            # torch.distributed.checkpoint steps an optimizer with no state once, with zero gradients
+            # and a zero learning rate, so that the inner optimizer's state exists; the chain's state
+            # already does, and this step is not a training step: the chain must not advance.
+            return self.optimizer.step()
         amp = self._amp_attrs()
         if amp and self.tx is not None:
             if "found_inf" in amp and bool(amp["found_inf"]):
@@ -435,7 +448,13 @@ class ChainedOptimizer(torch.optim.Optimizer):
             hook(self)
         state_dict = self.optimizer.state_dict()
         if self.tx is not None:
-            state_dict[STATE_KEY] = {"tx_state": _to_plain(self._tx_state)}
+            plain = _to_plain(self._tx_state)
+            groups = list(state_dict["param_groups"])
+            if groups:
+                groups[0] = {**groups[0], STATE_KEY: plain}
+                state_dict = {**state_dict, "param_groups": groups}
+            else:
+                state_dict = {**state_dict, STATE_KEY: {"tx_state": plain}}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
@@ -443,21 +462,27 @@ class ChainedOptimizer(torch.optim.Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads the inner optimizer's state and the transformation's.
+        """Loads the inner optimizer's state and the transformation's, all or nothing.
 
-        A state dict without the transformation's entry (saved from the bare inner optimizer) leaves
-        the transformation's state as it is.
+        The transformation's part is checked against the current state (paths, shapes, dtypes)
+        and copied before the inner optimizer is touched, and it replaces the current state only
+        once the inner optimizer has loaded: a state dict that does not fit leaves this optimizer
+        as it was. A state dict without the transformation's entry (saved from the bare inner
+        optimizer) leaves the transformation's state as it is.
         """
         state_dict = dict(state_dict)
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        saved = state_dict.pop(STATE_KEY, None)
-        self.optimizer.load_state_dict(state_dict)
+        saved, state_dict = _split_chain_state(state_dict)
         self._sync_params()
+        new_tx_state = None
         if saved is not None and self.tx is not None:
-            self._tx_state = _from_plain(saved["tx_state"], self._tx_state)
+            new_tx_state = _from_plain(saved, self._tx_state)
+        self.optimizer.load_state_dict(state_dict)
+        if new_tx_state is not None:
+            self._tx_state = new_tx_state
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -510,8 +535,52 @@ def _to_plain(state: Any) -> dict[str, Any]:
     return out
 
 
+def _split_chain_state(state_dict: dict[str, Any]) -> tuple[Optional[dict[str, Any]], dict[str, Any]]:
+    """``(the transformation's saved state or None, the inner optimizer's state dict)``.
+
+    Reads the first param group's ``STATE_KEY`` entry, or the top-level one older checkpoints have.
+    """
+    saved = state_dict.pop(STATE_KEY, None)
+    if saved is not None:
+        saved = saved["tx_state"]
+    groups = state_dict.get("param_groups")
+    if groups and isinstance(groups[0], dict) and STATE_KEY in groups[0]:
+        first = dict(groups[0])
+        saved = first.pop(STATE_KEY)
+        state_dict["param_groups"] = [first, *groups[1:]]
+    return saved, state_dict
+
+
+def _in_checkpoint_init_step() -> bool:
+    """Whether ``step`` was called by ``torch.distributed.checkpoint``'s state initialisation.
+
+    ``get_state_dict`` / ``set_state_dict`` call ``_init_optim_state``, which steps an optimizer
+    whose ``state`` is empty once with zero gradients and a zero learning rate. The caller is
+    found on the stack (a few frames up: the step hooks' wrapper sits between).
+    """
+    module = sys.modules.get("torch.distributed.checkpoint.state_dict")
+    init = getattr(module, "_init_optim_state", None)
+    code = getattr(init, "__code__", None)
+    if code is None:
+        return False
+    frame = sys._getframe(1)
+    for _ in range(6):
+        if frame is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _from_plain(saved: dict[str, Any], template: Any) -> Any:
-    """``template`` with every leaf replaced by a copy of the saved leaf at the same path."""
+    """``template`` with every leaf replaced by a copy of the saved leaf at the same path.
+
+    Raises ``ValueError`` (before anything is changed) when a path, a shape, a dtype or a leaf's
+    kind differs from ``template``'s.
+    """
+    if not isinstance(saved, dict):
+        raise ValueError(f"wrap: the saved transformation state is a {type(saved).__name__}, expected a dict")
     template_leaves, treedef = tree_lib.flatten(template)
     paths = tree_lib.paths(template)
     missing = [p for p in paths if p not in saved]
@@ -522,13 +591,18 @@ def _from_plain(saved: dict[str, Any], template: Any) -> Any:
     new = []
     for path, current in zip(paths, template_leaves):
         value = saved[path]
-        if isinstance(current, Tensor) and isinstance(value, Tensor):
-            if value.shape != current.shape:
+        if isinstance(current, Tensor) != isinstance(value, Tensor):
+            raise ValueError(
+                f"wrap: saved transformation state {path!r} is a {type(value).__name__}, "
+                f"expected a {type(current).__name__}"
+            )
+        if isinstance(current, Tensor):
+            if value.shape != current.shape or value.dtype != current.dtype:
                 raise ValueError(
-                    f"wrap: saved transformation state {path!r} has shape {tuple(value.shape)}, "
-                    f"expected {tuple(current.shape)}"
+                    f"wrap: saved transformation state {path!r} is {tuple(value.shape)} {value.dtype}, "
+                    f"expected {tuple(current.shape)} {current.dtype}"
                 )
-            value = value.to(device=current.device, dtype=current.dtype, copy=True)
+            value = value.to(device=current.device, copy=True)
         new.append(value)
     return tree_lib.unflatten(treedef, new)
 

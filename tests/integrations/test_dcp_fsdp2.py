@@ -1,0 +1,116 @@
+"""A wrapped optimizer under FSDP2, checkpointed through torch.distributed.checkpoint: 2 gloo ranks.
+
+Each rank trains its FSDP2-sharded model (``fully_shard``: parameters and gradients are DTensors)
+with a wrapped optimizer whose chain keeps counters (a clip, a scheduled scale, accumulation over 2
+calls, a finite check). At step k the run saves with ``get_state_dict`` + ``dcp.save`` and goes on;
+fresh model and optimizer objects then load with ``dcp.load`` + ``set_state_dict`` and go on too.
+Both must end bit for bit where the uninterrupted run does, on every rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+STEPS = 6
+SAVE_AT = 3  # mid-accumulation: MultiSteps holds one gradient
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def shard(model: nn.Module, mesh) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def make_optimizer(model: nn.Module, inner: str):
+    import gradtx as gtx
+
+    scheduled = gtx.inject_hyperparams(gtx.scale)(step_size=gtx.linear_schedule(1.0, 0.25, STEPS))
+    tx = gtx.apply_if_finite(
+        gtx.MultiSteps(gtx.chain(gtx.clip_by_global_norm(0.5), scheduled), 2).gradient_transformation(), 3
+    )
+    if inner == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    else:  # stateless: DCP's initialising step runs on the live optimizer when it saves
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return gtx.wrap(opt, tx, model=model)
+
+
+def train(model: nn.Module, opt, rank: int, steps: range) -> None:
+    for step in steps:
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(4, 6, generator=gen), torch.randint(0, 3, (4,), generator=gen)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    opt.zero_grad()
+
+
+def full_params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def check(rank: int, mesh, inner: str, checkpoint_dir: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    straight = shard(make_model(0), mesh)
+    opt = make_optimizer(straight, inner)
+    train(straight, opt, rank, range(STEPS))
+    expected = full_params(straight)
+
+    saving = shard(make_model(0), mesh)
+    opt = make_optimizer(saving, inner)
+    train(saving, opt, rank, range(SAVE_AT))
+    model_sd, optim_sd = get_state_dict(saving, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint_dir)
+    train(saving, opt, rank, range(SAVE_AT, STEPS))
+    for got, want in zip(full_params(saving), expected):
+        assert torch.equal(got, want), f"{inner}: saving changed the run that saved"
+
+    resumed = shard(make_model(7), mesh)
+    opt = make_optimizer(resumed, inner)
+    model_sd, optim_sd = get_state_dict(resumed, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint_dir)
+    set_state_dict(resumed, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    assert int(opt.tx_state.inner_state.mini_step) == 1
+    train(resumed, opt, rank, range(SAVE_AT, STEPS))
+    for got, want in zip(full_params(resumed), expected):
+        assert torch.equal(got, want), f"{inner}: the resumed run differs from the uninterrupted one"
+
+
+def worker(rank: int, init_file: str, checkpoint_root: str) -> None:
+    timeout = datetime.timedelta(seconds=30)
+    dist.distributed_c10d.default_pg_timeout = timeout
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=timeout)
+    try:
+        torch.set_num_threads(1)
+        mesh = dist.device_mesh.init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+        for inner in ("adamw", "sgd"):
+            check(rank, mesh, inner, os.path.join(checkpoint_root, inner))
+        dist.barrier()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def test_fsdp2_dcp_save_and_resume_equal_the_uninterrupted_run(tmp_path):
+    mp.spawn(worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD, join=True)

@@ -1,0 +1,170 @@
+"""A pure update returns a state that shares no storage with the state it was given.
+
+With ``inplace=False`` the caller keeps the old state: donating the new one to a later
+``inplace=True`` update, or editing it (``state.hyperparams["learning_rate"].fill_(...)``), must not
+change the old one. Every public transformation and combinator is run for a few steps and each
+tensor of the new state is checked against the storages of the old state.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import pytest
+import torch
+
+import gradtx as gtx
+from combinator_helpers import running_sum
+
+SHAPES = {"layer.weight": (4, 3), "layer.bias": (4,), "head.weight": (2, 4)}
+STEPS = 4
+
+
+def params() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {name: torch.randn(shape, generator=gen) for name, shape in SHAPES.items()}
+
+
+def grads(step: int, batch: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return {name: torch.randn(batch + shape, generator=gen) for name, shape in SHAPES.items()}
+
+
+PER_EXAMPLE = {"differentially_private_aggregate", "dpsgd"}  # their updates are per-example gradients
+
+
+def adam() -> gtx.GradientTransformation:
+    return gtx.scale_by_adam()
+
+
+LABELS = {"layer.weight": "a", "layer.bias": "b", "head.weight": "a"}
+MASK = {"layer.weight": True, "layer.bias": False, "head.weight": True}
+# How to build each public factory cheaply; a stateful inner (running_sum, Adam) where one nests.
+FACTORIES = {
+    "adabelief": lambda: gtx.adabelief(1e-2),
+    "adagrad": lambda: gtx.adagrad(1e-2),
+    "adam": lambda: gtx.adam(1e-2),
+    "adamax": lambda: gtx.adamax(1e-2),
+    "adamw": lambda: gtx.adamw(1e-2, weight_decay=0.1),
+    "adaptive_grad_clip": lambda: gtx.adaptive_grad_clip(0.1),
+    "add_decayed_weights": lambda: gtx.add_decayed_weights(0.1, mask=MASK),
+    "add_noise": lambda: gtx.add_noise(0.1, 0.55, key=0),
+    "amsgrad": lambda: gtx.amsgrad(1e-2),
+    "apply_if_finite": lambda: gtx.apply_if_finite(running_sum(), 2),
+    "centralize": gtx.centralize,
+    "chain": lambda: gtx.chain(gtx.clip_by_global_norm(1.0), running_sum(), adam()),
+    "clip": lambda: gtx.clip(0.5),
+    "clip_by_block_rms": lambda: gtx.clip_by_block_rms(0.5),
+    "clip_by_global_norm": lambda: gtx.clip_by_global_norm(1.0),
+    "clip_by_value": lambda: gtx.clip_by_value(0.5),
+    "differentially_private_aggregate": lambda: gtx.differentially_private_aggregate(1.0, 0.1, key=0),
+    "dpsgd": lambda: gtx.dpsgd(1e-2, 1.0, 0.1, seed=0, momentum=0.9),
+    "ema": lambda: gtx.ema(0.9),
+    "freeze": lambda: gtx.freeze(MASK),
+    "from_torch": lambda: gtx.from_torch(torch.optim.Adam, lr=1e-2),
+    "identity": gtx.identity,
+    "inject_hyperparams": lambda: gtx.inject_hyperparams(gtx.adamw)(
+        learning_rate=gtx.linear_schedule(1e-2, 1e-3, 3), weight_decay=0.1
+    ),
+    "lamb": lambda: gtx.lamb(1e-2),
+    "lars": lambda: gtx.lars(1e-2, weight_decay=0.1),
+    "lion": lambda: gtx.lion(1e-3),
+    "masked": lambda: gtx.masked(running_sum(), MASK),
+    "measure_with_ema": lambda: gtx.measure_with_ema(lambda params: gtx.global_norm(params), 0.9),
+    "monitor": lambda: gtx.monitor({"norm": lambda params: gtx.global_norm(params)}),
+    "multi_transform": lambda: gtx.multi_transform({"a": running_sum(), "b": adam()}, LABELS),
+    "nadam": lambda: gtx.nadam(1e-2),
+    "nadamw": lambda: gtx.nadamw(1e-2),
+    "named_chain": lambda: gtx.named_chain(("sum", running_sum()), ("adam", adam())),
+    "noisy_sgd": lambda: gtx.noisy_sgd(1e-2, key=0),
+    "partition": lambda: gtx.partition({"a": running_sum(), "b": adam()}, LABELS),
+    "radam": lambda: gtx.radam(1e-2),
+    "rmsprop": lambda: gtx.rmsprop(1e-2, momentum=0.9, centered=True),
+    "scale": lambda: gtx.scale(0.5),
+    "scale_by_adam": adam,
+    "scale_by_adamax": gtx.scale_by_adamax,
+    "scale_by_amsgrad": gtx.scale_by_amsgrad,
+    "scale_by_belief": gtx.scale_by_belief,
+    "scale_by_learning_rate": lambda: gtx.scale_by_learning_rate(gtx.linear_schedule(1.0, 0.1, 3)),
+    "scale_by_lion": gtx.scale_by_lion,
+    "scale_by_radam": gtx.scale_by_radam,
+    "scale_by_rms": lambda: gtx.scale_by_rms(bias_correction=True),
+    "scale_by_rss": gtx.scale_by_rss,
+    "scale_by_schedule": lambda: gtx.scale_by_schedule(gtx.cosine_decay_schedule(1.0, 3)),
+    "scale_by_stddev": lambda: gtx.scale_by_stddev(bias_correction=True),
+    "scale_by_trust_ratio": gtx.scale_by_trust_ratio,
+    "selective_transform": lambda: gtx.selective_transform(running_sum(), freeze_mask=MASK),
+    "set_to_zero": gtx.set_to_zero,
+    "sgd": lambda: gtx.sgd(1e-2, momentum=0.9, nesterov=True),
+    "snapshot": lambda: gtx.snapshot("norm", lambda params: gtx.global_norm(params)),
+    "stateless": lambda: gtx.stateless(lambda updates, params: updates),
+    "stateless_with_tree_map": lambda: gtx.stateless_with_tree_map(lambda g: g * 2),
+    "trace": lambda: gtx.trace(0.9, nesterov=True),
+    "zero_nans": gtx.zero_nans,
+}
+# MultiSteps is a class; its transformation is built in several configurations.
+MULTISTEPS = {
+    "MultiSteps": lambda: gtx.MultiSteps(running_sum(), 2).gradient_transformation(),
+    "MultiSteps(inner adam)": lambda: gtx.MultiSteps(adam(), 2).gradient_transformation(),
+    "MultiSteps(skip_not_finite)": lambda: gtx.MultiSteps(
+        running_sum(), 2, should_skip_update_fn=gtx.skip_not_finite
+    ).gradient_transformation(),
+    "MultiSteps(schedule)": lambda: gtx.MultiSteps(
+        running_sum(), lambda step: 1 + (step >= 1).to(torch.int32), use_grad_mean=False
+    ).gradient_transformation(),
+    "inject_hyperparams(scale, tensor)": lambda: gtx.inject_hyperparams(gtx.scale)(step_size=torch.tensor(0.5)),
+    "inject_hyperparams(clip_by_global_norm)": lambda: gtx.inject_hyperparams(gtx.clip_by_global_norm)(max_norm=1.0),
+    "apply_if_finite(inject_hyperparams)": lambda: gtx.apply_if_finite(
+        gtx.inject_hyperparams(gtx.sgd)(learning_rate=0.1, momentum=0.9), 2
+    ),
+}
+CASES = {**FACTORIES, **MULTISTEPS}
+
+
+def public_factories() -> set[str]:
+    """Every public gradtx function whose declared result is a ``GradientTransformation``."""
+    names = set()
+    for name in dir(gtx):
+        obj = getattr(gtx, name)
+        if name.startswith("_") or not inspect.isfunction(obj):
+            continue
+        target = obj.__wrapped__ if isinstance(obj, functools.partial) else obj
+        annotation = inspect.signature(target).return_annotation
+        if annotation in (gtx.GradientTransformation, "GradientTransformation"):
+            names.add(name)
+    return names
+
+
+def test_every_public_factory_is_covered():
+    missing = public_factories() - set(FACTORIES)
+    assert not missing, f"add these public transformations to FACTORIES: {sorted(missing)}"
+
+
+def storages(tree) -> dict[int, str]:
+    """data_ptr of every tensor's storage -> the tensor's path (tensors with no elements skipped)."""
+    out = {}
+    for path, leaf in zip(gtx.tree.paths(tree), gtx.tree.leaves(tree)):
+        if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().nbytes() > 0:
+            out[leaf.untyped_storage().data_ptr()] = path
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_pure_update_returns_a_state_sharing_no_storage_with_the_old_one(name):
+    tx = CASES[name]()
+    p = params()
+    state = tx.init(p)
+    for step in range(STEPS):
+        g = grads(step, (2,) if name in PER_EXAMPLE else ())
+        if step == 2 and "finite" in name:
+            g["layer.bias"] = torch.full_like(g["layer.bias"], float("nan"))  # a skipped step too
+        updates, new_state = tx.update(g, state, p)
+        old = storages(state)
+        for path, leaf in zip(gtx.tree.paths(new_state), gtx.tree.leaves(new_state)):
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().nbytes() > 0:
+                ptr = leaf.untyped_storage().data_ptr()
+                assert ptr not in old, f"step {step}: new state {path!r} shares storage with old state {old[ptr]!r}"
+        if name != "measure_with_ema":  # its output is the measurement, not updates
+            p = gtx.apply_updates(p, updates)
+        state = new_state

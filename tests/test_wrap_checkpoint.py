@@ -1,0 +1,156 @@
+"""wrap's state dict through torch's checkpoint APIs, single process.
+
+``torch.distributed.checkpoint.state_dict.get_state_dict`` keeps only an optimizer state dict's
+``state`` and ``param_groups``, and steps an optimizer without state once to create it; the
+chain's state must survive the first and not move in the second. ``load_state_dict`` is all or
+nothing. (Under FSDP2 on two ranks: ``tests/integrations/test_dcp_fsdp2.py``.)
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import gradtx as gtx
+from gradtx.chains.wrap import STATE_KEY
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def loss_of(model: nn.Module, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def stateful_chain() -> gtx.GradientTransformation:
+    """Every piece keeps counters: a clip, a scheduled scale, accumulation over 2 calls, a finite check."""
+    scheduled = gtx.inject_hyperparams(gtx.scale)(step_size=gtx.linear_schedule(1.0, 0.25, 6))
+    return gtx.apply_if_finite(
+        gtx.MultiSteps(gtx.chain(gtx.clip_by_global_norm(0.5), scheduled), 2).gradient_transformation(), 3
+    )
+
+
+def make(model: nn.Module, inner: str = "adamw") -> gtx.ChainedOptimizer:
+    if inner == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    else:  # no state of its own: DCP's initialising step runs on the live optimizer too
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return gtx.wrap(opt, stateful_chain(), model=model)
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        opt.zero_grad()
+        loss_of(model, step).backward()
+        opt.step()
+    opt.zero_grad()
+
+
+def leaves_equal(a, b) -> bool:
+    la, lb = gtx.tree.leaves(a), gtx.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb)
+    )
+
+
+@pytest.mark.parametrize("inner", ["adamw", "sgd"])
+def test_get_and_set_state_dict_resume_exactly(inner, tmp_path):
+    straight = mlp()
+    opt = make(straight, inner)
+    train(straight, opt, range(7))
+
+    first = mlp()
+    opt = make(first, inner)
+    train(first, opt, range(3))  # mid-accumulation: one gradient waits in MultiSteps
+    before = copy.deepcopy(opt.tx_state)
+    model_sd, optim_sd = get_state_dict(first, opt)
+    assert leaves_equal(opt.tx_state, before), "get_state_dict's initialising step advanced the chain"
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path))
+    train(first, opt, range(3, 7))  # the run that saved goes on unchanged
+    assert all(torch.equal(p, q) for p, q in zip(first.parameters(), straight.parameters()))
+
+    resumed = mlp(seed=7)
+    opt = make(resumed, inner)
+    model_sd, optim_sd = get_state_dict(resumed, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path))
+    set_state_dict(resumed, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    assert int(opt.tx_state.inner_state.mini_step) == 1
+    train(resumed, opt, range(3, 7))
+    assert all(torch.equal(p, q) for p, q in zip(resumed.parameters(), straight.parameters()))
+
+
+def test_get_state_dict_keeps_the_chain_state():
+    model = mlp()
+    opt = make(model)
+    train(model, opt, range(3))
+    _, optim_sd = get_state_dict(model, opt)
+    saved = optim_sd["param_groups"][0][STATE_KEY]
+    live = dict(zip(gtx.tree.paths(opt.tx_state), gtx.tree.leaves(opt.tx_state)))
+    assert set(saved) == set(live) and all(torch.equal(saved[path], live[path]) for path in live)
+
+
+def corrupt(state_dict: dict, path: str, value) -> dict:
+    state_dict = copy.deepcopy(state_dict)
+    chain_state = state_dict["param_groups"][0][STATE_KEY]
+    if value is None:
+        del chain_state[path]
+    else:
+        chain_state[path] = value
+    return state_dict
+
+
+@pytest.mark.parametrize("what", ["missing", "extra", "shape", "dtype", "kind"])
+def test_load_state_dict_that_does_not_fit_changes_nothing(what):
+    model = mlp()
+    opt = make(model)
+    train(model, opt, range(3))
+    good = copy.deepcopy(opt.state_dict())
+
+    other = mlp(seed=3)
+    target = make(other)
+    train(other, target, range(5))
+    inner_before = copy.deepcopy(target.optimizer.state_dict())
+    chain_before = copy.deepcopy(target.tx_state)
+
+    paths = list(good["param_groups"][0][STATE_KEY])
+    counter = next(p for p in paths if p.endswith("mini_step"))
+    accumulator = next(p for p in paths if "acc_grads" in p)
+    bad = {
+        "missing": lambda: corrupt(good, counter, None),
+        "extra": lambda: corrupt(good, "no.such.leaf", torch.zeros(())),
+        "shape": lambda: corrupt(good, accumulator, torch.zeros(2, 2)),
+        "dtype": lambda: corrupt(good, counter, torch.zeros((), dtype=torch.float64)),
+        "kind": lambda: corrupt(good, counter, 3),
+    }[what]()
+    with pytest.raises(ValueError, match="transformation state"):
+        target.load_state_dict(bad)
+    after = target.optimizer.state_dict()
+    assert leaves_equal(after["state"], inner_before["state"])
+    assert after["param_groups"] == inner_before["param_groups"]
+    assert leaves_equal(target.tx_state, chain_before)
+    target.load_state_dict(good)  # and the good one still loads
+    assert leaves_equal(target.tx_state, opt.tx_state)
+
+
+def test_older_checkpoints_with_a_top_level_entry_load():
+    model = mlp()
+    opt = make(model)
+    train(model, opt, range(3))
+    sd = opt.state_dict()
+    groups = [dict(g) for g in sd["param_groups"]]
+    chain_state = groups[0].pop(STATE_KEY)
+    old_format = {"state": sd["state"], "param_groups": groups, STATE_KEY: {"tx_state": chain_state}}
+    target = make(mlp(seed=3))
+    target.load_state_dict(old_format)
+    assert leaves_equal(target.tx_state, opt.tx_state)
