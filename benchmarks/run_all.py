@@ -1,4 +1,4 @@
-"""Runs every benchmark in ``benchmarks/`` and writes ``results.md`` (tables) and ``results.png`` (a plot).
+"""Runs every benchmark in ``benchmarks/``; with ``--write``, writes ``results.md`` (tables) and ``results.png`` (a plot).
 
 Each ``benchmarks/*.py`` (but ``common.py`` and this file) runs as a subprocess from the repository
 root, as its docstring says to run it; under ``--quick`` with the script's own ``--quick`` where it has
@@ -6,18 +6,23 @@ one, else ``--rounds 5`` (and ``--small``). The lines ``common.report`` prints (
 the tables; ``scaling.py`` also leaves its medians as JSON, which become the plot of step time
 against model size.
 
+A script whose module-level imports are not installed in the interpreter that would run it
+(``optax_agreement.py`` needs JAX and optax) is skipped, and the run says which modules it lacks.
 optax, JAX and torchopt are not dependencies of gradtx; the benchmarks that compare with them
 (``scaling.py``, ``external.py``) skip what does not import. To include them, point
 ``--external-python`` (or ``GRADTX_BENCH_PYTHON``) at an interpreter that has them installed
-next to torch, optree and numpy; gradtx itself is taken from this checkout's ``src/``.
+next to torch, optree and numpy; gradtx itself is taken from this checkout's ``src/``. The plot
+needs matplotlib (the ``bench`` extra); without it only ``results.md`` is written.
 
-Run:  python benchmarks/run_all.py [--quick] [--external-python PATH]   (needs the ``bench`` extra: matplotlib)
+Run:  python benchmarks/run_all.py [--quick] [--write] [--external-python PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
+import importlib.util
 import json
 import os
 import re
@@ -28,6 +33,7 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Optional, Sequence
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
@@ -61,6 +67,49 @@ def benchmark_scripts() -> list[Path]:
 
 def wants_external(source: str) -> bool:
     return "import optax" in source or "import torchopt" in source
+
+
+def required_modules(source: str) -> list[str]:
+    """The top-level packages a script imports at module level (it cannot start without them):
+    neither the standard library nor this repository's own modules (gradtx, benchmarks, common)."""
+    local = {"gradtx", "benchmarks", *(p.stem for p in BENCH_DIR.glob("*.py"))}
+    names: list[str] = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Import):
+            found = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found = [node.module]
+        else:
+            continue
+        for name in found:
+            top = name.split(".")[0]
+            if top not in sys.stdlib_module_names and top != "__future__" and top not in local and top not in names:
+                names.append(top)
+    return names
+
+
+def missing_modules(modules: Sequence[str], python: str) -> list[str]:
+    """Those of ``modules`` that ``python`` cannot import (found without importing them)."""
+    if not modules:
+        return []
+    if python == sys.executable:
+        return [m for m in modules if importlib.util.find_spec(m) is None]
+    probe = "import importlib.util, sys; print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))"
+    result = subprocess.run([python, "-c", probe, *modules], capture_output=True, text=True, timeout=60)
+    if result.returncode != 0:
+        return list(modules)
+    return result.stdout.split()
+
+
+def skip_reason(
+    script: Path, python: str, missing: Optional[Callable[[Sequence[str], str], list[str]]] = None
+) -> Optional[str]:
+    """Why ``script`` cannot run under ``python`` (the modules it lacks), or ``None`` when it can."""
+    lacking = (missing or missing_modules)(required_modules(script.read_text()), python)
+    if not lacking:
+        return None
+    hint = "" if python != sys.executable else "; pass --external-python PATH for an interpreter that has them"
+    return f"needs {', '.join(lacking)}, not installed for {python}{hint}"
 
 
 def command_for(script: Path, *, quick: bool, python: str, json_path: Path) -> list[str]:
@@ -129,7 +178,9 @@ def machine_line(scaling: dict | None) -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, no GPU; torch {torch.__version__}"
 
 
-def write_markdown(path: Path, outcomes: list[Outcome], scaling: dict | None, *, quick: bool) -> None:
+def write_markdown(
+    path: Path, outcomes: list[Outcome], scaling: dict | None, *, quick: bool, skipped: Sequence[tuple[str, str]] = ()
+) -> None:
     today = datetime.date.today().isoformat()
     lines = [
         "# Benchmark results",
@@ -177,7 +228,16 @@ def write_markdown(path: Path, outcomes: list[Outcome], scaling: dict | None, *,
             printed = outcome.output.strip().splitlines()
             shown = printed[:MAX_PRINTED_LINES] + ([f"... ({len(printed) - MAX_PRINTED_LINES} more lines)"] if len(printed) > MAX_PRINTED_LINES else [])
             lines += ["```", *shown, "```", ""]
+    for name, reason in skipped:
+        lines += [f"## `{name}`", "", f"Skipped: {reason}.", ""]
     path.write_text("\n".join(lines).rstrip() + "\n")
+
+
+def plot_skip_reason() -> Optional[str]:
+    """Why the plot cannot be drawn (matplotlib missing), or ``None``."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return 'matplotlib is not installed (pip install -e ".[bench]")'
+    return None
 
 
 def write_plot(path: Path, scaling: dict) -> None:
@@ -209,17 +269,21 @@ def write_plot(path: Path, scaling: dict) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs the benchmarks; returns the exit status (1 when a benchmark that ran failed)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and smaller trees (a few minutes)")
+    parser.add_argument("--write", action="store_true",
+                        help="write results.md and results.png (into --out); without it nothing is written")
     parser.add_argument("--external-python", default=os.environ.get("GRADTX_BENCH_PYTHON"),
                         help="an interpreter with optax/jax/torchopt, for the benchmarks that compare with them")
     parser.add_argument("--only", nargs="*", default=None, help="run only these scripts (e.g. scaling.py wrap.py)")
-    parser.add_argument("--out", default=str(BENCH_DIR), help="where results.md and results.png go")
-    args = parser.parse_args()
+    parser.add_argument("--out", default=str(BENCH_DIR), help="where --write puts results.md and results.png")
+    args = parser.parse_args(argv)
 
     out = Path(args.out)
     outcomes = []
+    skipped: list[tuple[str, str]] = []
     scaling = None
     with tempfile.TemporaryDirectory() as tmp:
         for script in benchmark_scripts():
@@ -228,21 +292,35 @@ def main() -> None:
             python = sys.executable
             if args.external_python and wants_external(script.read_text()):
                 python = args.external_python
+            reason = skip_reason(script, python)
+            if reason is not None:
+                print(f"skipped {script.name}: {reason}\n", flush=True)
+                skipped.append((script.name, reason))
+                continue
             json_path = Path(tmp) / f"{script.stem}.json"
             outcome = run(script, quick=args.quick, python=python, json_path=json_path)
             outcomes.append(outcome)
             if script.name == "scaling.py" and json_path.exists():
                 scaling = json.loads(json_path.read_text())
-    write_markdown(out / "results.md", outcomes, scaling, quick=args.quick)
-    print(f"wrote {out / 'results.md'}")
-    if scaling is not None:
-        write_plot(out / "results.png", scaling)
-        print(f"wrote {out / 'results.png'}")
+    if args.write:
+        write_markdown(out / "results.md", outcomes, scaling, quick=args.quick, skipped=skipped)
+        print(f"wrote {out / 'results.md'}")
+        no_plot = plot_skip_reason()
+        if scaling is not None and no_plot is None:
+            write_plot(out / "results.png", scaling)
+            print(f"wrote {out / 'results.png'}")
+        elif scaling is not None:
+            print(f"no plot: {no_plot}")
+    else:
+        print("results not written (pass --write to update results.md and results.png)")
+    for name, reason in skipped:
+        print(f"skipped {name}: {reason}")
     failed = [o.script for o in outcomes if o.returncode != 0]
     if failed:
         print(f"failed: {failed}")
-        raise SystemExit(1)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

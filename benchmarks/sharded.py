@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import sys
 import tempfile
@@ -89,6 +90,8 @@ def worker(rank: int, store_path: str, config: dict, rounds: int) -> None:
         print("\ncollectives per call (gloo events in a torch.profiler trace)")
         for name, count in counts.items():
             print(f"  {name:52s} {count}")
+    dist.barrier()  # nobody tears down while another rank still talks to it
+    gc.collect()
     dist.destroy_process_group()
 
 

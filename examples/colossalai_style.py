@@ -24,6 +24,7 @@ Run:  torchrun --standalone --nproc_per_node 2 examples/colossalai_style.py   (D
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -155,8 +156,22 @@ def main() -> None:
         if rank == 0:
             same = all(torch.equal(g, gathered[0]) for g in gathered)
             print(f"parameters identical on all {world_size} ranks: {same}")
+
+
+def shutdown() -> None:
+    """Leaves the process group cleanly, after ``main`` returned and dropped its models.
+
+    Every rank waits for the others (nobody tears down while a peer still talks to it), reference
+    cycles are collected (DDP's reducer sits in some, and keeps gloo work alive), and only then is
+    the group destroyed. Destroying it while such objects live can abort the process at exit
+    ("terminate called without an active exception").
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        gc.collect()
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    shutdown()

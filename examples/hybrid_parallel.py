@@ -15,6 +15,7 @@ Run:  torchrun --standalone --nproc_per_node 4 examples/hybrid_parallel.py
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -230,7 +231,7 @@ def sharded_grads(params, ids, targets, mesh, stage: int, tp_rank: int):
     return grads
 
 
-def main() -> None:
+def main() -> int:
     dist.init_process_group("gloo")
     if dist.get_world_size() != PP * TP:
         raise SystemExit(f"run with --nproc_per_node {PP * TP}")
@@ -274,11 +275,25 @@ def main() -> None:
     ok = worst < 1e-5 and drift < 1e-4
     if dist.get_rank() == 0:
         print(f"largest relative norm difference {worst:.2e}; parameters drift {drift:.2e}: {'equal' if ok else 'DIFFERENT'}")
-    dist.destroy_process_group()
-    if not ok:
-        raise SystemExit(1)
+    return 0 if ok else 1
+
+
+def shutdown() -> None:
+    """Leaves the process group cleanly, after ``main`` returned and dropped its models.
+
+    Every rank waits for the others (nobody tears down while a peer still talks to it), reference
+    cycles are collected (DDP's reducer sits in some, and keeps gloo work alive), and only then is
+    the group destroyed. Destroying it while such objects live can abort the process at exit
+    ("terminate called without an active exception").
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        gc.collect()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    status = main()
+    shutdown()
+    raise SystemExit(status)

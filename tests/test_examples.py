@@ -91,17 +91,3 @@ def test_example_runs(name: str, nproc: int, args: list[str], expected: str):
     assert result.returncode == 0, f"examples/{name} {' '.join(args)} exited with {result.returncode}:\n{output[-4000:]}"
     assert expected in output, f"examples/{name} {' '.join(args)} did not print {expected!r}:\n{output[-4000:]}"
 
-
-DOCS = ROOT / "docs"
-RUNNABLE_BLOCK = "```python run\n"
-
-
-@pytest.mark.parametrize("page", ["concepts.md", "migration.md"])
-def test_doc_snippets_run(page: str, capsys):
-    """The guides' ```python run blocks execute in order, in one namespace, as a reader would paste them."""
-    text = (DOCS / page).read_text()
-    blocks = [chunk.split("```", 1)[0] for chunk in text.split(RUNNABLE_BLOCK)[1:]]
-    assert blocks, f"docs/{page} has no runnable blocks"
-    namespace: dict = {"__name__": f"docs.{page}"}
-    for index, block in enumerate(blocks):
-        exec(compile(block, f"docs/{page} block {index + 1}", "exec"), namespace)

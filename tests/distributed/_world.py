@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import gc
 import multiprocessing
 import os
 import queue as queue_lib
@@ -127,6 +128,16 @@ def _child(rank: int, size: int, store_path: str, modules: list[str], results: A
                 failed_case = name
     finally:
         results.put((rank, None, None, 0.0))
+        # Leave together and with nothing holding gloo work: wait for every rank (unless the world
+        # broke), drop the cases' meshes and collect reference cycles, then destroy the groups.
+        # Destroying a group a live object still uses can abort the process at exit.
+        if failed_case is None:
+            try:
+                dist.barrier(group=control)
+            except RuntimeError:
+                pass
+        del world
+        gc.collect()
         dist.destroy_process_group()
 
 
