@@ -215,7 +215,7 @@ def test_empty_and_none_trees():
 
 # --------------------------------------------------------------------------- properties
 
-finite = st.floats(-10, 10, allow_nan=False, allow_infinity=False)
+finite = st.floats(-10, 10, allow_nan=False, allow_infinity=False, allow_subnormal=False)
 
 
 @st.composite
@@ -258,6 +258,7 @@ def test_projection_properties(name, data, others):
     fn, _ = SCALAR_CASES[name]
     if name.endswith("sphere"):
         assume(not has_zero(tree))  # a sphere's projection of 0 (or of a zero coordinate) is not unique
+        assume(np.abs(vec(tree)).max() > 1e-100)  # (squares of tinier values underflow: 1 / 0)
     p = fn(tree, scale)
     assert_same_layout(p, tree)
     vp = vec(p)

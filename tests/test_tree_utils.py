@@ -543,3 +543,20 @@ def test_helpers_under_vmap_and_grad():
     torch.testing.assert_close(grads["w"], 2 * batch["w"])
     per_example = torch.func.vmap(torch.func.grad(lambda x: tu.tree_vdot(with_none(x), with_none(x))))(batch)
     torch.testing.assert_close(per_example["v"], 2 * batch["v"])
+
+
+def test_autograd_through_tensor_scalars():
+    tree = {"a": torch.ones(3, dtype=torch.float64), "b": [torch.ones(2, dtype=torch.float64), None]}
+
+    def grad_of(fn, value):
+        x = torch.tensor(value, dtype=torch.float64, requires_grad=True)
+        (g,) = torch.autograd.grad(tu.tree_sum(fn(x)), x)
+        return g.item()
+
+    assert grad_of(lambda s: tu.tree_scale(s, tree), 2.0) == 5.0
+    assert grad_of(lambda s: tu.tree_add_scale(tree, s, tree), 2.0) == 5.0
+    assert grad_of(lambda m: tu.tree_clip(tree, max_value=m), 0.5) == 5.0
+    assert grad_of(lambda d: tu.tree_update_moment(tree, tu.tree_scale(3.0, tree), d, 2), 0.9) == 10.0
+    # d/dd of 5 / (1 - d**2) = 10 d / (1 - d**2)**2
+    assert grad_of(lambda d: tu.tree_bias_correction(tree, d, 2), 0.9) == pytest.approx(9 / 0.19**2)
+    assert grad_of(lambda v: tu.tree_full_like(tree, v), 1.0) == 5.0

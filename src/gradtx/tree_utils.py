@@ -18,8 +18,9 @@ Conventions:
   Sums, inner products and norms accumulate in float32 at least: half-precision leaves are
   reduced, and the result returned, in float32 (float64 when a leaf is float64).
 * Elementwise arithmetic runs as ``torch._foreach_*`` kernels, one call per (device, dtype) group;
-  under ``torch.func`` transforms (``vmap``, ``grad``), which have no batching rule for them, the
-  same functions run one ordinary op per tensor.
+  under ``torch.func`` transforms (``vmap``, ``grad``), which have no batching rule for them, and
+  where autograd records a graph, the same functions run one ordinary op per tensor, so every
+  result is differentiable (with respect to tensor scalars such as ``decay`` too).
 
 Randomness: optax threads an immutable JAX key; here the key is a ``torch.Generator`` (or an
 integer seed, which makes a fresh CPU generator). :func:`tree_split_key_like` draws one seed per
@@ -198,7 +199,9 @@ def _elementwise(name: str, selves: Sequence[Tensor], *args: Any, dtype_kept: bo
             [a[i] for i in indices] if isinstance(a, list) else (a.to(device) if isinstance(a, Tensor) else a)
             for a in args
         ]
-        if all(isinstance(a[0], Tensor) for a in group_args if isinstance(a, list)):
+        if all(isinstance(a[0], Tensor) for a in group_args if isinstance(a, list)) and not _records_graph(
+            group, group_args
+        ):
             results = tree_lib.foreach(name, group, *group_args, inplace=False)
         else:
             columns = [a if isinstance(a, list) else [a] * len(group) for a in group_args]
@@ -206,6 +209,15 @@ def _elementwise(name: str, selves: Sequence[Tensor], *args: Any, dtype_kept: bo
         for i, result in zip(indices, results):
             out[i] = result.to(selves[i].dtype) if dtype_kept and result.dtype != selves[i].dtype else result
     return out  # type: ignore[return-value]
+
+
+def _records_graph(tensors: Sequence[Tensor], args: Sequence[Any]) -> bool:
+    """Whether autograd records these operands (foreach kernels then give way to one op per tensor:
+    their derivatives do not cover every overload, a 0-d tensor factor's for one)."""
+    if not torch.is_grad_enabled():
+        return False
+    operands = list(tensors) + [x for a in args for x in (a if isinstance(a, list) else [a])]
+    return any(isinstance(x, Tensor) and x.requires_grad for x in operands)
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -760,12 +772,12 @@ def tree_bias_correction(moment: PyTree, decay: Scalar, count: Union[Tensor, int
     count_t = torch.as_tensor(count, device=decay_t.device) if not isinstance(count, Tensor) else count
     correction = 1 - decay_t.to(count_t.device) ** count_t
     tree_leaves, treedef, present = _tensor_leaves("tree_bias_correction", moment, "moment")
-    values = []
+    values: list[Any] = [None] * len(present)
     for indices, (group,) in tree_lib.grouped([tree_leaves[i] for i in present]):
         factor = correction.to(device=group[0].device, dtype=group[0].dtype)
-        values.extend(zip(indices, tree_lib.foreach("div", group, factor, inplace=False)))
-    ordered = [v for _, v in sorted(values, key=lambda pair: pair[0])]
-    return _rebuild(tree_leaves, treedef, present, ordered)
+        for k, value in zip(indices, _elementwise("div", group, factor)):
+            values[k] = value
+    return _rebuild(tree_leaves, treedef, present, values)
 
 
 # --------------------------------------------------------------------------- randomness
