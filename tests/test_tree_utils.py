@@ -259,7 +259,8 @@ def test_tree_allclose():
 
 @settings(max_examples=40, deadline=None)
 @given(
-    st.lists(st.lists(st.floats(-1e3, 1e3), min_size=0, max_size=6), min_size=1, max_size=5),
+    # (numpy's 2-norm squares without rescaling: tiny values would underflow in the reference only)
+    st.lists(st.lists(st.floats(-1e3, 1e3).filter(lambda v: v == 0 or abs(v) > 1e-100), max_size=6), min_size=1, max_size=5),
     st.sampled_from([None, 1, 2, math.inf]),
 )
 def test_tree_norm_property(chunks, ord):
@@ -448,7 +449,8 @@ def test_tree_get_all_with_path_named_tuple_keys():
         tu.tree_get(state, "count")
     assert tu.tree_get(state, "missing", default=7) == 7
     nested = {"a": {"k": 1, "b": {"k": 2}}, "c": [{"k": 3}]}
-    assert sorted(v for _, v in tu.tree_get_all_with_path(nested, "k")) == [1, 2, 3]
+    # optax's order: the outermost matches first, then those inside them
+    assert tu.tree_get_all_with_path(nested, "k") == [(("a", "k"), 1), (("c", 0, "k"), 3), (("a", "b", "k"), 2)]
     assert tu.tree_get(nested, "k", filtering=lambda path, v: path == ("c", 0, "k")) == 3
 
 

@@ -904,14 +904,33 @@ def _node_has_key(node: Any, key: Any) -> bool:
     return isinstance(node, dict) and key in node
 
 
-def _walk(node: Any, path: KeyPath, visit: Callable[[KeyPath, Any], None]) -> None:
-    """Calls ``visit(path, node)`` on every node of the tree, parents before children."""
-    visit(path, node)
-    found = _children_with_entries(node)
+def _nodes_with_path(node: Any, path: KeyPath, stop: Callable[[Any], bool]) -> list[tuple[KeyPath, Any]]:
+    """The leaves of the tree with their paths, a node for which ``stop`` holds counting as a leaf."""
+    found = None if stop(node) else _children_with_entries(node)
     if found is None:
-        return
+        return [(path, node)]
+    out = []
     for child, entry in zip(*found):
-        _walk(child, (*path, entry), visit)
+        out.extend(_nodes_with_path(child, (*path, entry), stop))
+    return out
+
+
+def _search(tree: Any, path: KeyPath, key: Any) -> list[tuple[KeyPath, Any]]:
+    """optax's search order: the outermost matches in flattening order, then inside each of them."""
+    has_key = lambda node: _node_has_key(node, key)  # noqa: E731
+    matched = [(p, node) for p, node in _nodes_with_path(tree, path, has_key) if has_key(node)]
+    found = []
+    for p, node in matched:
+        if _is_named_tuple(node) and type(node).__name__ == key:
+            found.append((p, node))
+        elif _is_named_tuple(node):
+            found.append(((*p, NamedTupleKey(type(node).__name__, key)), getattr(node, key)))
+        else:
+            found.append(((*p, key), node[key]))
+    for p, node in matched:
+        for child, entry in zip(*_children_with_entries(node)):
+            found.extend(_search(child, (*p, entry), key))
+    return found
 
 
 def tree_get_all_with_path(
@@ -921,7 +940,7 @@ def tree_get_all_with_path(
 
     ``key`` matches a dict key, a NamedTuple field, or a NamedTuple's class name (the value is then
     the NamedTuple itself). Matches are searched everywhere, including inside other matches, and
-    listed parents first, in flattening order.
+    listed in optax's order: the outermost matches in flattening order, then the matches inside each.
 
     Args:
       tree: the tree to search.
@@ -932,18 +951,7 @@ def tree_get_all_with_path(
       a list of ``(path, value)``; a path is a tuple of dict keys, sequence indices and
       :class:`NamedTupleKey` entries.
     """
-    found: list[tuple[KeyPath, Any]] = []
-
-    def visit(path: KeyPath, node: Any) -> None:
-        if _is_named_tuple(node):
-            if type(node).__name__ == key:
-                found.append((path, node))
-            elif key in node._fields:
-                found.append(((*path, NamedTupleKey(type(node).__name__, key)), getattr(node, key)))
-        elif isinstance(node, dict) and key in node:
-            found.append(((*path, key), node[key]))
-
-    _walk(tree, (), visit)
+    found = _search(tree, (), key)
     if filtering is not None:
         found = [(path, value) for path, value in found if filtering(path, value)]
     return found
