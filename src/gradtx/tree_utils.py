@@ -178,8 +178,9 @@ def _elementwise(name: str, selves: Sequence[Tensor], *args: Any, dtype_kept: bo
 
     List arguments hold one entry per tensor (tensors or numbers); other arguments are numbers or
     0-d tensors (moved to each group's device). Tensors are grouped by the (device, dtype) of every
-    tensor operand and each group is one foreach call (one op per tensor under ``torch.func``, or
-    where a list holds numbers). ``dtype_kept`` casts results back to the dtype of ``selves``.
+    tensor operand and each group is one foreach call (one op per tensor under ``torch.func``, where
+    autograd records a graph, or where a list holds numbers). ``dtype_kept`` casts results back to
+    the dtype of ``selves``.
     """
     selves = list(selves)
     if not selves:
@@ -320,9 +321,11 @@ def tree_add_scale(tree_x: PyTree, scalar: Scalar, tree_y: PyTree) -> PyTree:
       a tree with the structure of ``tree_x``.
     """
     tree_leaves, treedef, present, (column,) = _operands("tree_add_scale", ("tree_x", tree_x), ("tree_y", tree_y))
-    scaled = _elementwise("mul", column, _as_scalar(scalar), dtype_kept=True) if all(isinstance(y, Tensor) for y in column) else [
-        _as_scalar(scalar) * y for y in column
-    ]
+    scalar = _as_scalar(scalar)
+    if all(isinstance(y, Tensor) for y in column):
+        scaled = _elementwise("mul", column, scalar, dtype_kept=True)
+    else:
+        scaled = [scalar * y for y in column]
     values = _elementwise("add", [tree_leaves[i] for i in present], scaled)
     return _rebuild(tree_leaves, treedef, present, values)
 
@@ -391,7 +394,10 @@ def tree_where(condition: Union[bool, Tensor], tree_x: PyTree, tree_y: PyTree) -
     values = []
     for i, y in zip(present, column):
         x = tree_leaves[i]
-        cond = condition.to(x.device) if isinstance(condition, Tensor) else torch.tensor(bool(condition), device=x.device)
+        if isinstance(condition, Tensor):
+            cond = condition.to(x.device)
+        else:
+            cond = torch.tensor(bool(condition), device=x.device)
         values.append(torch.where(cond, x, y))
     return _rebuild(tree_leaves, treedef, present, values)
 
@@ -624,7 +630,7 @@ def tree_cast(tree: PyTree, dtype: Optional[torch.dtype]) -> PyTree:
 def tree_cast_like(tree: PyTree, other_tree: PyTree) -> PyTree:
     """Every leaf of ``tree`` cast to the dtype of the matching leaf of ``other_tree``.
 
-    A leaf of ``other_tree`` without a dtype (``None``, a number) leaves its match as it is.
+    A number in ``other_tree`` (no dtype) leaves its match as it is.
     """
     tree_leaves, treedef, present, (column,) = _operands("tree_cast_like", ("tree", tree), ("other_tree", other_tree))
     values = [
