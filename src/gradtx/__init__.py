@@ -1,6 +1,7 @@
 """gradtx: pure, composable gradient transformations for PyTorch, exact under any sharding."""
 
 from gradtx import schedules, sharding, tree
+from gradtx import projections, tree_utils
 from gradtx.base import (
     EmptyState,
     GradientTransformation,
