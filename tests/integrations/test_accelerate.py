@@ -17,10 +17,10 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import gradtx as gtx
+from _ranks import run_ranks
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -153,4 +153,5 @@ def free_port() -> int:
 
 @pytest.mark.distributed
 def test_ddp_on_two_ranks_and_save_state_load_state_resume(tmp_path):
-    mp.spawn(ddp_worker, args=(free_port(), str(tmp_path / "state")), nprocs=WORLD, join=True)
+    # spawn: a forked rank would inherit accelerate's process-wide state, set up for one process
+    run_ranks(ddp_worker, (free_port(), str(tmp_path / "state")), nprocs=WORLD, start_method="spawn")

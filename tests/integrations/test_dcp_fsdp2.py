@@ -16,8 +16,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from _ranks import run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -113,4 +114,4 @@ def worker(rank: int, init_file: str, checkpoint_root: str) -> None:
 
 
 def test_fsdp2_dcp_save_and_resume_equal_the_uninterrupted_run(tmp_path):
-    mp.spawn(worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD, join=True)
+    run_ranks(worker, (str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD)

@@ -23,6 +23,7 @@ from torch import nn
 
 import gradtx as gtx
 from gradtx.chains.wrap import STATE_KEY
+from _ranks import run_ranks
 
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -156,7 +157,7 @@ class StateNotConsolidated(AssertionError):
 )
 def test_ddp_with_a_wrapped_zero_redundancy_optimizer_checkpoints(tmp_path):
     try:
-        mp.spawn(ddp_worker, args=(free_port(), str(tmp_path / "last.ckpt")), nprocs=WORLD, join=True)
+        run_ranks(ddp_worker, (free_port(), str(tmp_path / "last.ckpt")), nprocs=WORLD)
     except mp.ProcessRaisedException as error:
         if "Optimizer state has not been consolidated on this rank" in str(error):
             raise StateNotConsolidated(str(error)) from None
