@@ -176,3 +176,14 @@ def test_set_state_dict_of_a_flattened_state_dict_warns_that_the_chain_state_is_
         warnings.simplefilter("error", UserWarning)
         set_state_dict(target_model, target, model_state_dict=model.state_dict(), optim_state_dict=optim_sd)
     assert leaves_equal(target.tx_state, opt.tx_state)
+
+
+def test_a_users_step_with_zero_gradients_and_learning_rate_still_advances_the_chain():
+    model = mlp()
+    opt = make(model, "sgd")
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # looks like DCP's initialising step, but is the user's
+    assert int(opt.tx_state.inner_state.mini_step) == 1
