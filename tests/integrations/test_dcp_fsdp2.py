@@ -104,7 +104,7 @@ def worker(rank: int, init_file: str, checkpoint_root: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=timeout)
     try:
         torch.set_num_threads(1)
-        mesh = dist.device_mesh.init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+        mesh = dist.device_mesh.init_device_mesh("cpu", (WORLD,))  # no axis names, as fully_shard's default
         for inner in ("adamw", "sgd"):
             check(rank, mesh, inner, os.path.join(checkpoint_root, inner))
         dist.barrier()

@@ -70,8 +70,8 @@ class MeshAxes:
         axes = tuple(a for a in self.ordered(axes) if self.sizes[a] > 1)
         if not axes:
             return None
-        if len(axes) == 1:
-            return self.mesh.get_group(axes[0])
+        if len(axes) == 1:  # by index: a mesh without names (FSDP2's default) has only synthetic ones here
+            return self.mesh.get_group(self.names.index(axes[0]))
         ranks = self.ranks(axes)
         key = (_world_key(), tuple(ranks))
         group = _GROUPS.get(key)
