@@ -471,8 +471,9 @@ def _split_chain_state(state_dict: dict[str, Any]) -> tuple[Optional[dict[str, A
 
     Reads the first param group's ``STATE_KEY`` entry, or the top-level one older checkpoints have.
     """
+    state_dict = dict(state_dict)
     saved = state_dict.pop(STATE_KEY, None)
-    if saved is not None:
+    if isinstance(saved, dict) and "tx_state" in saved:
         saved = saved["tx_state"]
     groups = state_dict.get("param_groups")
     if groups and isinstance(groups[0], dict) and STATE_KEY in groups[0]:
@@ -507,14 +508,6 @@ def _in_checkpoint_init_step() -> bool:
     wrapper sits between it and ``step`` on the stack).
     """
     return _called_by_checkpoint("_init_optim_state")
-    frame = sys._getframe(1)
-    for _ in range(6):
-        if frame is None:
-            return False
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _from_plain(saved: dict[str, Any], template: Any) -> Any:
