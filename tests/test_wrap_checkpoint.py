@@ -169,7 +169,9 @@ def test_set_state_dict_of_a_flattened_state_dict_warns_that_the_chain_state_is_
     target_model = mlp(seed=3)
     target = make(target_model)
     with pytest.warns(UserWarning, match="flatten_optimizer_state_dict"):
-        set_state_dict(target_model, target, model_state_dict=model.state_dict(), optim_state_dict=optim_sd, options=flat)
+        set_state_dict(
+            target_model, target, model_state_dict=model.state_dict(), optim_state_dict=optim_sd, options=flat
+        )
 
     _, optim_sd = get_state_dict(model, opt)
     with warnings.catch_warnings():

@@ -34,7 +34,8 @@ MAX_NORM = 0.1
 
 def dataset(rank: int = 0) -> torch.utils.data.TensorDataset:
     gen = torch.Generator().manual_seed(20 + rank)
-    return torch.utils.data.TensorDataset(torch.randn(4 * BATCHES, 6, generator=gen), torch.randint(0, 3, (4 * BATCHES,), generator=gen))
+    x = torch.randn(4 * BATCHES, 6, generator=gen)
+    return torch.utils.data.TensorDataset(x, torch.randint(0, 3, (4 * BATCHES,), generator=gen))
 
 
 def make_net() -> nn.Module:
@@ -119,7 +120,7 @@ def check_ddp_zero(rank: int, checkpoint: str) -> None:
     if rank == 0:
         saved = torch.load(checkpoint, weights_only=False)["optimizer_states"][0]
         assert len(saved["state"]) == len(list(module.parameters()))  # every rank's shard, consolidated
-        assert f"{STATE_KEY}" in saved["param_groups"][0]
+        assert STATE_KEY in saved["param_groups"][0]
 
 
 def ddp_worker(rank: int, port: int, checkpoint: str) -> None:
