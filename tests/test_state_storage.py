@@ -131,7 +131,7 @@ def public_factories() -> set[str]:
             continue
         target = obj.__wrapped__ if isinstance(obj, functools.partial) else obj
         annotation = inspect.signature(target).return_annotation
-        if annotation in (gtx.GradientTransformation, "GradientTransformation"):
+        if "GradientTransformation" in getattr(annotation, "__name__", str(annotation)):
             names.add(name)
     return names
 

@@ -154,3 +154,38 @@ def test_older_checkpoints_with_a_top_level_entry_load():
     target = make(mlp(seed=3))
     target.load_state_dict(old_format)
     assert leaves_equal(target.tx_state, opt.tx_state)
+
+
+def test_set_state_dict_of_a_flattened_state_dict_warns_that_the_chain_state_is_missing():
+    import warnings
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    model = mlp()
+    opt = make(model)
+    train(model, opt, range(3))
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    _, optim_sd = get_state_dict(model, opt, options=flat)
+    target_model = mlp(seed=3)
+    target = make(target_model)
+    with pytest.warns(UserWarning, match="flatten_optimizer_state_dict"):
+        set_state_dict(
+            target_model, target, model_state_dict=model.state_dict(), optim_state_dict=optim_sd, options=flat
+        )
+
+    _, optim_sd = get_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        set_state_dict(target_model, target, model_state_dict=model.state_dict(), optim_state_dict=optim_sd)
+    assert leaves_equal(target.tx_state, opt.tx_state)
+
+
+def test_a_users_step_with_zero_gradients_and_learning_rate_still_advances_the_chain():
+    model = mlp()
+    opt = make(model, "sgd")
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # looks like DCP's initialising step, but is the user's
+    assert int(opt.tx_state.inner_state.mini_step) == 1

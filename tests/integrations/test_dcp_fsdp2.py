@@ -16,8 +16,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from _ranks import run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -103,7 +104,7 @@ def worker(rank: int, init_file: str, checkpoint_root: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=timeout)
     try:
         torch.set_num_threads(1)
-        mesh = dist.device_mesh.init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+        mesh = dist.device_mesh.init_device_mesh("cpu", (WORLD,))  # no axis names, as fully_shard's default
         for inner in ("adamw", "sgd"):
             check(rank, mesh, inner, os.path.join(checkpoint_root, inner))
         dist.barrier()
@@ -113,4 +114,4 @@ def worker(rank: int, init_file: str, checkpoint_root: str) -> None:
 
 
 def test_fsdp2_dcp_save_and_resume_equal_the_uninterrupted_run(tmp_path):
-    mp.spawn(worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD, join=True)
+    run_ranks(worker, (str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD)

@@ -27,7 +27,9 @@ gradient otherwise. ``wrap(..., fold=False)`` keeps the separate pass, which mat
 
 from __future__ import annotations
 
+import inspect
 import sys
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
@@ -480,6 +482,13 @@ class ChainedOptimizer(torch.optim.Optimizer):
         new_tx_state = None
         if saved is not None and self.tx is not None:
             new_tx_state = _from_plain(saved, self._tx_state)
+        elif self.tx is not None and _called_by_checkpoint("_load_optim_state_dict"):
+            warnings.warn(
+                "wrap: the state dict set_state_dict passed has no transformation state, so the chain keeps "
+                "its current state; set_state_dict(..., StateDictOptions(flatten_optimizer_state_dict=True)) "
+                "drops it (load without flattening), as does a checkpoint saved from the bare inner optimizer",
+                stacklevel=2,
+            )
         self.optimizer.load_state_dict(state_dict)
         if new_tx_state is not None:
             self._tx_state = new_tx_state
@@ -540,8 +549,9 @@ def _split_chain_state(state_dict: dict[str, Any]) -> tuple[Optional[dict[str, A
 
     Reads the first param group's ``STATE_KEY`` entry, or the top-level one older checkpoints have.
     """
+    state_dict = dict(state_dict)
     saved = state_dict.pop(STATE_KEY, None)
-    if saved is not None:
+    if isinstance(saved, dict) and "tx_state" in saved:
         saved = saved["tx_state"]
     groups = state_dict.get("param_groups")
     if groups and isinstance(groups[0], dict) and STATE_KEY in groups[0]:
@@ -551,19 +561,14 @@ def _split_chain_state(state_dict: dict[str, Any]) -> tuple[Optional[dict[str, A
     return saved, state_dict
 
 
-def _in_checkpoint_init_step() -> bool:
-    """Whether ``step`` was called by ``torch.distributed.checkpoint``'s state initialisation.
-
-    ``get_state_dict`` / ``set_state_dict`` call ``_init_optim_state``, which steps an optimizer
-    whose ``state`` is empty once with zero gradients and a zero learning rate. The caller is
-    found on the stack (a few frames up: the step hooks' wrapper sits between).
-    """
+def _called_by_checkpoint(function: str) -> bool:
+    """Whether a function of ``torch.distributed.checkpoint.state_dict`` is a few frames up the stack."""
     module = sys.modules.get("torch.distributed.checkpoint.state_dict")
-    init = getattr(module, "_init_optim_state", None)
-    code = getattr(init, "__code__", None)
+    fn = getattr(module, function, None)
+    code = getattr(inspect.unwrap(fn), "__code__", None) if fn is not None else None
     if code is None:
         return False
-    frame = sys._getframe(1)
+    frame = sys._getframe(2)
     for _ in range(6):
         if frame is None:
             return False
@@ -571,6 +576,16 @@ def _in_checkpoint_init_step() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _in_checkpoint_init_step() -> bool:
+    """Whether ``step`` was called by ``torch.distributed.checkpoint``'s state initialisation.
+
+    ``get_state_dict`` / ``set_state_dict`` call ``_init_optim_state``, which steps an optimizer
+    whose ``state`` is empty once with zero gradients and a zero learning rate (the step hooks'
+    wrapper sits between it and ``step`` on the stack).
+    """
+    return _called_by_checkpoint("_init_optim_state")
 
 
 def _from_plain(saved: dict[str, Any], template: Any) -> Any:

@@ -1,0 +1,33 @@
+"""Starts one process per rank for the integration tests, with a deadline instead of a possible hang."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+FORK = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+
+
+def run_ranks(
+    fn: Callable[..., None],
+    args: tuple[Any, ...],
+    *,
+    nprocs: int = 2,
+    start_method: str = FORK,
+    timeout_s: float = 150.0,
+) -> None:
+    """Runs ``fn(rank, *args)`` on ``nprocs`` processes; raises a rank's error, or ``TimeoutError``.
+
+    ``fork`` starts the ranks with the parent's imports (a fresh interpreter costs seconds on a
+    small machine); ``spawn`` for libraries whose process-wide state must not be inherited.
+    """
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method=start_method)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"{fn.__name__}: ranks still running after {timeout_s:.0f} s")

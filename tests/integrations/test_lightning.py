@@ -1,0 +1,159 @@
+"""A wrapped optimizer in Lightning (``lightning.pytorch``), CPU, tiny random-init models.
+
+Automatic optimization: ``configure_optimizers`` returns the wrapped optimizer, Lightning calls
+``optimizer.step(closure)`` and accumulates gradients over 2 batches (``accumulate_grad_batches=2``);
+the result must equal a plain loop with ``clip_grad_norm_`` bit for bit. DDP on 2 gloo ranks with a
+wrapped ``ZeroRedundancyOptimizer``: Lightning checkpoints a sharded optimizer by calling its
+``consolidate_state_dict`` on every rank, then ``state_dict`` on rank 0; the checkpoint must hold
+ZeRO's consolidated state and the chain's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import gradtx as gtx
+from gradtx.chains.wrap import STATE_KEY
+from _ranks import run_ranks
+
+pl = pytest.importorskip("lightning.pytorch")
+
+WORLD = 2
+BATCHES = 8
+MAX_NORM = 0.1
+
+
+def dataset(rank: int = 0) -> torch.utils.data.TensorDataset:
+    gen = torch.Generator().manual_seed(20 + rank)
+    x = torch.randn(4 * BATCHES, 6, generator=gen)
+    return torch.utils.data.TensorDataset(x, torch.randint(0, 3, (4 * BATCHES,), generator=gen))
+
+
+def make_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self, make_optimizer):
+        super().__init__()
+        self.net = make_net()
+        self.make_optimizer = make_optimizer
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return self.make_optimizer(self)
+
+
+def trainer(**options) -> "pl.Trainer":
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    defaults.update(options)
+    return pl.Trainer(**defaults)
+
+
+def test_automatic_optimization_with_closure_and_accumulation_matches_a_plain_loop():
+    def make_optimizer(module):
+        inner = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        return gtx.wrap(inner, gtx.clip_by_global_norm(MAX_NORM), model=module)
+
+    module = Classifier(make_optimizer)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=4, shuffle=False)
+    trainer(accumulate_grad_batches=2).fit(module, loader)
+
+    reference = make_net()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    clipped = []
+    for i, (x, y) in enumerate(loader):
+        (nn.functional.cross_entropy(reference(x), y) / 2).backward()
+        if i % 2 == 1:
+            clipped.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)) > MAX_NORM)
+            opt.step()
+            opt.zero_grad()
+    assert len(clipped) == BATCHES // 2 and any(clipped)
+    for p, q in zip(module.net.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+def make_zero(module):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    inner = ZeroRedundancyOptimizer(module.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+    return gtx.wrap(inner, gtx.clip_by_global_norm(MAX_NORM), model=module)
+
+
+def check_ddp_zero(rank: int, checkpoint: str) -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    module = Classifier(make_zero)
+    loader = torch.utils.data.DataLoader(dataset(rank), batch_size=4, shuffle=False)
+    strategy = DDPStrategy(process_group_backend="gloo", timeout=datetime.timedelta(seconds=30))
+    fit = trainer(devices=WORLD, strategy=strategy, max_steps=3)
+    fit.fit(module, loader)
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    gathered = [torch.zeros_like(flat) for _ in range(WORLD)]
+    dist.all_gather(gathered, flat)
+    assert torch.equal(gathered[0], gathered[1]), "ranks diverged"
+
+    fit.save_checkpoint(checkpoint)
+    dist.barrier()
+    if rank == 0:
+        saved = torch.load(checkpoint, weights_only=False)["optimizer_states"][0]
+        assert len(saved["state"]) == len(list(module.parameters()))  # every rank's shard, consolidated
+        assert STATE_KEY in saved["param_groups"][0]
+
+
+def ddp_worker(rank: int, port: int, checkpoint: str) -> None:
+    # Lightning takes processes started outside it when LOCAL_RANK is set.
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0", LOCAL_RANK=str(rank), RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+    )
+    torch.set_num_threads(1)
+    try:
+        check_ddp_zero(rank, checkpoint)
+        dist.barrier()
+    finally:
+        gc.collect()  # DDP's reducer sits in reference cycles: no gloo thread may outlive the group
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StateNotConsolidated(AssertionError):
+    """ZeRO's ``state_dict`` ran without ``consolidate_state_dict`` having reached it."""
+
+
+@pytest.mark.distributed
+def test_ddp_with_a_wrapped_zero_redundancy_optimizer_checkpoints(tmp_path):
+    try:
+        run_ranks(ddp_worker, (free_port(), str(tmp_path / "last.ckpt")), nprocs=WORLD)
+    except mp.ProcessRaisedException as error:
+        if "Optimizer state has not been consolidated on this rank" in str(error):
+            raise StateNotConsolidated(str(error)) from None
+        raise
