@@ -37,6 +37,8 @@ SMALL = dict(n_layer=4, d_model=256, vocab=8192, n_ctx=512)
 def count_collectives(fn) -> int:
     from torch.profiler import ProfilerActivity, profile
 
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no "USDT: profiler_start/stop" lines per trace
+
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     return sum(1 for event in prof.events() if event.name.startswith("gloo:"))

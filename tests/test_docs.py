@@ -104,14 +104,11 @@ def _pages() -> list:
     return [pytest.param(page, id=str(page.relative_to(ROOT))) for page in PAGES if page.exists()]
 
 
-@pytest.mark.parametrize("page", _pages())
-def test_page_runs(page: Path, tmp_path: Path):
-    name = str(page.relative_to(ROOT))
-    blocks = python_blocks(page.read_text())
-    if not any(block.runs for block in blocks):
-        pytest.skip(f"{name} has no runnable ```python block")
+def run_page(name: str, text: str, workdir: Path) -> str | None:
+    """Runs a page's blocks as one script in ``workdir``; returns why it failed, or ``None``."""
+    blocks = python_blocks(text)
     nproc = world_size(blocks)
-    script = tmp_path / (page.stem + ".py")
+    script = workdir / (Path(name).stem + ".py")
     script.write_text(page_script(name, blocks))
     if nproc > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(script)]
@@ -120,20 +117,38 @@ def test_page_runs(page: Path, tmp_path: Path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     try:
         done = subprocess.run(
-            command, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT_S
+            command, cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT_S
         )
     except subprocess.TimeoutExpired as error:
-        output = (error.stdout or b"").decode() if isinstance(error.stdout, bytes) else (error.stdout or "")
-        output += (error.stderr or b"").decode() if isinstance(error.stderr, bytes) else (error.stderr or "")
-        pytest.fail(f"{name}: ran past {TIMEOUT_S} s in {_failing_block(output)}:\n{_excerpt(output)}", pytrace=False)
-    output = done.stdout + done.stderr
+        output = "".join(s.decode() if isinstance(s, bytes) else s for s in (error.stdout or "", error.stderr or ""))
+        return f"{name}: ran past {TIMEOUT_S} s in {_failing_block(output)}:\n{_excerpt(output)}"
     if done.returncode != 0:
-        pytest.fail(
-            f"{name}: {_failing_block(done.stderr)} failed (exit code {done.returncode}"
-            f"{f', torchrun --nproc_per_node {nproc}' if nproc > 1 else ''}):\n{_excerpt(done.stderr)}",
-            pytrace=False,
-        )
-    assert "Traceback" not in output, f"{name}: a traceback was printed although it exited with 0:\n{output[-4000:]}"
+        launcher = f", torchrun --nproc_per_node {nproc}" if nproc > 1 else ""
+        return f"{name}: {_failing_block(done.stderr)} failed (exit code {done.returncode}{launcher}):\n{_excerpt(done.stderr)}"
+    output = done.stdout + done.stderr
+    if "Traceback" in output:
+        return f"{name}: a traceback was printed although it exited with 0:\n{_excerpt(output)}"
+    return None
+
+
+@pytest.mark.parametrize("page", _pages())
+def test_page_runs(page: Path, tmp_path: Path):
+    name = str(page.relative_to(ROOT))
+    text = page.read_text()
+    if not any(block.runs for block in python_blocks(text)):
+        pytest.skip(f"{name} has no runnable ```python block")
+    failure = run_page(name, text, tmp_path)
+    if failure:
+        pytest.fail(failure, pytrace=False)
+
+
+def test_a_failure_names_the_page_and_block(tmp_path: Path):
+    page = "\n".join(["# A page", "```python", "x = 0", "```", "", "```python", "y = 1", "print(1 / x)", "```", ""])
+    failure = run_page("docs/page.md", page, tmp_path)
+    assert failure is not None
+    assert "docs/page.md block 2 (line 6), line 2 of the block failed (exit code 1)" in failure, failure
+    assert "ZeroDivisionError" in failure, failure
+    assert run_page("docs/page.md", page.replace("x = 0", "x = 1"), tmp_path) is None
 
 
 def test_block_extraction():

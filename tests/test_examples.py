@@ -88,6 +88,10 @@ def test_example_runs(name: str, nproc: int, args: list[str], expected: str):
         timeout=TIMEOUT_S,
     )
     output = result.stdout + result.stderr
+    assert "terminate called" not in output, (
+        f"examples/{name} {' '.join(args)}: a rank aborted at exit (a process group destroyed while an object "
+        f"using it was alive?):\n{output[-4000:]}"
+    )
     assert result.returncode == 0, f"examples/{name} {' '.join(args)} exited with {result.returncode}:\n{output[-4000:]}"
     assert expected in output, f"examples/{name} {' '.join(args)} did not print {expected!r}:\n{output[-4000:]}"
 

@@ -120,4 +120,4 @@ from gradtx.schedules import (
     warmup_cosine_decay_schedule,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
