@@ -23,6 +23,15 @@ reciprocal goes to the kernel as ``grad_scale``. The kernel then sees ``g / (1 /
 ``g * c``: the same when the clip does not engage (``c == 1``), and within one rounding of the
 gradient otherwise. ``wrap(..., fold=False)`` keeps the separate pass, which matches
 ``clip_grad_norm_`` followed by ``step`` bit for bit.
+
+Drop-in details. Attributes the wrapper does not define are read from the inner optimizer
+(``consolidate_state_dict``, schedule-free ``train`` / ``eval``, ...). Step hooks, torch's
+process-wide ones included, fire once per step with the wrapper. ``GradScaler``'s fused contract
+(``grad_scale`` / ``found_inf`` set on the optimizer) is offered only without a transformation,
+since a transformation must see unscaled gradients. Under ``torch.compile`` the chain's state is
+written in place, so it survives compilation. Opacus's ``DPOptimizer`` rebuilds ``.grad`` in its
+own step: wrap the optimizer it wraps instead (``DPOptimizer(gradtx.wrap(opt, tx), ...)``), so the
+transformation sees the privatized gradient.
 """
 
 from __future__ import annotations
