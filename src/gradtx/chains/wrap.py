@@ -399,12 +399,18 @@ class ChainedOptimizer(torch.optim.Optimizer):
         """
         self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
 
-    def _prepare_step(self, closure: Optional[Callable[[], Any]] = None) -> tuple[tuple[Any, ...], dict[str, Tensor]]:
-        """Runs the transformation (or wraps ``closure`` to run it); returns the inner step's args and amp attributes."""
+    def _prepare_step(
+        self, closure: Optional[Callable[[], Any]] = None
+    ) -> Optional[tuple[tuple[Any, ...], dict[str, Tensor]]]:
+        """Runs the transformation (or wraps ``closure`` to run it).
+
+        Returns the inner step's arguments and the amp attributes to set on it, or None when
+        ``found_inf`` says to skip the step (with a transformation: see :meth:`step`).
+        """
         amp = self._amp_attrs()
         if amp and self.tx is not None:
             if "found_inf" in amp and bool(amp["found_inf"]):
-                return (), {"found_inf": amp["found_inf"], "skip": amp["found_inf"]}
+                return None
             if "grad_scale" in amp:
                 self._sync_params()
                 self._scale_grads(torch.reciprocal(amp["grad_scale"].double()).float())
@@ -441,14 +447,17 @@ class ChainedOptimizer(torch.optim.Optimizer):
                     if not (isinstance(result, tuple) and len(result) == 2):
                         raise RuntimeError(f"a step pre-hook must return None or (new_args, new_kwargs), got {result}")
                     args, kwargs = result
-            inner_args, amp = self._prepare_step(*args[1:], **kwargs)
+            prepared = self._prepare_step(*args[1:], **kwargs)
             inner = self.optimizer
             raw = self._raw_inner_step()
-            if "skip" in amp:
+            if prepared is None:
                 out = None  # what a fused kernel does with found_inf: nothing at all
             elif raw is None:
+                inner_args, amp = prepared
                 out = self._call_with_amp(inner, inner.step, inner_args, {}, amp) if amp else inner.step(*inner_args)
             else:
+                # the inner optimizer's own hooks, called as torch's wrapper calls them (inner first in args)
+                inner_args, amp = (inner, *prepared[0]), prepared[1]
                 inner_kwargs: dict[str, Any] = {}
                 for hook in inner._optimizer_step_pre_hooks.values():
                     result = hook(inner, inner_args, inner_kwargs)
@@ -456,9 +465,9 @@ class ChainedOptimizer(torch.optim.Optimizer):
                         inner_args, inner_kwargs = result
                 # called in this frame, not in a helper: see _patch_step_function
                 if amp:
-                    out = self._call_with_amp(inner, raw, (inner, *inner_args), inner_kwargs, amp)
+                    out = self._call_with_amp(inner, raw, inner_args, inner_kwargs, amp)
                 else:
-                    out = raw(inner, *inner_args, **inner_kwargs)
+                    out = raw(*inner_args, **inner_kwargs)
                 for hook in inner._optimizer_step_post_hooks.values():
                     hook(inner, inner_args, inner_kwargs)
             self._optimizer_step_code()
