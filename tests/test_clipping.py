@@ -495,3 +495,18 @@ def test_donated_update_allocates_no_gradient_sized_tensor(name, dtypes, shapes)
     assert large_self_allocations(lambda: tx.update(donated, donated_state, params, inplace=True), smallest) == []
     # the measurement does see the pure path's new gradients
     assert large_self_allocations(lambda: tx.update(grads, state, params), smallest)
+
+
+def test_a_tensor_max_norm_gives_the_numbers_of_the_float():
+    # inject_hyperparams passes max_norm as a 0-d tensor each step; kept a tensor, nothing reads it on
+    # the host (no graph break under torch.compile), and the numbers are those of the float
+    gen = torch.Generator().manual_seed(3)
+    grads = {"w": torch.randn(4, 3, generator=gen) * 5, "b": torch.randn(3, generator=gen)}
+    want, want_state = gtx.clip_by_global_norm(0.7).update(grads, None)
+    for dtype in (torch.float32, torch.float64):
+        max_norm = torch.tensor(0.7, dtype=torch.float32).to(dtype)
+        got, state = gtx.clip_by_global_norm(max_norm).update(grads, None)
+        assert torch.equal(state.norm, want_state.norm)
+        assert all(torch.equal(got[k], want[k]) for k in grads), dtype
+    with pytest.raises(ValueError, match="max_norm must be >= 0"):
+        gtx.clip_by_global_norm(torch.tensor(-1.0))

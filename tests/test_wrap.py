@@ -436,7 +436,7 @@ def scaled_run(wrapped: bool, inject_at: int, fused: bool = False, explicit_unsc
     return model, scales, snapshots, opt
 
 
-@pytest.mark.parametrize("fused,explicit_unscale", [(False, True), (True, True), (False, False)])
+@pytest.mark.parametrize("fused,explicit_unscale", [(False, True), (True, True), (False, False), (True, False)])
 def test_grad_scaler_skips_inf_steps_and_halves_the_scale(fused, explicit_unscale):
     model, scales, snapshots, opt = scaled_run(True, inject_at=2, fused=fused, explicit_unscale=explicit_unscale)
     assert scales == [2.0**10, 2.0**10, 2.0**9, 2.0**9, 2.0**9]

@@ -256,6 +256,18 @@ def test_instance_step_hooks_behave_as_torchs():
     assert events[0] == ("pre", True, 1, ["closure"]) and "closure" in events
 
 
+def test_the_inner_optimizers_own_hooks_get_what_torch_gives_them():
+    model = mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = gtx.wrap(inner, gtx.clip_by_global_norm(1.0))
+    seen = []
+    inner.register_step_pre_hook(lambda o, args, kwargs: seen.append(("pre", o is inner, args[0] is inner, len(args))))
+    inner.register_step_post_hook(lambda o, args, kwargs: seen.append(("post", o is inner, args[0] is inner, len(args))))
+    loss_of(model, 0).backward()
+    opt.step()
+    assert seen == [("pre", True, True, 1), ("post", True, True, 1)]
+
+
 # --------------------------------------------------------------------------- GradScaler's fused contract
 
 

@@ -211,8 +211,11 @@ def uses_functorch(tensors: Sequence[Tensor]) -> bool:
 
 
 def accumulation_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
-    """Float64 when any input is float64, else float32: norms never accumulate in half precision."""
-    return torch.float64 if torch.float64 in dtypes else torch.float32
+    """Float64 when any input is float64 (or complex128), else float32: norms never accumulate in half precision.
+
+    Norms are real: a complex tensor's norm is that of its moduli ``|z|``, in its real dtype.
+    """
+    return torch.float64 if torch.float64 in dtypes or torch.complex128 in dtypes else torch.float32
 
 
 _UPCAST_CHUNK = 1 << 16  # elements: the largest float32 temporary a CPU norm of a half tensor makes
@@ -233,6 +236,14 @@ def foreach_norm(tensors: Sequence[Tensor], ord: float, dtype: torch.dtype) -> l
     On CPU, torch upcasts a whole half-precision tensor to accumulate in ``dtype``; large contiguous
     ones are taken in chunks instead, so no gradient-sized copy is made.
     """
+    if tensors[0].is_complex():
+        # torch's norms of complex tensors take |z| in the real dtype (complex64 -> float32) and accept
+        # no real ``dtype``: what clip_grad_norm_ computes, without one
+        if uses_functorch(tensors):
+            norms = [torch.linalg.vector_norm(t, ord) for t in tensors]
+        else:
+            norms = list(torch._foreach_norm(list(tensors), ord))
+        return [n if n.dtype == dtype else n.to(dtype) for n in norms]
     if uses_functorch(tensors):
         return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]
     if tensors[0].dtype != dtype and tensors[0].device.type == "cpu" and ord > 0 and not torch.compiler.is_compiling():
@@ -314,10 +325,24 @@ def unitwise_norm(x: Tensor) -> Tensor:
     so a unit is a slice along dim 0 and the norm reduces over every other dim. Scalars and vectors
     (after squeezing) are one unit. This is optax's ``unitwise_norm`` in torch's layout.
     """
-    dtype = accumulation_dtype([x.dtype])
+    dtype = None if x.is_complex() else accumulation_dtype([x.dtype])  # a complex norm is real already
     if x.squeeze().ndim <= 1:
         return torch.linalg.vector_norm(x, 2, dtype=dtype)
     return torch.linalg.vector_norm(x, 2, dim=tuple(range(1, x.ndim)), keepdim=True, dtype=dtype)
+
+
+def _torch_group_order(tensors: Sequence[Tensor]) -> list[list[int]]:
+    """The indices of each (device, dtype) group, groups in the order ``clip_grad_norm_`` visits them.
+
+    Torch's grouping (a hash map in C++) does not keep first appearance; the order of the groups is
+    the order of the terms of the final norm, so following it keeps mixed-dtype norms bit-exact.
+    """
+    if torch.compiler.is_compiling() or uses_functorch(tensors):
+        return [indices for indices, _ in grouped(tensors)]
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+    groups = _group_tensors_by_device_and_dtype([list(tensors)], with_indices=True)
+    return [list(indices) for _, indices in groups.values()]
 
 
 def total_norm(tensors: Sequence[Tensor], ord: float) -> Tensor:
@@ -330,7 +355,10 @@ def total_norm(tensors: Sequence[Tensor], ord: float) -> Tensor:
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
     device = tensors[0].device
-    groups = [foreach_norm(group, ord, accumulation_dtype([group[0].dtype])) for _, (group,) in grouped(tensors)]
+    groups = []
+    for indices in _torch_group_order(tensors):
+        group = [tensors[i] for i in indices]
+        groups.append(foreach_norm(group, ord, accumulation_dtype([group[0].dtype])))
     dtype = accumulation_dtype([norms[0].dtype for norms in groups])
     stacked: list[Tensor] = []
     for norms in groups:

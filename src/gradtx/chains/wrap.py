@@ -23,11 +23,21 @@ reciprocal goes to the kernel as ``grad_scale``. The kernel then sees ``g / (1 /
 ``g * c``: the same when the clip does not engage (``c == 1``), and within one rounding of the
 gradient otherwise. ``wrap(..., fold=False)`` keeps the separate pass, which matches
 ``clip_grad_norm_`` followed by ``step`` bit for bit.
+
+Drop-in details. Attributes the wrapper does not define are read from the inner optimizer
+(``consolidate_state_dict``, schedule-free ``train`` / ``eval``, ...). Step hooks, torch's
+process-wide ones included, fire once per step with the wrapper. ``GradScaler``'s fused contract
+(``grad_scale`` / ``found_inf`` set on the optimizer) is offered only without a transformation,
+since a transformation must see unscaled gradients. Under ``torch.compile`` the chain's state is
+written in place, so it survives compilation. Opacus's ``DPOptimizer`` rebuilds ``.grad`` in its
+own step: wrap the optimizer it wraps instead (``DPOptimizer(gradtx.wrap(opt, tx), ...)``), so the
+transformation sees the privatized gradient.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import sys
 import warnings
 from collections import OrderedDict
@@ -35,6 +45,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.optim import optimizer as torch_optimizer
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
@@ -316,48 +327,71 @@ class ChainedOptimizer(torch.optim.Optimizer):
             for i, update in enumerate(head):
                 updates, states[i] = update(updates, states[i], params, inplace=True)
             factor, states[-1] = factor_fn(updates, states[-1], params)
-            self._tx_state = tuple(states) if is_chain else states[0]
+            self._store_state(tuple(states) if is_chain else states[0])
             self._write_back(updates)
             if factor.dtype == torch.float32:
                 return torch.reciprocal(factor)
             # The fused kernels take a float32 scale; apply a wider one as a separate pass instead.
             self._scale_grads(factor)
             return None
-        updates, self._tx_state = self._tx_update(grads, self._tx_state, params, inplace=True)
+        updates, new_state = self._tx_update(grads, self._tx_state, params, inplace=True)
+        self._store_state(new_state)
         self._write_back(updates)
         return None
+
+    def _store_state(self, new_state: Any) -> None:
+        """Makes ``new_state`` the transformation's state.
+
+        ``torch.compile`` does not keep attribute writes on an optimizer made inside a compiled
+        function (the new state would be silently dropped), but it does keep in-place writes to
+        tensors. So under compilation, when the structure is unchanged, every new tensor is copied
+        into the tensor it replaces (nothing to do for those updated in place already) and the
+        attribute keeps its objects: keep ``tx_state`` tensors across compiled steps with ``.clone()``.
+        Eager steps replace the state (a logged ``tx_state.norm`` stays that step's).
+        """
+        if not torch.compiler.is_compiling():
+            self._tx_state = new_state
+            return
+        old_leaves, old_def = tree_lib.flatten(self._tx_state)
+        new_leaves, new_def = tree_lib.flatten(new_state)
+        if old_def != new_def or not all(_fits(old, new) for old, new in zip(old_leaves, new_leaves)):
+            self._tx_state = new_state
+            return
+        old_ids = {id(t) for t in old_leaves if isinstance(t, Tensor)}
+        pending = []
+        for old, new in zip(old_leaves, new_leaves):
+            if isinstance(new, Tensor) and new is not old:
+                # a new leaf that is another old leaf (states swapping buffers) is read before it is overwritten
+                pending.append((old, new.clone() if id(new) in old_ids else new))
+        for old, new in pending:
+            old.copy_(new)
 
     def _scale_grads(self, factor: Tensor) -> None:
         grads = [p.grad for p in self._params if p.grad is not None]
         local, _ = sharding.locals_of(grads)
         tree_lib.scale_(local, factor, inplace=True)
 
-    def _inner_step(self, closure: Optional[Callable[[], Any]] = None, **amp: Tensor) -> Any:
-        """The inner optimizer's step, with ``amp`` (``grad_scale`` / ``found_inf``) set on it meanwhile.
+    def _raw_inner_step(self) -> Optional[Callable[..., Any]]:
+        """The inner optimizer's step function without torch's hook wrapper, or None to call ``step`` as is.
 
-        The process-wide step hooks (``register_optimizer_step_pre_hook``) have run for the wrapper,
-        as for any optimizer, so the inner step runs without them: they fire once per step, with the
-        wrapper. The inner optimizer's own hooks still run around it.
+        The process-wide step hooks (``register_optimizer_step_pre_hook``) run for the wrapper, as for
+        any optimizer, so the inner step runs without them: they fire once per step, with the wrapper.
+        The inner optimizer's own hooks are run around it by :meth:`step`. A step that is not torch's
+        hooked one, or one patched on the instance (a scheduler's counter), is called as it is.
         """
         inner = self.optimizer
         step = getattr(type(inner), "step", None)
-        raw = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
-        args = () if closure is None else (closure,)
+        if not getattr(step, "hooked", False) or "step" in inner.__dict__:
+            return None
+        return getattr(step, "__wrapped__", None)
+
+    @staticmethod
+    def _call_with_amp(inner: torch.optim.Optimizer, call: Callable[..., Any], args, kwargs, amp: dict[str, Tensor]) -> Any:
+        """``call(*args, **kwargs)`` with ``amp`` (``grad_scale`` / ``found_inf``) set on ``inner`` meanwhile."""
         for name, value in amp.items():
             setattr(inner, name, value)
         try:
-            if raw is None or "step" in inner.__dict__:
-                # not torch's hooked step, or patched on the instance (a scheduler's counter): call as is
-                return inner.step(*args)
-            kwargs: dict[str, Any] = {}
-            for hook in inner._optimizer_step_pre_hooks.values():
-                result = hook(inner, args, kwargs)
-                if result is not None:
-                    args, kwargs = result
-            out = raw(inner, *args, **kwargs)
-            for hook in inner._optimizer_step_post_hooks.values():
-                hook(inner, args, kwargs)
-            return out
+            return call(*args, **kwargs)
         finally:
             for name in amp:
                 delattr(inner, name)
@@ -366,23 +400,27 @@ class ChainedOptimizer(torch.optim.Optimizer):
         """What ``GradScaler`` (or a caller following its fused contract) set on the wrapper for this step."""
         return {name: self.__dict__[name] for name in _AMP_ATTRS if self.__dict__.get(name) is not None}
 
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
-        """Transforms the gradients, writes them back to ``.grad``, then runs the inner step.
+    def _patch_step_function(self) -> None:
+        """Torch wraps every optimizer class's ``step`` in a function running the step hooks; not this one.
 
-        With a ``closure`` the transformation runs after each evaluation the inner optimizer makes.
-        ``grad_scale`` / ``found_inf`` set on the wrapper (``GradScaler``'s fused contract) go to the
-        inner step; with a transformation, the wrapper first unscales the gradients by
-        ``grad_scale`` and skips the whole step (transformation included) when ``found_inf`` is set.
+        :meth:`step` runs the same hooks (process-wide and per instance, with torch's semantics)
+        itself: under ``torch.compile`` each Python frame between the compiled function and the inner
+        step's own graph break costs one more break, and this keeps the count torch's.
         """
-        if closure is None and _in_checkpoint_init_step():
-            # torch.distributed.checkpoint steps an optimizer with no state once, with zero gradients
-            # and a zero learning rate, so that the inner optimizer's state exists; the chain's state
-            # already does, and this step is not a training step: the chain must not advance.
-            return self.optimizer.step()
+        self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
+
+    def _prepare_step(
+        self, closure: Optional[Callable[[], Any]] = None
+    ) -> Optional[tuple[tuple[Any, ...], dict[str, Tensor]]]:
+        """Runs the transformation (or wraps ``closure`` to run it).
+
+        Returns the inner step's arguments and the amp attributes to set on it, or None when
+        ``found_inf`` says to skip the step (with a transformation: see :meth:`step`).
+        """
         amp = self._amp_attrs()
         if amp and self.tx is not None:
             if "found_inf" in amp and bool(amp["found_inf"]):
-                return None  # what a fused kernel does with found_inf: nothing at all
+                return None
             if "grad_scale" in amp:
                 self._sync_params()
                 self._scale_grads(torch.reciprocal(amp["grad_scale"].double()).float())
@@ -395,11 +433,64 @@ class ChainedOptimizer(torch.optim.Optimizer):
                 self._transform(allow_fold=False)
                 return loss
 
-            return self._inner_step(transformed_closure, **amp)
+            return (transformed_closure,), amp
         grad_scale = self._transform(allow_fold=not amp)
-        if grad_scale is not None:
-            amp = {"grad_scale": grad_scale}
-        return self._inner_step(**amp)
+        return (), ({"grad_scale": grad_scale} if grad_scale is not None else amp)
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """``step(closure=None)``: transforms the gradients, writes them back to ``.grad``, runs the inner step.
+
+        With a ``closure`` the transformation runs after each evaluation the inner optimizer makes.
+        ``grad_scale`` / ``found_inf`` set on the wrapper (``GradScaler``'s fused contract) go to the
+        inner step; with a transformation, the wrapper first unscales the gradients by
+        ``grad_scale`` and skips the whole step (transformation included) when ``found_inf`` is set.
+        Step hooks, torch's process-wide ones included, run once, with the wrapper, as for any optimizer.
+        """
+        if (args[0] if args else kwargs.get("closure")) is None and _in_checkpoint_init_step():
+            # torch.distributed.checkpoint steps an optimizer with no state once, with zero gradients
+            # and a zero learning rate, so that the inner optimizer's state exists; the chain's state
+            # already does, and this step is not a training step: the chain must not advance.
+            return self.optimizer.step()
+        # as torch's hook wrapper passes them: the optimizer first, then step's arguments as given
+        args = (self, *args)
+        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
+            for pre_hook in itertools.chain(
+                torch_optimizer._global_optimizer_pre_hooks.values(), self._optimizer_step_pre_hooks.values()
+            ):
+                result = pre_hook(self, args, kwargs)
+                if result is not None:
+                    if not (isinstance(result, tuple) and len(result) == 2):
+                        raise RuntimeError(f"a step pre-hook must return None or (new_args, new_kwargs), got {result}")
+                    args, kwargs = result
+            prepared = self._prepare_step(*args[1:], **kwargs)
+            inner = self.optimizer
+            raw = self._raw_inner_step()
+            if prepared is None:
+                out = None  # what a fused kernel does with found_inf: nothing at all
+            elif raw is None:
+                inner_args, amp = prepared
+                out = self._call_with_amp(inner, inner.step, inner_args, {}, amp) if amp else inner.step(*inner_args)
+            else:
+                # the inner optimizer's own hooks, called as torch's wrapper calls them (inner first in args)
+                inner_args, amp = (inner, *prepared[0]), prepared[1]
+                inner_kwargs: dict[str, Any] = {}
+                for hook in inner._optimizer_step_pre_hooks.values():
+                    result = hook(inner, inner_args, inner_kwargs)
+                    if result is not None:
+                        inner_args, inner_kwargs = result
+                # called in this frame, not in a helper: see _patch_step_function
+                if amp:
+                    out = self._call_with_amp(inner, raw, inner_args, inner_kwargs, amp)
+                else:
+                    out = raw(*inner_args, **inner_kwargs)
+                for hook in inner._optimizer_step_post_hooks.values():
+                    hook(inner, inner_args, inner_kwargs)
+            self._optimizer_step_code()
+            for post_hook in itertools.chain(
+                self._optimizer_step_post_hooks.values(), torch_optimizer._global_optimizer_post_hooks.values()
+            ):
+                post_hook(self, args, kwargs)
+            return out
 
     # ------------------------------------------------------------------ clipping between backward and step
 
@@ -563,6 +654,8 @@ def _split_chain_state(state_dict: dict[str, Any]) -> tuple[Optional[dict[str, A
 
 def _called_by_checkpoint(function: str) -> bool:
     """Whether a function of ``torch.distributed.checkpoint.state_dict`` is a few frames up the stack."""
+    if torch.compiler.is_compiling():  # checkpoint APIs do not run under torch.compile; no frame walk there
+        return False
     module = sys.modules.get("torch.distributed.checkpoint.state_dict")
     fn = getattr(module, function, None)
     code = getattr(inspect.unwrap(fn), "__code__", None) if fn is not None else None
@@ -620,6 +713,21 @@ def _from_plain(saved: dict[str, Any], template: Any) -> Any:
             value = value.to(device=current.device, copy=True)
         new.append(value)
     return tree_lib.unflatten(treedef, new)
+
+
+def _fits(old: Any, new: Any) -> bool:
+    """Whether state leaf ``new`` can be written into ``old``: same tensor layout, or equal non-tensors."""
+    if isinstance(old, Tensor) and isinstance(new, Tensor):
+        return (
+            old.shape == new.shape
+            and old.dtype == new.dtype
+            and old.device == new.device
+            and type(old) is type(new)
+            and not old.requires_grad
+        )
+    if isinstance(old, Tensor) or isinstance(new, Tensor):
+        return False
+    return old is new or (type(old) is type(new) and old == new)
 
 
 def _carry_over(old: Any, new: Any) -> Any:

@@ -23,7 +23,17 @@ from gradtx.tree import unitwise_norm
 _EPS = 1e-6  # the same epsilon as torch.nn.utils.clip_grad_norm_
 
 
-def _check_non_negative(name: str, value: float, owner: str) -> float:
+def _check_non_negative(name: str, value: float | Tensor, owner: str, *, keep_tensor: bool = False) -> float | Tensor:
+    """``value`` as a float, or with ``keep_tensor`` a one-element tensor as a 0-d tensor
+    (``inject_hyperparams`` passes one each step).
+
+    A tensor is checked in eager mode only: under ``torch.compile`` reading it on the host would
+    break the graph at every step.
+    """
+    if keep_tensor and isinstance(value, Tensor) and value.numel() == 1:
+        if not torch.compiler.is_compiling() and not bool(value >= 0.0):
+            raise ValueError(f"{owner}: {name} must be >= 0, got {value.item()}")
+        return value.reshape(())
     value = float(value)
     if not value >= 0.0:  # also rejects NaN
         raise ValueError(f"{owner}: {name} must be >= 0, got {value}")
@@ -73,7 +83,7 @@ def clip_by_global_norm(
         norm on the host, so leave it off under ``vmap`` / ``torch.compile``). Otherwise a
         non-finite norm behaves as in torch; wrap the chain in ``apply_if_finite`` to skip such steps.
     """
-    max_norm = _check_non_negative("max_norm", max_norm, "clip_by_global_norm")
+    max_norm = _check_non_negative("max_norm", max_norm, "clip_by_global_norm", keep_tensor=True)
     norm_type = float(norm_type)
 
     def init_fn(params: Any) -> ClipByGlobalNormState:
@@ -92,6 +102,9 @@ def clip_by_global_norm(
                 f"({norm.item()}), so it cannot be clipped. Pass error_if_nonfinite=False to scale by it "
                 "anyway, or wrap the chain in apply_if_finite to skip such steps."
             )
+        if isinstance(max_norm, Tensor):
+            # a float divided by a tensor is the reciprocal times the float: the same numbers
+            return torch.clamp(torch.reciprocal(norm + _EPS) * max_norm.to(norm.device, norm.dtype), max=1.0), norm
         return torch.clamp(max_norm / (norm + _EPS), max=1.0), norm
 
     def update_fn(updates, state, params=None, *, inplace=False):

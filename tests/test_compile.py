@@ -1,0 +1,134 @@
+"""``torch.compile`` over a wrapped optimizer's step: the chain's state survives compilation (the
+compiled run equals the eager run, state included, for stateful chains) and gradtx adds no graph
+break beyond those torch's own optimizer step makes.
+
+Compiled with Dynamo's ``eager`` backend: what is checked is what Dynamo traces and keeps (state
+writes, graph breaks), and this keeps the tests fast on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import gradtx as gtx
+from gradtx import tree as tree_lib
+
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def model_and_data():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(5, 4, generator=gen) * (1 + i) for i in range(STEPS)]
+    return model, batches
+
+
+CHAINS: dict[str, Callable[[], gtx.GradientTransformation]] = {
+    "clip_by_global_norm": lambda: gtx.clip_by_global_norm(0.3),
+    "multisteps": lambda: gtx.MultiSteps(gtx.clip_by_global_norm(0.3), 2).gradient_transformation(),
+    "apply_if_finite": lambda: gtx.apply_if_finite(gtx.chain(gtx.clip_by_global_norm(0.3), gtx.scale(0.5)), 2),
+    "inject_hyperparams": lambda: gtx.chain(
+        gtx.inject_hyperparams(gtx.clip_by_global_norm, static_args="norm_type")(max_norm=0.3),
+        gtx.scale_by_schedule(gtx.linear_schedule(1.0, 0.25, STEPS)),
+    ),
+}
+
+
+def run(chain: str, compiled: bool, inject_nan_at: int = -1):
+    """Parameters and the chain's state after each of ``STEPS`` steps, eager or compiled."""
+    model, batches = model_and_data()
+    opt = gtx.wrap(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), CHAINS[chain](), model=model)
+
+    def step():
+        opt.step()
+
+    if compiled:
+        step = torch.compile(step, backend="eager")
+    states = []
+    for i, x in enumerate(batches):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        if i == inject_nan_at:
+            model[0].bias.grad[0] = math.nan
+        step()
+        states.append([t.clone() if isinstance(t, torch.Tensor) else t for t in tree_lib.leaves(opt.tx_state)])
+    return [p.detach().clone() for p in model.parameters()], states
+
+
+def assert_same(a, b) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y) or (x.isnan().all() and y.isnan().all()), (x, y)
+        else:
+            assert x == y
+
+
+@pytest.mark.parametrize("chain", list(CHAINS))
+def test_compiled_step_keeps_the_chains_state(chain, torch_breaks):
+    inject = 1 if chain == "apply_if_finite" else -1
+    params, states = run(chain, compiled=False, inject_nan_at=inject)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled_params, compiled_states = run(chain, compiled=True, inject_nan_at=inject)
+    assert sum(counters["graph_break"].values()) <= torch_breaks  # gradtx breaks nothing itself
+    assert_same(params, compiled_params)
+    for eager, comp in zip(states, compiled_states):
+        assert_same(eager, comp)
+    assert any(isinstance(t, torch.Tensor) and t.is_floating_point() and t.abs().sum() > 0 for t in states[-1])
+
+
+OPTIMIZERS = {
+    "SGD": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "Adam": lambda params: torch.optim.Adam(params, lr=1e-2),
+    "AdamW": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+}
+
+
+def graph_breaks(make, wrapped: bool) -> int:
+    """Graph breaks over two compiled steps: gradtx's clip in the wrapper, or torch's before the step."""
+    torch._dynamo.reset()
+    counters.clear()
+    model, batches = model_and_data()
+    opt = make(model.parameters())
+    if wrapped:
+        opt = gtx.wrap(opt, gtx.chain(gtx.clip_by_global_norm(0.3), gtx.clip_by_value(0.05)), model=model)
+
+    @torch.compile(backend="eager")
+    def step():
+        if not wrapped:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.05)
+        opt.step()
+
+    for x in batches[:2]:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        step()
+    return sum(counters["graph_break"].values())
+
+
+@pytest.fixture(scope="module")
+def torch_breaks() -> int:
+    """What torch's own clip_grad_norm_ + SGD step break, compiled."""
+    return graph_breaks(OPTIMIZERS["SGD"], False)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_wrapped_step_breaks_the_graph_no_more_than_torchs_own(name):
+    ours, torchs = graph_breaks(OPTIMIZERS[name], True), graph_breaks(OPTIMIZERS[name], False)
+    assert 0 < ours <= torchs, (ours, torchs)
