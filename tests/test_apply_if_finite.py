@@ -149,3 +149,19 @@ def test_adam_skipping_nan_steps_matches_torch_adam_that_never_saw_them():
         opt.step()
         torch.testing.assert_close(params["w"], w.detach(), rtol=1e-5, atol=1e-6)
     assert int(state.total_notfinite) == 2
+
+
+def test_complex_gradients_are_tested_for_finiteness():
+    """A NaN in the real or the imaginary part of a complex gradient skips the step."""
+    params = {"z": torch.zeros(3, dtype=torch.complex64), "x": torch.zeros(2)}
+    tx = gtx.apply_if_finite(gtx.sgd(0.1), 5)
+    state = tx.init(params)
+    finite = {"z": torch.tensor([1 + 2j, 0j, 3j], dtype=torch.complex64), "x": torch.ones(2)}
+    updates, state = tx.update(finite, state, params)
+    assert bool(state.last_finite) and torch.equal(updates["z"], -0.1 * finite["z"])
+    for bad in (complex(float("nan"), 0.0), complex(0.0, float("inf"))):
+        grads = {"z": torch.tensor([1 + 2j, bad, 3j], dtype=torch.complex64), "x": torch.ones(2)}
+        updates, state = tx.update(grads, state, params)
+        assert not bool(state.last_finite) and torch.count_nonzero(updates["z"]) == 0
+    _, skip_state = gtx.skip_not_finite(grads, torch.zeros((), dtype=torch.int32), None)
+    assert bool(skip_state["should_skip"]) and int(skip_state["num_not_finite"]) == 1

@@ -400,6 +400,6 @@ def all_finite(tree: PyTree, *, device: Optional[torch.device] = None) -> Tensor
     dtype = accumulation_dtype([t.dtype for t in tensors])  # float64 extremes must not overflow
     extremes = []
     for t in tensors:
-        low, high = torch.aminmax(t)
+        low, high = torch.aminmax(torch.view_as_real(t) if t.is_complex() else t)
         extremes.append(torch.stack([low, high]).to(device=target, dtype=dtype))
     return torch.isfinite(torch.cat(extremes)).all()
