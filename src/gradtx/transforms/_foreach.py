@@ -96,9 +96,10 @@ def zero_count(params: Any) -> Tensor:
 
 
 def increment(count: Tensor, *, inplace: bool) -> Tensor:
-    """``count + 1``, saturating at the dtype's maximum (optax's ``safe_increment``), with tensor ops."""
+    """``count + 1``, saturating at the dtype's maximum (optax's ``safe_increment``), with tensor ops
+    (out of place under ``torch.func``, where a counter may be a batched view that cannot be written)."""
     step = (count < torch.iinfo(count.dtype).max).to(count.dtype) if not count.is_floating_point() else 1
-    return count.add_(step) if inplace else count + step
+    return count.add_(step) if inplace and not tree_lib.needs_graph(count) else count + step
 
 
 def decay_power(decay: float, count: Tensor) -> Tensor:
