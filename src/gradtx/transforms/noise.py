@@ -68,7 +68,7 @@ def add_noise(eta: float, gamma: float, key: Union[int, torch.Generator, None] =
             for g in leaves.tensors
         ]
         rng_key = generator.get_state()
-        if inplace and rng_key.shape == state.rng_key.shape:
+        if inplace and rng_key.shape == state.rng_key.shape and not tree_lib.needs_graph(state.rng_key):
             rng_key = state.rng_key.copy_(rng_key)
 
         def group(g, n):
@@ -120,7 +120,7 @@ def differentially_private_aggregate(
             noise = torch.randn(total.shape, generator=generator, dtype=total.dtype, device=device).to(total.device)
             noised.append(total.add_(noise, alpha=noise_std).div_(batch_size))
         rng_key = generator.get_state()
-        if inplace and rng_key.shape == state.rng_key.shape:
+        if inplace and rng_key.shape == state.rng_key.shape and not tree_lib.needs_graph(state.rng_key):
             rng_key = state.rng_key.copy_(rng_key)
         return summed_leaves.rebuild(noised), DifferentiallyPrivateAggregateState(rng_key=rng_key)
 
