@@ -208,6 +208,39 @@ def test_vmap_over_an_ensemble_equals_a_loop(name):
             torch.testing.assert_close(batched[k][i], looped[k], rtol=1e-12, atol=1e-14)
 
 
+ENSEMBLE_CASES = {
+    **{name: CASES[name] for name in ("clip_adamw", "lamb", "amsgrad", "radam", "adamax", "lion")},
+    "multi_steps": lambda: gtx.MultiSteps(gtx.adam(0.05), every_k_schedule=2).gradient_transformation(),
+    "apply_if_finite": lambda: gtx.apply_if_finite(gtx.adamw(0.05, weight_decay=0.1), 2),
+}
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("name", sorted(ENSEMBLE_CASES))
+def test_vmapped_init_and_steps_over_an_ensemble_equal_a_loop(name, inplace):
+    """An ensemble trained as one: ``vmap(tx.init)``, then ``vmap`` of a step (the state batched,
+    its counters broadcast views), and ``vmap(grad(meta_loss))``."""
+    make = ENSEMBLE_CASES[name]
+    tx = make()
+    ensemble = {k: torch.stack([v + 0.3 * i for i in range(3)]) for k, v in PARAMS.items()}
+
+    def step(params, state):
+        updates, state = tx.update(grad(loss)(params), state, params, inplace=inplace)
+        return gtx.apply_updates(params, updates), state
+
+    params, state = ensemble, vmap(tx.init)(ensemble)
+    for _ in range(STEPS):
+        params, state = vmap(step)(params, state)
+    meta = vmap(grad(lambda p: final_loss(make, p)))(ensemble)
+    for i in range(3):
+        member = {k: v[i] for k, v in ensemble.items()}
+        looped = _unroll(make(), member, batch_gradient, create_graph=False)
+        looped_meta = grad(lambda p: final_loss(make, p))(member)
+        for k in PARAMS:
+            torch.testing.assert_close(params[k][i], looped[k], rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(meta[k][i], looped_meta[k], rtol=1e-10, atol=1e-12)
+
+
 def _lr_hypergradient_case(factory, **hyperparams):
     def final(lr):
         tx = gtx.inject_hyperparams(factory)(learning_rate=lr, **hyperparams)
