@@ -210,6 +210,10 @@ def scale_by_adam(
     ``nesterov=True`` gives NAdam's numerator (Dozat, 2016) as optax computes it:
     ``b1 * mu / (1 - b1^(t+1)) + (1 - b1) * g / (1 - b1^t)``. ``mu_dtype`` sets the dtype of the
     first moment (``nu`` keeps the parameters' dtype); updates keep the gradients' dtype.
+
+    Differentiating through the update (meta-learning) needs ``eps_root > 0`` wherever a gradient
+    can be exactly zero: the derivative of ``sqrt(nu)`` at ``nu == 0`` is infinite, and the
+    meta-gradient would be NaN.
     """
     adam = _Adam("scale_by_adam", b1, b2, eps, eps_root, mu_dtype, nesterov)
 
