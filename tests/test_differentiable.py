@@ -11,6 +11,7 @@ gradients and its values against the fast path at the same time.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import pytest
@@ -89,41 +90,94 @@ GRADIENTS = {"dpsgd": per_example_gradients}
 # Every public optimizer alias must be covered here (or listed with the reason it is not).
 NOT_COVERED: dict[str, str] = {}
 
-# Transformations and combinators, each checked the same way (chained with a learning rate).
+# Transformations and combinators, each checked the same way (chained with a learning rate),
+# keyed by public name (a suffix after "/" names a variant).
 COMPONENTS = {
-    "clip_by_value": lambda: gtx.clip_by_value(2.0),
-    "clip_by_block_rms": lambda: gtx.clip_by_block_rms(0.5),
     "adaptive_grad_clip": lambda: gtx.adaptive_grad_clip(0.1),
-    "centralize": lambda: gtx.centralize(),
-    "zero_nans": lambda: gtx.zero_nans(),
-    "ema": lambda: gtx.ema(0.5),
-    "trace": lambda: gtx.trace(0.5),
-    "scale_by_trust_ratio": lambda: gtx.scale_by_trust_ratio(),
-    "scale_by_stddev": lambda: gtx.scale_by_stddev(),
-    "scale_by_schedule": lambda: gtx.scale_by_schedule(gtx.exponential_decay(1.0, 1, 0.5)),
     "add_decayed_weights": lambda: gtx.add_decayed_weights(0.1),
+    "add_noise": lambda: gtx.add_noise(0.01, 0.55, key=1),
+    "centralize": lambda: gtx.centralize(),
+    "clip": lambda: gtx.clip(2.0),
+    "clip_by_block_rms": lambda: gtx.clip_by_block_rms(0.5),
+    "clip_by_global_norm": lambda: gtx.clip_by_global_norm(0.5),
+    "clip_by_value": lambda: gtx.clip_by_value(2.0),
+    "ema": lambda: gtx.ema(0.5),
+    "fused_adam": lambda: gtx.transforms.fused_adam(-1.0, weight_decay=0.1),
+    "scale": lambda: gtx.scale(0.5),
+    "scale_by_adam": lambda: gtx.scale_by_adam(nesterov=True),
+    "scale_by_adamax": lambda: gtx.scale_by_adamax(),
+    "scale_by_amsgrad": lambda: gtx.scale_by_amsgrad(),
+    "scale_by_belief": lambda: gtx.scale_by_belief(),
+    "scale_by_learning_rate": lambda: gtx.scale_by_learning_rate(gtx.linear_schedule(1.0, 0.5, 3)),
+    "scale_by_lion": lambda: gtx.scale_by_lion(mode="smooth"),
+    "scale_by_radam": lambda: gtx.scale_by_radam(),
+    "scale_by_rms": lambda: gtx.scale_by_rms(bias_correction=True),
+    "scale_by_rss": lambda: gtx.scale_by_rss(),
+    "scale_by_schedule": lambda: gtx.scale_by_schedule(gtx.exponential_decay(1.0, 1, 0.5)),
+    "scale_by_stddev": lambda: gtx.scale_by_stddev(),
+    "scale_by_trust_ratio": lambda: gtx.scale_by_trust_ratio(),
+    "set_to_zero": lambda: gtx.set_to_zero(),
+    "trace": lambda: gtx.trace(0.5),
+    "zero_nans": lambda: gtx.zero_nans(),
+    "apply_if_finite": lambda: gtx.apply_if_finite(gtx.scale_by_adam(), 2),
+    "freeze": lambda: gtx.chain(gtx.scale_by_adam(), gtx.freeze({"w": False, "b": True})),
+    "inject_hyperparams": lambda: gtx.inject_hyperparams(gtx.scale_by_adam)(b1=0.8),
     "masked": lambda: gtx.masked(gtx.scale_by_adam(), {"w": True, "b": False}),
+    "measure_with_ema": lambda: gtx.chain(
+        gtx.monitor({"norm": gtx.measure_with_ema(gtx.global_norm, 0.9)}), gtx.scale_by_adam()
+    ),
+    "monitor": lambda: gtx.chain(gtx.monitor({"norm": gtx.global_norm}), gtx.scale_by_adam()),
+    "multi_transform": lambda: gtx.multi_transform(
+        {"adam": gtx.scale_by_adam(), "sgd": gtx.trace(0.9)}, {"w": "adam", "b": "sgd"}
+    ),
+    # (accumulating in float64: the default float32 accumulator would round what finite differences see)
+    "MultiSteps": lambda: gtx.MultiSteps(
+        gtx.scale_by_adam(), every_k_schedule=2, accumulator_dtype=None
+    ).gradient_transformation(),
+    "MultiSteps/skip_not_finite": lambda: gtx.MultiSteps(
+        gtx.scale_by_adam(), every_k_schedule=2, should_skip_update_fn=gtx.skip_not_finite, accumulator_dtype=None
+    ).gradient_transformation(),
+    "MultiSteps/skip_large_updates": lambda: gtx.MultiSteps(
+        gtx.scale_by_adam(),
+        every_k_schedule=1,
+        should_skip_update_fn=functools.partial(gtx.skip_large_updates, max_squared_norm=1e6),
+        accumulator_dtype=None,
+    ).gradient_transformation(),
+    "named_chain": lambda: gtx.named_chain(("clip", gtx.clip_by_global_norm(1.0)), ("adam", gtx.scale_by_adam())),
     "partition": lambda: gtx.partition(
         {"adam": gtx.scale_by_adam(), "rms": gtx.scale_by_rms()}, {"w": "adam", "b": "rms"}
     ),
-    "named_chain": lambda: gtx.named_chain(("clip", gtx.clip_by_global_norm(1.0)), ("adam", gtx.scale_by_adam())),
-    "apply_if_finite": lambda: gtx.apply_if_finite(gtx.scale_by_adam(), 2),
-    "multi_steps": lambda: gtx.MultiSteps(gtx.scale_by_adam(), every_k_schedule=2).gradient_transformation(),
-    "inject_hyperparams": lambda: gtx.inject_hyperparams(gtx.scale_by_adam)(b1=0.8),
-    "monitor": lambda: gtx.chain(gtx.monitor({"norm": gtx.global_norm}), gtx.scale_by_adam()),
+    "selective_transform": lambda: gtx.selective_transform(gtx.scale_by_adam(), freeze_mask={"w": False, "b": True}),
+    "snapshot": lambda: gtx.chain(gtx.snapshot("norm", gtx.global_norm), gtx.scale_by_adam()),
+}
+# Unrolled further: RAdam's rectified branch starts at the sixth step (rho_t >= 5).
+LONGER = {"scale_by_radam": 7}
+# Public names of gradtx.transforms and gradtx.chains that are not covered above, and why.
+COMPONENTS_NOT_COVERED = {
+    "differentially_private_aggregate": "takes per-example gradients: covered by the dpsgd case",
+    "per_example_global_norm_clip": "a function inside differentially_private_aggregate: covered by dpsgd",
+    "per_example_layer_norm_clip": "a function on per-example gradients, not a transformation",
+    "global_norm": "a function, differentiated inside clip_by_global_norm and monitor",
+    "unitwise_norm": "a function, differentiated inside adaptive_grad_clip",
+    "chain": "every case is a chain",
+    "get_measurement": "reads a state",
+    "skip_not_finite": "a MultiSteps skip function: covered by MultiSteps/skip_not_finite",
+    "skip_large_updates": "a MultiSteps skip function: covered by MultiSteps/skip_large_updates",
+    "from_torch": "runs a torch.optim.Optimizer's step, which torch takes under no_grad: not differentiable",
+    "wrap": "the imperative torch optimizer, stepped under no_grad",
 }
 
 
-def _unroll(tx, params, gradients, *, create_graph):
+def _unroll(tx, params, gradients, *, create_graph, steps=STEPS):
     state = tx.init(params)
-    for _ in range(STEPS):
+    for _ in range(steps):
         updates, state = tx.update(gradients(params, create_graph=create_graph), state, params)
         params = gtx.apply_updates(params, updates)
     return params
 
 
-def final_loss(make, params, gradients=batch_gradient, *, create_graph=False):
-    return loss(_unroll(make(), params, gradients, create_graph=create_graph))
+def final_loss(make, params, gradients=batch_gradient, *, create_graph=False, steps=STEPS):
+    return loss(_unroll(make(), params, gradients, create_graph=create_graph, steps=steps))
 
 
 def finite_differences(fn, params):
@@ -162,6 +216,21 @@ def test_every_optimizer_alias_is_covered():
     assert not missing, f"optimizer aliases with no differentiability test: {missing}"
 
 
+def test_every_transformation_and_combinator_is_covered():
+    import gradtx.chains
+    import gradtx.transforms
+
+    public = [
+        name
+        for module in (gradtx.transforms, gradtx.chains)
+        for name in module.__all__
+        if inspect.isfunction(getattr(module, name)) or name == "MultiSteps"
+    ]
+    covered = {name.split("/")[0] for name in COMPONENTS} | set(COMPONENTS_NOT_COVERED) | set(CASES)
+    missing = [name for name in public if name not in covered]
+    assert not missing, f"transformations or combinators with no differentiability test: {missing}"
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_meta_gradient_by_autograd_equals_finite_differences(name):
     make, gradients = CASES[name], GRADIENTS.get(name, batch_gradient)
@@ -185,11 +254,13 @@ def test_transforms_and_combinators_are_differentiable(name):
     def make():
         return gtx.chain(COMPONENTS[name](), gtx.scale(-0.1))
 
-    expected = finite_differences(lambda p: final_loss(make, p), PARAMS)
+    steps = LONGER.get(name, STEPS)
+    expected = finite_differences(lambda p: final_loss(make, p, steps=steps), PARAMS)
     params = {k: v.clone().requires_grad_() for k, v in PARAMS.items()}
-    computed = dict(zip(params, torch.autograd.grad(final_loss(make, params, create_graph=True), list(params.values()))))
+    value = final_loss(make, params, create_graph=True, steps=steps)
+    computed = dict(zip(params, torch.autograd.grad(value, list(params.values()))))
     assert_matches(computed, expected)
-    assert_matches(grad(lambda p: final_loss(make, p))(PARAMS), expected)
+    assert_matches(grad(lambda p: final_loss(make, p, steps=steps))(PARAMS), expected)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
