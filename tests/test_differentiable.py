@@ -446,3 +446,17 @@ def test_a_graph_through_the_params_alone_is_recorded():
     (d_w,) = torch.autograd.grad(updates["w"].sum(), params["w"])
     torch.testing.assert_close(d_w, torch.full_like(d_w, -0.05 * 0.5))
     assert all(torch.equal(grads[k], before[k]) for k in grads)
+
+
+def test_apply_updates_in_place_under_vmap_writes_the_params():
+    """Where ops run out of place (under vmap), ``apply_updates(inplace=True)`` still writes the params."""
+    ensemble = {"w": torch.zeros(3, 2, dtype=DTYPE), "b": torch.zeros(3, dtype=DTYPE)}
+    steps = {"w": torch.ones(3, 2, dtype=DTYPE), "b": torch.arange(3, dtype=DTYPE)}
+
+    def apply(params, updates):
+        out = gtx.apply_updates(params, updates, inplace=True)
+        assert out is params
+        return out
+
+    vmap(apply)(ensemble, steps)
+    assert all(torch.equal(ensemble[k], steps[k]) for k in steps)
