@@ -280,8 +280,11 @@ def foreach(name: str, selves: Sequence[Tensor], *args: Any, inplace: bool, **kw
     selves = list(selves)
     args = tuple(list(a) if isinstance(a, (list, tuple)) else a for a in args)
     if needs_graph(selves, *args, *kwargs.values()):
+        op = getattr(torch, name)
+        if not any(isinstance(a, list) for a in args):  # numbers and 0-d tensors only
+            return [op(s, *args, **kwargs) for s in selves]
         columns = [a if isinstance(a, list) else itertools.repeat(a, len(selves)) for a in args]
-        return [getattr(torch, name)(s, *xs, **kwargs) for s, *xs in zip(selves, *columns)]
+        return [op(s, *xs, **kwargs) for s, *xs in zip(selves, *columns)]
     if inplace:
         getattr(torch, f"_foreach_{name}_")(selves, *args, **kwargs)
         return selves
