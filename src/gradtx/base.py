@@ -134,6 +134,8 @@ def apply_updates(params: Params, updates: Updates, *, inplace: bool = False) ->
         updates_list = [update_leaves[i].to(param_leaves[i].device) for i in pairs]
         for indices, (group_params, group_updates) in tree_lib.grouped(params_list, updates_list):
             summed = tree_lib.foreach_add(group_params, group_updates, inplace=inplace)
+            if inplace:  # where a graph is recorded the sums are new tensors: write them back
+                summed = [p if v is p else p.copy_(v) for p, v in zip(group_params, summed)]
             dtype = group_params[0].dtype
             for i, value in zip(indices, summed):
                 new_leaves[pairs[i]] = value if value.dtype == dtype else value.to(dtype)

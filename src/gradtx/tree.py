@@ -4,9 +4,10 @@ The backend is ``optree`` (measured faster than ``torch.utils._pytree`` for unfl
 flatten-with-path on a 500-leaf dict; see the README). ``None`` is a leaf meaning "no gradient":
 it keeps the tree's structure equal to the parameters' and is skipped by every computation.
 
-Foreach kernels (``torch._foreach_*``) do the arithmetic, one call per (device, dtype) group. Under
-``torch.func`` transforms (``vmap``, ``grad``) they have no batching rule, so the same functions
-fall back to one ordinary op per tensor there.
+Foreach kernels (``torch._foreach_*``) do the arithmetic, one call per (device, dtype) group, in
+place where the caller owns the buffers. Where a graph must be recorded (autograd is on and a tensor
+requires grad, or a ``torch.func`` transform such as ``grad`` or ``vmap`` wraps one) the same
+functions run one ordinary, out-of-place op per tensor instead, so every result is differentiable.
 """
 
 from __future__ import annotations
@@ -210,6 +211,25 @@ def uses_functorch(tensors: Sequence[Tensor]) -> bool:
     return any(is_wrapped(t) for t in tensors)
 
 
+def needs_graph(*args: Any) -> bool:
+    """Whether ops on ``args`` must be recorded for differentiation, so no in-place or ``out=`` kernel
+    may touch them: autograd is on and some tensor requires grad, or a ``torch.func`` transform
+    (``grad``, ``jvp``, ``vmap``, ...) wraps one.
+
+    ``args`` are tensors, lists or tuples of tensors, or anything else (ignored): the tensor lists of
+    an op together with its 0-d tensor factors, so a learning rate that requires grad counts.
+    This is the one test that picks between the fast kernels and the differentiable ops.
+    """
+    grad_on = torch.is_grad_enabled()
+    check_wrapped = not torch.compiler.is_compiling()
+    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    for arg in args:
+        for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+            if isinstance(t, Tensor) and ((grad_on and t.requires_grad) or (check_wrapped and is_wrapped(t))):
+                return True
+    return False
+
+
 def accumulation_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
     """Float64 when any input is float64 (or complex128), else float32: norms never accumulate in half precision.
 
@@ -239,12 +259,12 @@ def foreach_norm(tensors: Sequence[Tensor], ord: float, dtype: torch.dtype) -> l
     if tensors[0].is_complex():
         # torch's norms of complex tensors take |z| in the real dtype (complex64 -> float32) and accept
         # no real ``dtype``: what clip_grad_norm_ computes, without one
-        if uses_functorch(tensors):
+        if needs_graph(list(tensors)):
             norms = [torch.linalg.vector_norm(t, ord) for t in tensors]
         else:
             norms = list(torch._foreach_norm(list(tensors), ord))
         return [n if n.dtype == dtype else n.to(dtype) for n in norms]
-    if uses_functorch(tensors):
+    if needs_graph(list(tensors)):
         return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]
     if tensors[0].dtype != dtype and tensors[0].device.type == "cpu" and ord > 0 and not torch.compiler.is_compiling():
         # (CPU foreach kernels loop over the tensors anyway: one call per tensor costs the same)
@@ -267,23 +287,26 @@ def _keep_dtypes(tensors: Sequence[Tensor], results: Sequence[Tensor]) -> list[T
 
 
 def needs_per_tensor(*args: Any) -> bool:
-    """Whether any tensor list among ``args`` is wrapped by ``torch.func`` (no foreach kernel then)."""
-    return any(isinstance(a, list) and a and isinstance(a[0], Tensor) and uses_functorch(a) for a in args)
+    """Whether an op over ``args`` runs one out-of-place op per tensor instead of a foreach kernel:
+    when it must be differentiable (see :func:`needs_graph`)."""
+    return needs_graph(*args)
 
 
 def foreach(name: str, selves: Sequence[Tensor], *args: Any, inplace: bool, **kwargs: Any) -> list[Tensor]:
-    """``torch._foreach_<name>[_](selves, *args, **kwargs)``, or one op per tensor under ``torch.func``.
+    """``torch._foreach_<name>[_](selves, *args, **kwargs)``, or one op per tensor where a graph is needed.
 
     ``inplace=True`` overwrites ``selves`` and returns them; otherwise new tensors are returned.
-    Arguments are numbers, 0-d tensors, or lists with one entry per tensor.
+    Where a graph is needed (:func:`needs_graph`) new tensors are returned either way, so callers
+    always use the result. Arguments are numbers, 0-d tensors, or lists with one entry per tensor.
     """
     selves = list(selves)
     args = tuple(list(a) if isinstance(a, (list, tuple)) else a for a in args)
-    if needs_per_tensor(selves, *args):
+    if needs_graph(selves, *args, *kwargs.values()):
+        op = getattr(torch, name)
+        if not any(isinstance(a, list) for a in args):  # numbers and 0-d tensors only
+            return [op(s, *args, **kwargs) for s in selves]
         columns = [a if isinstance(a, list) else itertools.repeat(a, len(selves)) for a in args]
-        results = [getattr(torch, name)(s, *xs, **kwargs) for s, *xs in zip(selves, *columns)]
-        # copy_ has a batching rule where several in-place ops (addcmul_, ...) have none.
-        return [s.copy_(r) for s, r in zip(selves, results)] if inplace else results
+        return [op(s, *xs, **kwargs) for s, *xs in zip(selves, *columns)]
     if inplace:
         getattr(torch, f"_foreach_{name}_")(selves, *args, **kwargs)
         return selves

@@ -85,13 +85,9 @@ def _same(a: Any, b: Any) -> bool:
 
 def zeros_like_tree(tree: PyTree, *, inplace: bool = False) -> PyTree:
     """Zeros shaped like every tensor leaf (``None`` stays ``None``); overwrites them when ``inplace``."""
-    if not inplace:
-        return tree_lib.tree_map(torch.zeros_like, tree)
     tensors = [leaf for leaf in tree_lib.leaves(tree) if isinstance(leaf, Tensor)]
+    if not inplace or tree_lib.needs_graph(tensors):  # no in-place write on a recorded graph
+        return tree_lib.tree_map(torch.zeros_like, tree)
     for _, (group,) in tree_lib.grouped(tensors):
-        if tree_lib.uses_functorch(group):
-            for t in group:
-                t.zero_()
-        else:
-            torch._foreach_zero_(group)
+        torch._foreach_zero_(group)
     return tree

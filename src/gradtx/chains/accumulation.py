@@ -203,6 +203,7 @@ class MultiSteps:
             and state.mini_step.device.type == "cpu"
             and state.gradient_step.device.type == "cpu"
             and not torch.compiler.is_compiling()
+            and not tree_lib.uses_functorch([state.mini_step, state.gradient_step])  # batched by vmap
         )
         if on_host:
             return self._update_on_host(updates, state, params, inplace=inplace)
@@ -302,7 +303,7 @@ class MultiSteps:
     @staticmethod
     def _reset(acc_grads: PyTree, emit: Tensor, *, inplace: bool) -> PyTree:
         """Zeros after an emitting step, the accumulator otherwise."""
-        if inplace:
+        if inplace and not tree_lib.needs_graph(tree_lib.leaves(acc_grads), emit):
             return tree_lib.tree_map(lambda a: a.masked_fill_(emit.to(a.device), 0), acc_grads)
         return tree_lib.tree_map(lambda a: torch.where(emit.to(a.device), 0, a), acc_grads)
 

@@ -7,8 +7,10 @@ share devices and dtypes, on ``torch._foreach_*`` kernels.
 Every op here takes ``inplace``: ``False`` returns new tensors and leaves its inputs alone, ``True``
 overwrites the first list and returns it. A transform runs the *same* op sequence on both paths
 (the first op on a donated buffer runs in place, on the pure path it allocates and every later op
-runs in place on what it allocated), so both paths give bit-identical numbers. Under
-``torch.func`` transforms the ops fall back to one ordinary op per tensor.
+runs in place on what it allocated), so both paths give bit-identical numbers. Where a graph must
+be recorded (autograd on a tensor that requires grad, a tensor hyperparameter included, or a
+``torch.func`` transform) every op returns new tensors from ordinary per-tensor ops instead, and
+the result is differentiable; transforms therefore always use what an op returns.
 
 Step-dependent factors (bias corrections, scheduled learning rates) are 0-d tensors computed with
 tensor ops, never read on the host: no device sync, no recompilation under ``torch.compile``.
@@ -94,9 +96,10 @@ def zero_count(params: Any) -> Tensor:
 
 
 def increment(count: Tensor, *, inplace: bool) -> Tensor:
-    """``count + 1``, saturating at the dtype's maximum (optax's ``safe_increment``), with tensor ops."""
+    """``count + 1``, saturating at the dtype's maximum (optax's ``safe_increment``), with tensor ops
+    (out of place under ``torch.func``, where a counter may be a batched view that cannot be written)."""
     step = (count < torch.iinfo(count.dtype).max).to(count.dtype) if not count.is_floating_point() else 1
-    return count.add_(step) if inplace else count + step
+    return count.add_(step) if inplace and not tree_lib.needs_graph(count) else count + step
 
 
 def decay_power(decay: float, count: Tensor) -> Tensor:
@@ -231,10 +234,10 @@ def tanh(selves: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
 
 
 def zero(selves: Sequence[Tensor]) -> list[Tensor]:
-    """Zeroes donated buffers in place."""
+    """Zeroes donated buffers in place (new zeros where a graph is recorded)."""
     selves = list(selves)
-    if tree_lib.needs_per_tensor(selves):
-        return [s.zero_() for s in selves]
+    if tree_lib.needs_graph(selves):
+        return [torch.zeros_like(s) for s in selves]
     torch._foreach_zero_(selves)
     return selves
 
@@ -242,8 +245,8 @@ def zero(selves: Sequence[Tensor]) -> list[Tensor]:
 def maximum(selves: Sequence[Tensor], others: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
     """Elementwise ``max(selves, others)``."""
     selves, others = list(selves), list(others)
-    if tree_lib.needs_per_tensor(selves, others):
-        return [s.copy_(torch.maximum(s, o)) if inplace else torch.maximum(s, o) for s, o in zip(selves, others)]
+    if tree_lib.needs_graph(selves, others):
+        return [torch.maximum(s, o) for s, o in zip(selves, others)]
     if inplace:
         torch._foreach_maximum_(selves, others)
         return selves
@@ -251,10 +254,11 @@ def maximum(selves: Sequence[Tensor], others: Sequence[Tensor], *, inplace: bool
 
 
 def copy_into(buffers: Sequence[Tensor], sources: Sequence[Tensor]) -> list[Tensor]:
-    """Overwrites donated ``buffers`` with ``sources`` (converting dtypes) and returns them."""
+    """Overwrites donated ``buffers`` with ``sources`` (converting dtypes) and returns them; where a
+    graph is recorded, returns ``sources`` in the buffers' dtypes and devices instead."""
     buffers, sources = list(buffers), list(sources)
-    if tree_lib.needs_per_tensor(buffers, sources):
-        return [b.copy_(s) for b, s in zip(buffers, sources)]
+    if tree_lib.needs_graph(buffers, sources):
+        return [s.to(device=b.device, dtype=b.dtype) for b, s in zip(buffers, sources)]
     torch._foreach_copy_(buffers, sources)
     return buffers
 
@@ -268,8 +272,9 @@ def fresh(sources: Sequence[Tensor], *, into: Optional[Sequence[Tensor]]) -> lis
 
 def _writes_out(*lists: Sequence[Tensor]) -> bool:
     """Whether per-tensor ``out=`` kernels serve better than foreach ones: on the CPU, where foreach
-    kernels are a loop over the same per-tensor kernels anyway, ``out=`` saves a pass over memory."""
-    return lists[0][0].device.type == "cpu" and not tree_lib.needs_per_tensor(*(list(x) for x in lists))
+    kernels are a loop over the same per-tensor kernels anyway, ``out=`` saves a pass over memory
+    (never where a graph is recorded: ``out=`` kernels are not differentiable)."""
+    return lists[0][0].device.type == "cpu" and not tree_lib.needs_graph(*(list(x) for x in lists))
 
 
 def sqrt_of(sources: Sequence[Tensor], *, into: Optional[Sequence[Tensor]]) -> list[Tensor]:
@@ -292,6 +297,8 @@ def div_into(numerators: Sequence[Tensor], denominators: Sequence[Tensor]) -> li
     denominators = list(denominators)
     if _writes_out(denominators, numerators):
         return [torch.div(n, d, out=d) for n, d in zip(numerators, denominators)]
+    if denominators[0].device.type == "cpu":  # a recorded graph: the same single division
+        return [torch.div(n, d) for n, d in zip(numerators, denominators)]
     return mul(reciprocal(denominators, inplace=True), numerators, inplace=True)
 
 

@@ -88,8 +88,7 @@ def denominator(
         d = fe.sqrt_of(second, into=into)
     else:
         d = fe.fresh(second, into=into)
-        fe.add(d, root_shift, inplace=True)
-        fe.sqrt(d, inplace=True)
+        d = fe.sqrt(fe.add(d, root_shift, inplace=True), inplace=True)
     return fe.add(d, eps, inplace=True)
 
 
@@ -174,9 +173,12 @@ class _Adam:
             out = divide(numer, self.nesterov, d, fe.on(step, g))
             chosen = [i for i, flag in enumerate(decayed) if flag]
             if chosen:
-                _add_scaled(
+                decayed_out = _add_scaled(
                     [out[i] for i in chosen], fe.cast([p[i] for i in chosen], out[0].dtype), fe.on(factor, out)
                 )
+                out = list(out)
+                for i, value in zip(chosen, decayed_out):
+                    out[i] = value
             return fe.finish(out, g), m, v
 
         new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, flags, param_values, outputs=3)
@@ -186,12 +188,12 @@ class _Adam:
         return leaves.rebuild(new_updates), new_state
 
 
-def _add_scaled(targets: list[Tensor], values: list[Tensor], factor: Any) -> None:
-    """``targets += factor * values`` in place (a tensor factor needs a temporary product)."""
+def _add_scaled(targets: list[Tensor], values: list[Tensor], factor: Any) -> list[Tensor]:
+    """``targets + factor * values``, in place into ``targets`` (our own buffers) where no graph is
+    recorded (a tensor factor needs a temporary product)."""
     if isinstance(factor, Tensor):
-        fe.add(targets, fe.mul(values, factor, inplace=False), inplace=True)
-    else:
-        fe.add(targets, values, alpha=factor, inplace=True)
+        return fe.add(targets, fe.mul(values, factor, inplace=False), inplace=True)
+    return fe.add(targets, values, alpha=factor, inplace=True)
 
 
 def scale_by_adam(
@@ -208,6 +210,10 @@ def scale_by_adam(
     ``nesterov=True`` gives NAdam's numerator (Dozat, 2016) as optax computes it:
     ``b1 * mu / (1 - b1^(t+1)) + (1 - b1) * g / (1 - b1^t)``. ``mu_dtype`` sets the dtype of the
     first moment (``nu`` keeps the parameters' dtype); updates keep the gradients' dtype.
+
+    Differentiating through the update (meta-learning) needs ``eps_root > 0`` wherever a gradient
+    can be exactly zero: the derivative of ``sqrt(nu)`` at ``nu == 0`` is infinite, and the
+    meta-gradient would be NaN.
     """
     adam = _Adam("scale_by_adam", b1, b2, eps, eps_root, mu_dtype, nesterov)
 
@@ -333,7 +339,7 @@ def scale_by_amsgrad(
             v = second_moment(v, g, b2, inplace=inplace)
             corrected = fe.fresh(v, into=g if inplace else None)
             if inv_bc2 is not None:
-                fe.mul(corrected, fe.on(inv_bc2, corrected), inplace=True)
+                corrected = fe.mul(corrected, fe.on(inv_bc2, corrected), inplace=True)
             v_max = fe.maximum(v_max, fe.cast(corrected, v_max[0].dtype), inplace=inplace)
             root = eps_root if eps_root else None
             d = denominator(v_max, eps, root, g[0].dtype, into=corrected if inplace else None)
@@ -383,7 +389,7 @@ def scale_by_belief(
             # The prediction error g - mu lands in the gradients' buffer unless Nesterov still needs g.
             error = fe.add(g, fe.cast(m, g[0].dtype), alpha=-1.0, inplace=inplace and not nesterov)
             v = second_moment(v, error, b2, inplace=inplace)
-            fe.add(v, eps_root, inplace=True)
+            v = fe.add(v, eps_root, inplace=True)
             # error is ours on both paths, so the denominator can overwrite it.
             numer = nesterov_numerator(g, m, fe.on(s.nesterov_ratio, g), inplace=inplace) if nesterov else m
             d = denominator(v, fe.on(s.eps, g), None, g[0].dtype, into=error)
@@ -488,8 +494,10 @@ def scale_by_radam(
             d = denominator(v, fe.on(s.eps, g), fe.on(s.root_shift, g), g[0].dtype, into=into)
             out = divide(numer, nesterov, d, fe.on(s.step * r, g))
             use_rectified = rectified.to(out[0].device)
-            for o, plain in zip(out, mu_hat):
-                o.copy_(torch.where(use_rectified, o, plain))
+            if tree_lib.needs_graph(out, mu_hat):
+                out = [torch.where(use_rectified, o, plain) for o, plain in zip(out, mu_hat)]
+            else:
+                out = [o.copy_(torch.where(use_rectified, o, plain)) for o, plain in zip(out, mu_hat)]
             return fe.finish(out, g), m, v
 
         new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3)

@@ -238,7 +238,7 @@ def adaptive_grad_clip(
             max_norm = torch.clamp(param_norm, min=eps) * clipping
             factor = torch.where(grad_norm < max_norm, 1.0, max_norm / torch.clamp(grad_norm, min=_EPS))
             factor = factor.to(grad.dtype)
-            clipped.append(grad.mul_(factor) if inplace else grad * factor)
+            clipped.append(grad.mul_(factor) if inplace and not tree_lib.needs_graph(grad, factor) else grad * factor)
         clipped = rewrap(clipped)
         return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, clipped)), state
 

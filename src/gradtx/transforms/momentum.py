@@ -45,8 +45,7 @@ def trace(decay: float, nesterov: bool = False, accumulator_dtype: Optional[torc
         traces = leaves.aligned(state.trace, what="trace: state.trace")
 
         def group(g, t):
-            t = fe.mul(t, fe.on(decay, t), inplace=inplace)
-            fe.add(t, fe.cast(g, t[0].dtype), inplace=True)
+            t = fe.add(fe.mul(t, fe.on(decay, t), inplace=inplace), fe.cast(g, t[0].dtype), inplace=True)
             if nesterov:
                 out = fe.add(g, fe.cast(t, g[0].dtype), alpha=decay, inplace=inplace)
             else:
@@ -77,7 +76,7 @@ def ema(decay: float, debias: bool = True, accumulator_dtype: Optional[torch.dty
             e = fe.lerp(e, fe.cast(g, e[0].dtype), 1.0 - decay, inplace=inplace)
             out = fe.fresh(fe.cast(e, g[0].dtype), into=g if inplace else None)
             if inv_bc is not None:
-                fe.mul(out, fe.on(inv_bc, out), inplace=True)
+                out = fe.mul(out, fe.on(inv_bc, out), inplace=True)
             return out, e
 
         new_updates, new_averages = fe.map_groups(group, leaves.tensors, averages, outputs=2)

@@ -25,6 +25,12 @@ class AddNoiseState(NamedTuple):
     rng_key: Tensor
 
 
+def _on_host(rng_key: Tensor) -> Tensor:
+    """The generator state as a CPU tensor (kept as it is when it already is one: under
+    ``torch.func.grad`` even ``.cpu()`` of a CPU tensor returns a wrapper a generator cannot read)."""
+    return rng_key if rng_key.device.type == "cpu" else rng_key.cpu()
+
+
 def _generator_state(key: Union[int, torch.Generator, None], device: torch.device) -> Tensor:
     if isinstance(key, torch.Generator):
         if key.device != device:
@@ -56,13 +62,13 @@ def add_noise(eta: float, gamma: float, key: Union[int, torch.Generator, None] =
         count = fe.increment(state.count, inplace=inplace)
         std = torch.sqrt(eta / count.to(torch.float64) ** gamma)
         generator = torch.Generator(device=state.count.device)
-        generator.set_state(state.rng_key.cpu())
+        generator.set_state(_on_host(state.rng_key))
         noise = [
             torch.randn(g.shape, generator=generator, dtype=g.dtype, device=generator.device).to(g.device)
             for g in leaves.tensors
         ]
         rng_key = generator.get_state()
-        if inplace and rng_key.shape == state.rng_key.shape:
+        if inplace and rng_key.shape == state.rng_key.shape and not tree_lib.needs_graph(state.rng_key):
             rng_key = state.rng_key.copy_(rng_key)
 
         def group(g, n):
@@ -107,14 +113,14 @@ def differentially_private_aggregate(
         batch_size = leaves.tensors[0].shape[0]
         device = leaves.tensors[0].device
         generator = torch.Generator(device=device)
-        generator.set_state(state.rng_key.cpu())
+        generator.set_state(_on_host(state.rng_key))
         summed_leaves = fe.leaves_of(summed, what="differentially_private_aggregate")
         noised = []
         for total in summed_leaves.tensors:
             noise = torch.randn(total.shape, generator=generator, dtype=total.dtype, device=device).to(total.device)
             noised.append(total.add_(noise, alpha=noise_std).div_(batch_size))
         rng_key = generator.get_state()
-        if inplace and rng_key.shape == state.rng_key.shape:
+        if inplace and rng_key.shape == state.rng_key.shape and not tree_lib.needs_graph(state.rng_key):
             rng_key = state.rng_key.copy_(rng_key)
         return summed_leaves.rebuild(noised), DifferentiallyPrivateAggregateState(rng_key=rng_key)
 

@@ -89,8 +89,7 @@ def scale_by_rms(
             inv_bc = 1.0 / (1.0 - fe.decay_power(decay, count))
 
         def group(g, v):
-            v = fe.mul(v, decay, inplace=inplace)
-            fe.addcmul(v, g, g, 1.0 - decay, inplace=True)
+            v = fe.addcmul(fe.mul(v, decay, inplace=inplace), g, g, 1.0 - decay, inplace=True)
             if inv_bc is None:
                 d = _rms_denominator(fe.cast(v, g[0].dtype), eps, eps_in_sqrt, owned=False)
             else:
@@ -133,14 +132,13 @@ def scale_by_stddev(
 
         def group(g, m, v):
             m = fe.lerp(m, g, 1.0 - decay, inplace=inplace)
-            v = fe.mul(v, decay, inplace=inplace)
-            fe.addcmul(v, g, g, 1.0 - decay, inplace=True)
+            v = fe.addcmul(fe.mul(v, decay, inplace=inplace), g, g, 1.0 - decay, inplace=True)
             dtype = g[0].dtype
             if inv_bc is None:
                 mean, variance = fe.cast(m, dtype), fe.fresh(fe.cast(v, dtype), into=None)
             else:
                 mean, variance = _corrected(m, inv_bc, dtype), _corrected(v, inv_bc, dtype)
-            fe.addcmul(variance, mean, mean, -1.0, inplace=True)  # nu_hat - mu_hat^2
+            variance = fe.addcmul(variance, mean, mean, -1.0, inplace=True)  # nu_hat - mu_hat^2
             d = _rms_denominator(variance, eps, eps_in_sqrt, owned=True)
             return fe.div(g, d, inplace=inplace), m, v
 

@@ -1,0 +1,462 @@
+"""Differentiating through updates: meta-gradients, hypergradients, ``torch.func`` and ``vmap``.
+
+A pure ``update`` records a graph whenever one is needed (autograd on with an input that requires
+grad, or a ``torch.func`` transform), and runs its fast kernels otherwise. On a tiny float64
+least-squares problem, the loss after three unrolled steps is differentiated with respect to the
+initial parameters (and to the learning rate) by ``torch.autograd.grad(create_graph=True)`` and by
+``torch.func.grad``; both must equal central finite differences, whose evaluations run the fast
+kernels (plain tensors, nothing requires grad). So the test checks the differentiable path's
+gradients and its values against the fast path at the same time.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import pytest
+import torch
+from torch.func import grad, jacrev, jvp, vmap
+
+import gradtx as gtx
+from gradtx.chains import aliases
+
+DTYPE = torch.float64
+STEPS = 3
+FD_STEP = 1e-6
+
+
+def _problem():
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(6, 3, generator=gen, dtype=DTYPE)
+    y = torch.randn(6, generator=gen, dtype=DTYPE)
+    params = {"w": torch.randn(3, generator=gen, dtype=DTYPE), "b": torch.randn((), generator=gen, dtype=DTYPE)}
+    return a, y, params
+
+
+A, Y, PARAMS = _problem()
+
+
+def residuals(params):
+    return A @ params["w"] + params["b"] - Y
+
+
+def loss(params):
+    return (residuals(params) ** 2).mean()
+
+
+def per_example_loss(params, row, target):
+    return (row @ params["w"] + params["b"] - target) ** 2
+
+
+def batch_gradient(params, *, create_graph):
+    if create_graph:  # autograd on the outer graph
+        leaves = list(params.values())
+        return dict(zip(params, torch.autograd.grad(loss(params), leaves, create_graph=True)))
+    return grad(loss)(params)
+
+
+def per_example_gradients(params, *, create_graph):
+    del create_graph  # torch.func transforms compose with an outer autograd graph
+    return vmap(grad(per_example_loss), in_dims=(None, 0, 0))(params, A, Y)
+
+
+# name -> (factory, gradient function). The step sizes keep every optimizer away from kinks
+# (clipping thresholds, maxima, signs) over three steps, where finite differences are exact.
+CASES = {
+    "sgd": lambda: gtx.sgd(0.1),
+    "sgd_nesterov": lambda: gtx.sgd(0.1, momentum=0.9, nesterov=True),
+    "adam": lambda: gtx.adam(0.05),
+    "adamw": lambda: gtx.adamw(0.05, weight_decay=0.1),
+    "nadam": lambda: gtx.nadam(0.05),
+    "nadamw": lambda: gtx.nadamw(0.05, weight_decay=0.1),
+    "amsgrad": lambda: gtx.amsgrad(0.05),
+    "adamax": lambda: gtx.adamax(0.05),
+    "radam": lambda: gtx.radam(0.05),
+    "adabelief": lambda: gtx.adabelief(0.05),
+    "lamb": lambda: gtx.lamb(0.05, weight_decay=0.1),
+    "lars": lambda: gtx.lars(0.5, weight_decay=0.1, trust_coefficient=0.1),
+    # sign() has zero derivative: the meta-gradient flows through the params and the decay only
+    "lion": lambda: gtx.lion(0.01, weight_decay=0.1),
+    "rmsprop": lambda: gtx.rmsprop(0.05, momentum=0.5),
+    "rmsprop_centered": lambda: gtx.rmsprop(0.05, centered=True),
+    "adagrad": lambda: gtx.adagrad(0.1),
+    # the noise is drawn from a fixed seed and does not depend on the params
+    "noisy_sgd": lambda: gtx.noisy_sgd(0.1, eta=0.01, key=3),
+    "dpsgd": lambda: gtx.dpsgd(0.1, l2_norm_clip=1.0, noise_multiplier=0.0, seed=0, momentum=0.5),
+    "clip_adamw": lambda: gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(0.05, weight_decay=0.1)),
+}
+GRADIENTS = {"dpsgd": per_example_gradients}
+# Every public optimizer alias must be covered here (or listed with the reason it is not).
+NOT_COVERED: dict[str, str] = {}
+
+# Transformations and combinators, each checked the same way (chained with a learning rate),
+# keyed by public name (a suffix after "/" names a variant).
+COMPONENTS = {
+    "adaptive_grad_clip": lambda: gtx.adaptive_grad_clip(0.1),
+    "add_decayed_weights": lambda: gtx.add_decayed_weights(0.1),
+    "add_noise": lambda: gtx.add_noise(0.01, 0.55, key=1),
+    "centralize": lambda: gtx.centralize(),
+    "clip": lambda: gtx.clip(2.0),
+    "clip_by_block_rms": lambda: gtx.clip_by_block_rms(0.5),
+    "clip_by_global_norm": lambda: gtx.clip_by_global_norm(0.5),
+    "clip_by_value": lambda: gtx.clip_by_value(2.0),
+    "ema": lambda: gtx.ema(0.5),
+    "fused_adam": lambda: gtx.transforms.fused_adam(-1.0, weight_decay=0.1),
+    "scale": lambda: gtx.scale(0.5),
+    "scale_by_adam": lambda: gtx.scale_by_adam(nesterov=True),
+    "scale_by_adamax": lambda: gtx.scale_by_adamax(),
+    "scale_by_amsgrad": lambda: gtx.scale_by_amsgrad(),
+    "scale_by_belief": lambda: gtx.scale_by_belief(),
+    "scale_by_learning_rate": lambda: gtx.scale_by_learning_rate(gtx.linear_schedule(1.0, 0.5, 3)),
+    "scale_by_lion": lambda: gtx.scale_by_lion(mode="smooth"),
+    "scale_by_radam": lambda: gtx.scale_by_radam(),
+    "scale_by_rms": lambda: gtx.scale_by_rms(bias_correction=True),
+    "scale_by_rss": lambda: gtx.scale_by_rss(),
+    "scale_by_schedule": lambda: gtx.scale_by_schedule(gtx.exponential_decay(1.0, 1, 0.5)),
+    "scale_by_stddev": lambda: gtx.scale_by_stddev(),
+    "scale_by_trust_ratio": lambda: gtx.scale_by_trust_ratio(),
+    "set_to_zero": lambda: gtx.set_to_zero(),
+    "trace": lambda: gtx.trace(0.5),
+    "zero_nans": lambda: gtx.zero_nans(),
+    "apply_if_finite": lambda: gtx.apply_if_finite(gtx.scale_by_adam(), 2),
+    "freeze": lambda: gtx.chain(gtx.scale_by_adam(), gtx.freeze({"w": False, "b": True})),
+    "inject_hyperparams": lambda: gtx.inject_hyperparams(gtx.scale_by_adam)(b1=0.8),
+    "masked": lambda: gtx.masked(gtx.scale_by_adam(), {"w": True, "b": False}),
+    "measure_with_ema": lambda: gtx.chain(
+        gtx.monitor({"norm": gtx.measure_with_ema(gtx.global_norm, 0.9)}), gtx.scale_by_adam()
+    ),
+    "monitor": lambda: gtx.chain(gtx.monitor({"norm": gtx.global_norm}), gtx.scale_by_adam()),
+    "multi_transform": lambda: gtx.multi_transform(
+        {"adam": gtx.scale_by_adam(), "sgd": gtx.trace(0.9)}, {"w": "adam", "b": "sgd"}
+    ),
+    # (accumulating in float64: the default float32 accumulator would round what finite differences see)
+    "MultiSteps": lambda: gtx.MultiSteps(
+        gtx.scale_by_adam(), every_k_schedule=2, accumulator_dtype=None
+    ).gradient_transformation(),
+    "MultiSteps/skip_not_finite": lambda: gtx.MultiSteps(
+        gtx.scale_by_adam(), every_k_schedule=2, should_skip_update_fn=gtx.skip_not_finite, accumulator_dtype=None
+    ).gradient_transformation(),
+    "MultiSteps/skip_large_updates": lambda: gtx.MultiSteps(
+        gtx.scale_by_adam(),
+        every_k_schedule=1,
+        should_skip_update_fn=functools.partial(gtx.skip_large_updates, max_squared_norm=1e6),
+        accumulator_dtype=None,
+    ).gradient_transformation(),
+    "named_chain": lambda: gtx.named_chain(("clip", gtx.clip_by_global_norm(1.0)), ("adam", gtx.scale_by_adam())),
+    "partition": lambda: gtx.partition(
+        {"adam": gtx.scale_by_adam(), "rms": gtx.scale_by_rms()}, {"w": "adam", "b": "rms"}
+    ),
+    "selective_transform": lambda: gtx.selective_transform(gtx.scale_by_adam(), freeze_mask={"w": False, "b": True}),
+    "snapshot": lambda: gtx.chain(gtx.snapshot("norm", gtx.global_norm), gtx.scale_by_adam()),
+}
+# Unrolled further: RAdam's rectified branch starts at the sixth step (rho_t >= 5).
+LONGER = {"scale_by_radam": 7}
+# Public names of gradtx.transforms and gradtx.chains that are not covered above, and why.
+COMPONENTS_NOT_COVERED = {
+    "differentially_private_aggregate": "takes per-example gradients: covered by the dpsgd case",
+    "per_example_global_norm_clip": "a function inside differentially_private_aggregate: covered by dpsgd",
+    "per_example_layer_norm_clip": "a function on per-example gradients, not a transformation",
+    "global_norm": "a function, differentiated inside clip_by_global_norm and monitor",
+    "unitwise_norm": "a function, differentiated inside adaptive_grad_clip",
+    "chain": "every case is a chain",
+    "get_measurement": "reads a state",
+    "skip_not_finite": "a MultiSteps skip function: covered by MultiSteps/skip_not_finite",
+    "skip_large_updates": "a MultiSteps skip function: covered by MultiSteps/skip_large_updates",
+    "from_torch": "runs a torch.optim.Optimizer's step, which torch takes under no_grad: not differentiable",
+    "wrap": "the imperative torch optimizer, stepped under no_grad",
+}
+
+
+def _unroll(tx, params, gradients, *, create_graph, steps=STEPS):
+    state = tx.init(params)
+    for _ in range(steps):
+        updates, state = tx.update(gradients(params, create_graph=create_graph), state, params)
+        params = gtx.apply_updates(params, updates)
+    return params
+
+
+def final_loss(make, params, gradients=batch_gradient, *, create_graph=False, steps=STEPS):
+    return loss(_unroll(make(), params, gradients, create_graph=create_graph, steps=steps))
+
+
+def finite_differences(fn, params):
+    """Central differences of the scalar ``fn(params)``, one element at a time, on plain tensors."""
+    out = {}
+    for name, value in params.items():
+        flat = torch.zeros(value.numel(), dtype=DTYPE)
+        for i in range(value.numel()):
+            shifted = []
+            for sign in (1.0, -1.0):
+                moved = value.detach().clone().reshape(-1)
+                moved[i] += sign * FD_STEP
+                shifted.append(fn({**params, name: moved.reshape(value.shape)}))
+            flat[i] = (shifted[0] - shifted[1]) / (2 * FD_STEP)
+        out[name] = flat.reshape(value.shape)
+    return out
+
+
+def assert_matches(computed, expected):
+    scale = max(float(v.abs().max()) for v in expected.values())
+    for name in expected:
+        torch.testing.assert_close(computed[name], expected[name], rtol=1e-5, atol=1e-7 * scale)
+
+
+def _public_aliases():
+    return sorted(
+        name
+        for name, fn in vars(aliases).items()
+        if inspect.isfunction(fn) and fn.__module__ == aliases.__name__ and not name.startswith("_")
+        and getattr(gtx, name, None) is fn
+    )
+
+
+def test_every_optimizer_alias_is_covered():
+    missing = [name for name in _public_aliases() if name not in CASES and name not in NOT_COVERED]
+    assert not missing, f"optimizer aliases with no differentiability test: {missing}"
+
+
+def test_every_transformation_and_combinator_is_covered():
+    import gradtx.chains
+    import gradtx.transforms
+
+    public = [
+        name
+        for module in (gradtx.transforms, gradtx.chains)
+        for name in module.__all__
+        if inspect.isfunction(getattr(module, name)) or name == "MultiSteps"
+    ]
+    covered = {name.split("/")[0] for name in COMPONENTS} | set(COMPONENTS_NOT_COVERED) | set(CASES)
+    missing = [name for name in public if name not in covered]
+    assert not missing, f"transformations or combinators with no differentiability test: {missing}"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_meta_gradient_by_autograd_equals_finite_differences(name):
+    make, gradients = CASES[name], GRADIENTS.get(name, batch_gradient)
+    expected = finite_differences(lambda p: final_loss(make, p, gradients), PARAMS)
+    params = {k: v.clone().requires_grad_() for k, v in PARAMS.items()}
+    value = final_loss(make, params, gradients, create_graph=True)
+    computed = dict(zip(params, torch.autograd.grad(value, list(params.values()))))
+    torch.testing.assert_close(value.detach(), final_loss(make, PARAMS, gradients), rtol=1e-12, atol=0)
+    assert_matches(computed, expected)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_meta_gradient_by_torch_func_equals_finite_differences(name):
+    make, gradients = CASES[name], GRADIENTS.get(name, batch_gradient)
+    expected = finite_differences(lambda p: final_loss(make, p, gradients), PARAMS)
+    assert_matches(grad(lambda p: final_loss(make, p, gradients))(PARAMS), expected)
+
+
+@pytest.mark.parametrize("name", sorted(COMPONENTS))
+def test_transforms_and_combinators_are_differentiable(name):
+    def make():
+        return gtx.chain(COMPONENTS[name](), gtx.scale(-0.1))
+
+    steps = LONGER.get(name, STEPS)
+    expected = finite_differences(lambda p: final_loss(make, p, steps=steps), PARAMS)
+    params = {k: v.clone().requires_grad_() for k, v in PARAMS.items()}
+    value = final_loss(make, params, create_graph=True, steps=steps)
+    computed = dict(zip(params, torch.autograd.grad(value, list(params.values()))))
+    assert_matches(computed, expected)
+    assert_matches(grad(lambda p: final_loss(make, p, steps=steps))(PARAMS), expected)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_vmap_over_an_ensemble_equals_a_loop(name):
+    make, gradients = CASES[name], GRADIENTS.get(name, batch_gradient)
+    ensemble = {k: torch.stack([v + 0.3 * i for i in range(3)]) for k, v in PARAMS.items()}
+
+    def train(params):
+        return _unroll(make(), params, gradients, create_graph=False)
+
+    # the noise of noisy_sgd comes from its own seeded generator: the same for every member
+    batched = vmap(train, randomness="same")(ensemble)
+    for i in range(3):
+        looped = train({k: v[i] for k, v in ensemble.items()})
+        for k in PARAMS:
+            torch.testing.assert_close(batched[k][i], looped[k], rtol=1e-12, atol=1e-14)
+
+
+ENSEMBLE_CASES = {
+    **{name: CASES[name] for name in ("clip_adamw", "lamb", "amsgrad", "radam", "adamax", "lion")},
+    "multi_steps": lambda: gtx.MultiSteps(gtx.adam(0.05), every_k_schedule=2).gradient_transformation(),
+    "apply_if_finite": lambda: gtx.apply_if_finite(gtx.adamw(0.05, weight_decay=0.1), 2),
+}
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("name", sorted(ENSEMBLE_CASES))
+def test_vmapped_init_and_steps_over_an_ensemble_equal_a_loop(name, inplace):
+    """An ensemble trained as one: ``vmap(tx.init)``, then ``vmap`` of a step (the state batched,
+    its counters broadcast views), and ``vmap(grad(meta_loss))``."""
+    make = ENSEMBLE_CASES[name]
+    tx = make()
+    ensemble = {k: torch.stack([v + 0.3 * i for i in range(3)]) for k, v in PARAMS.items()}
+
+    def step(params, state):
+        updates, state = tx.update(grad(loss)(params), state, params, inplace=inplace)
+        return gtx.apply_updates(params, updates), state
+
+    params, state = ensemble, vmap(tx.init)(ensemble)
+    for _ in range(STEPS):
+        params, state = vmap(step)(params, state)
+    meta = vmap(grad(lambda p: final_loss(make, p)))(ensemble)
+    for i in range(3):
+        member = {k: v[i] for k, v in ensemble.items()}
+        looped = _unroll(make(), member, batch_gradient, create_graph=False)
+        looped_meta = grad(lambda p: final_loss(make, p))(member)
+        for k in PARAMS:
+            torch.testing.assert_close(params[k][i], looped[k], rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(meta[k][i], looped_meta[k], rtol=1e-10, atol=1e-12)
+
+
+def _lr_hypergradient_case(factory, **hyperparams):
+    def final(lr):
+        tx = gtx.inject_hyperparams(factory)(learning_rate=lr, **hyperparams)
+        return loss(_unroll(tx, PARAMS, batch_gradient, create_graph=False))
+
+    return final
+
+
+@pytest.mark.parametrize("factory", [gtx.sgd, gtx.adam, gtx.adamw, gtx.rmsprop], ids=lambda f: f.__name__)
+def test_learning_rate_hypergradient_equals_finite_differences(factory):
+    final = _lr_hypergradient_case(factory)
+    lr0 = 0.05
+    expected = (final(torch.tensor(lr0 + FD_STEP, dtype=DTYPE)) - final(torch.tensor(lr0 - FD_STEP, dtype=DTYPE))) / (
+        2 * FD_STEP
+    )
+    lr = torch.tensor(lr0, dtype=DTYPE, requires_grad=True)
+    (by_autograd,) = torch.autograd.grad(final(lr), lr)
+    by_func = grad(final)(torch.tensor(lr0, dtype=DTYPE))
+    assert abs(float(expected)) > 1e-3  # the learning rate matters to this loss
+    torch.testing.assert_close(by_autograd, expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(by_func, expected, rtol=1e-5, atol=0)
+
+
+def test_hypergradients_of_several_hyperparameters_at_once():
+    """d loss / d (learning_rate, b1, weight_decay) of AdamW, each hyperparameter a tensor that requires grad."""
+
+    def final(lr, b1, wd):
+        tx = gtx.inject_hyperparams(gtx.adamw)(learning_rate=lr, b1=b1, weight_decay=wd)
+        return loss(_unroll(tx, PARAMS, batch_gradient, create_graph=False))
+
+    point = [0.05, 0.8, 0.5]
+    tensors = [torch.tensor(v, dtype=DTYPE, requires_grad=True) for v in point]
+    computed = torch.autograd.grad(final(*tensors), tensors)
+    for i in range(3):
+        up = [torch.tensor(v + (FD_STEP if j == i else 0.0), dtype=DTYPE) for j, v in enumerate(point)]
+        down = [torch.tensor(v - (FD_STEP if j == i else 0.0), dtype=DTYPE) for j, v in enumerate(point)]
+        expected = (final(*up) - final(*down)) / (2 * FD_STEP)
+        torch.testing.assert_close(computed[i], expected, rtol=1e-5, atol=1e-9)
+
+
+def test_hyperparameter_set_in_the_state_keeps_its_graph():
+    """Writing a tensor that requires grad into ``state.hyperparams`` makes the next step depend on it."""
+    tx = gtx.inject_hyperparams(gtx.adam)(learning_rate=0.1)
+    state = tx.init(PARAMS)
+    lr = torch.tensor(0.05, dtype=DTYPE, requires_grad=True)
+    state.hyperparams["learning_rate"] = lr
+    updates, state = tx.update(grad(loss)(PARAMS), state, PARAMS)
+    (d_lr,) = torch.autograd.grad(loss(gtx.apply_updates(PARAMS, updates)), lr)
+    assert state.hyperparams["learning_rate"].requires_grad
+    # one Adam step from zero moments moves each element by -lr * sign(g) (up to eps)
+    g = grad(loss)(PARAMS)
+    step_direction = {k: -torch.sign(v) for k, v in g.items()}
+    moved = gtx.apply_updates(PARAMS, {k: 0.05 * v for k, v in step_direction.items()})
+    expected = sum((grad(loss)(moved)[k] * step_direction[k]).sum() for k in PARAMS)
+    torch.testing.assert_close(d_lr, expected, rtol=1e-6, atol=1e-10)
+
+
+def _flat_final_params(make):
+    shapes = {k: v.shape for k, v in PARAMS.items()}
+
+    def fn(flat):
+        params, offset = {}, 0
+        for k, shape in shapes.items():
+            n = int(torch.Size(shape).numel())
+            params[k] = flat[offset : offset + n].reshape(shape)
+            offset += n
+        final = _unroll(make(), params, batch_gradient, create_graph=False)
+        return torch.cat([final[k].reshape(-1) for k in shapes])
+
+    return fn, torch.cat([PARAMS[k].reshape(-1) for k in shapes])
+
+
+def test_jacrev_and_jvp_through_clipped_adamw():
+    fn, x = _flat_final_params(CASES["clip_adamw"])
+    jacobian = jacrev(fn)(x)
+    expected = torch.stack(
+        [(fn(x + FD_STEP * e) - fn(x - FD_STEP * e)) / (2 * FD_STEP) for e in torch.eye(len(x), dtype=DTYPE)], dim=1
+    )
+    torch.testing.assert_close(jacobian, expected, rtol=1e-5, atol=1e-8)
+    tangent = torch.linspace(-1.0, 1.0, len(x), dtype=DTYPE)
+    value, directional = jvp(fn, (x,), (tangent,))
+    torch.testing.assert_close(value, fn(x), rtol=1e-12, atol=0)
+    torch.testing.assert_close(directional, jacobian @ tangent, rtol=1e-10, atol=1e-12)
+
+
+def test_state_and_gradients_are_differentiable_inputs():
+    """d update / d (gradient, moments) of Adam by autograd, against finite differences."""
+    tx = gtx.adam(0.1)
+    g0 = grad(loss)(PARAMS)
+    _, state = tx.update(g0, tx.init(PARAMS), PARAMS)  # nonzero moments
+    mu = {k: v.clone() for k, v in state[0].mu.items()}
+
+    def objective(g, m):
+        s = state[0]._replace(mu=m)
+        updates, _ = tx.update(g, (s, state[1]), PARAMS)
+        return sum((u * torch.arange(1, u.numel() + 1, dtype=DTYPE).reshape(u.shape)).sum() for u in updates.values())
+
+    g_req = {k: v.clone().requires_grad_() for k, v in g0.items()}
+    m_req = {k: v.clone().requires_grad_() for k, v in mu.items()}
+    d_g, d_m = torch.autograd.grad(objective(g_req, m_req), [g_req["w"], m_req["w"]])
+    expected_g = finite_differences(lambda g: objective(g, mu), g0)
+    expected_m = finite_differences(lambda m: objective(g0, m), mu)
+    torch.testing.assert_close(d_g, expected_g["w"], rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(d_m, expected_m["w"], rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("grad_enabled", [False, True])
+def test_no_graph_needed_keeps_the_donated_fast_path(grad_enabled):
+    """Params that require grad, stepped under ``no_grad`` (as a torch optimizer steps), or plain
+    tensors with grad mode on: nothing records a graph, so donated buffers are reused."""
+    params = {k: v.clone().requires_grad_() for k, v in PARAMS.items()}
+    tx = gtx.adamw(0.05, weight_decay=0.1)
+    with torch.no_grad():
+        state = tx.init(params)
+    grads = {k: torch.ones_like(v) for k, v in PARAMS.items()}
+    mu = state[0].mu
+    with torch.set_grad_enabled(grad_enabled):
+        updates, new_state = tx.update(grads, state, params if not grad_enabled else PARAMS, inplace=True)
+    assert all(updates[k] is grads[k] for k in grads)
+    assert all(new_state[0].mu[k] is mu[k] for k in mu)
+    assert not any(u.requires_grad for u in updates.values())
+
+
+def test_a_graph_through_the_params_alone_is_recorded():
+    """AdamW reads the params only for its decay: a graph through them is kept, the inputs untouched."""
+    params = {k: v.clone().requires_grad_() for k, v in PARAMS.items()}
+    tx = gtx.adamw(0.05, weight_decay=0.5)
+    state = tx.init(PARAMS)
+    grads = {k: torch.ones_like(v) for k, v in PARAMS.items()}
+    before = {k: v.clone() for k, v in grads.items()}
+    updates, _ = tx.update(grads, state, params)
+    (d_w,) = torch.autograd.grad(updates["w"].sum(), params["w"])
+    torch.testing.assert_close(d_w, torch.full_like(d_w, -0.05 * 0.5))
+    assert all(torch.equal(grads[k], before[k]) for k in grads)
+
+
+def test_apply_updates_in_place_under_vmap_writes_the_params():
+    """Where ops run out of place (under vmap), ``apply_updates(inplace=True)`` still writes the params."""
+    ensemble = {"w": torch.zeros(3, 2, dtype=DTYPE), "b": torch.zeros(3, dtype=DTYPE)}
+    steps = {"w": torch.ones(3, 2, dtype=DTYPE), "b": torch.arange(3, dtype=DTYPE)}
+
+    def apply(params, updates):
+        out = gtx.apply_updates(params, updates, inplace=True)
+        assert out is params
+        return out
+
+    vmap(apply)(ensemble, steps)
+    assert all(torch.equal(ensemble[k], steps[k]) for k in steps)
