@@ -191,13 +191,30 @@ def mask_leaves(mask: Any, tree: PyTree, *, what: str = "mask") -> list[bool]:
 def grouped(first: Sequence[Tensor], *others: Sequence[Tensor]) -> Iterator[tuple[list[int], tuple[list[Tensor], ...]]]:
     """Groups parallel tensor lists by the (device, dtype) of ``first``.
 
-    Yields ``(indices, (first_group, *other_groups))`` so foreach kernels see uniform lists.
+    Yields ``(indices, (first_group, *other_groups))`` so foreach kernels see uniform lists, groups
+    in the order of their first tensor. Eagerly,
+    outside ``torch.func`` transforms, torch's C++ grouping finds the groups (a Python loop costs
+    more than a foreach kernel on thousands of small tensors).
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for index, tensor in enumerate(first):
-        groups.setdefault((tensor.device, tensor.dtype), []).append(index)
-    for indices in groups.values():
+    first = list(first)
+    if first and not torch.compiler.is_compiling() and not _functorch_active():
+        groups = torch._C._group_tensors_by_device_and_dtype([first], True)
+        index_lists = sorted((list(indices) for _, indices in groups.values()), key=lambda ix: ix[0])
+    else:
+        by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for index, tensor in enumerate(first):
+            by_key.setdefault((tensor.device, tensor.dtype), []).append(index)
+        index_lists = list(by_key.values())
+    if len(index_lists) == 1 and len(index_lists[0]) == len(first):
+        yield index_lists[0], (first, *(list(seq) for seq in others))
+        return
+    for indices in index_lists:
         yield indices, tuple([seq[i] for i in indices] for seq in (first, *others))
+
+
+def _functorch_active() -> bool:
+    """Whether a ``torch.func`` transform is running (only then can tensors be functorch-wrapped)."""
+    return torch._C._functorch.maybe_current_level() is not None
 
 
 def uses_functorch(tensors: Sequence[Tensor]) -> bool:
@@ -205,7 +222,7 @@ def uses_functorch(tensors: Sequence[Tensor]) -> bool:
 
     Under ``torch.compile`` the tracer sees plain tensors, so the foreach path is always taken.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not _functorch_active():
         return False
     is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     return any(is_wrapped(t) for t in tensors)
@@ -221,8 +238,16 @@ def needs_graph(*args: Any) -> bool:
     This is the one test that picks between the fast kernels and the differentiable ops.
     """
     grad_on = torch.is_grad_enabled()
-    check_wrapped = not torch.compiler.is_compiling()
+    check_wrapped = not torch.compiler.is_compiling() and _functorch_active()
+    if not (grad_on or check_wrapped):
+        return False
     is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    if not check_wrapped:  # the common eager case: only requires_grad matters
+        for arg in args:
+            for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+                if isinstance(t, Tensor) and t.requires_grad:
+                    return True
+        return False
     for arg in args:
         for t in arg if isinstance(arg, (list, tuple)) else (arg,):
             if isinstance(t, Tensor) and ((grad_on and t.requires_grad) or (check_wrapped and is_wrapped(t))):
@@ -396,7 +421,10 @@ def scale_(tensors: Sequence[Tensor], factor: Tensor, *, inplace: bool) -> list[
     out: list[Optional[Tensor]] = [None] * len(tensors)
     for indices, (group,) in grouped(tensors):
         device_factor = factor.to(group[0].device)
-        for i, value in zip(indices, foreach_mul(group, device_factor, inplace=inplace)):
+        results = foreach("mul", group, device_factor, inplace=inplace)
+        if not inplace and device_factor.dtype != group[0].dtype:  # a group is of one dtype: check once
+            results = _keep_dtypes(group, results)
+        for i, value in zip(indices, results):
             out[i] = value
     return out  # type: ignore[return-value]
 
