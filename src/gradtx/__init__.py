@@ -118,5 +118,14 @@ from gradtx.schedules import (
     warmup_constant_schedule,
     warmup_cosine_decay_schedule,
 )
+from gradtx.chains import adadelta, rprop, sign_sgd, signum, yogi
+from gradtx.transforms import (
+    ScaleByAdaDeltaState,
+    ScaleByRpropState,
+    scale_by_adadelta,
+    scale_by_rprop,
+    scale_by_sign,
+    scale_by_yogi,
+)
 
 __version__ = "0.1.0"

@@ -82,3 +82,7 @@ __all__ = [
     "snapshot",
     "wrap",
 ]
+
+from gradtx.chains.optimizers import adadelta, rprop, sign_sgd, signum, yogi
+
+__all__ += ["adadelta", "rprop", "sign_sgd", "signum", "yogi"]

@@ -100,3 +100,15 @@ __all__ = [
     "unitwise_norm",
     "zero_nans",
 ]
+
+from gradtx.transforms.adadelta import ScaleByAdaDeltaState, scale_by_adadelta, scale_by_yogi
+from gradtx.transforms.sign import ScaleByRpropState, scale_by_rprop, scale_by_sign
+
+__all__ += [
+    "ScaleByAdaDeltaState",
+    "ScaleByRpropState",
+    "scale_by_adadelta",
+    "scale_by_rprop",
+    "scale_by_sign",
+    "scale_by_yogi",
+]

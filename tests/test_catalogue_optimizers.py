@@ -1,0 +1,134 @@
+"""The catalogue's optimizers (optax's aliases): whole trajectories against float64 references of
+optax's chains and against torch.optim where torch has the same algorithm; their tuple states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradtx as gtx
+from catalogue_helpers import leafwise
+from optimizer_helpers import (
+    assert_trees_close,
+    check_pure_and_donated,
+    grad_sequence,
+    gradtx_trajectory,
+    torch_trajectory,
+    tree,
+)
+from test_catalogue_transforms import _grads_with_sign_flips, ref_rprop, ref_yogi
+
+STEPS = 6
+
+
+def reference_trajectory(params, grads, init, step):
+    """Params after a reference ``step(g, state, params) -> (updates, state)`` on each gradient."""
+    state = init(params)
+    for g in grads:
+        updates, state = step(g, state, params)
+        params = leafwise(torch.add, params, updates)
+    return params
+
+
+def _scaled(ref, factor):
+    init, step = ref
+
+    def scaled_step(g, s, p):
+        u, s = step(g, s, p)
+        return leafwise(lambda x: factor * x, u), s
+
+    return init, scaled_step
+
+
+def ref_signum(lr, beta=0.9):
+    def step(g, s, p):
+        m = leafwise(lambda gi, mi: (1 - beta) * gi + beta * mi, g, s["m"])
+        return leafwise(lambda x: -lr * torch.sign(x), m), {"m": m}
+
+    return (lambda p: {"m": leafwise(torch.zeros_like, p)}), step
+
+
+def ref_sign_sgd(lr):
+    return (lambda p: {}), (lambda g, s, p: (leafwise(lambda x: -lr * torch.sign(x), g), s))
+
+
+REFERENCE_CASES = {
+    "sign_sgd": (lambda: gtx.sign_sgd(0.1), lambda: ref_sign_sgd(0.1)),
+    "signum": (lambda: gtx.signum(0.1, beta=0.8), lambda: ref_signum(0.1, beta=0.8)),
+    "yogi": (lambda: gtx.yogi(0.05, b1=0.8, eps=1e-2), lambda: _scaled(ref_yogi(b1=0.8, eps=1e-2), -0.05)),
+    "rprop": (lambda: gtx.rprop(0.1, eta_plus=1.5), lambda: _scaled(ref_rprop(0.1, eta_plus=1.5), -1.0)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_CASES))
+@pytest.mark.parametrize("inplace", [False, True])
+def test_trajectory_matches_reference(name, inplace):
+    make_tx, make_ref = REFERENCE_CASES[name]
+    params = tree(0)
+    grads = _grads_with_sign_flips(STEPS) if name == "rprop" else grad_sequence(STEPS)
+    ours, _ = gradtx_trajectory(make_tx(), params, grads, inplace=inplace)
+    assert_trees_close(ours, reference_trajectory(params, grads, *make_ref()), rtol=1e-9, atol=1e-12)
+
+
+TORCH_CASES = {
+    "adadelta": (
+        lambda: gtx.adadelta(1.0, weight_decay=0.1),
+        lambda ps: torch.optim.Adadelta(ps, lr=1.0, weight_decay=0.1),
+    ),
+    "adadelta_args": (
+        lambda: gtx.adadelta(0.5, rho=0.7, eps=1e-4),
+        lambda ps: torch.optim.Adadelta(ps, lr=0.5, rho=0.7, eps=1e-4),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_CASES))
+@pytest.mark.parametrize("inplace", [False, True])
+def test_trajectory_matches_torch(name, inplace):
+    make_tx, make_opt = TORCH_CASES[name]
+    params, grads = tree(0), grad_sequence(STEPS)
+    ours, _ = gradtx_trajectory(make_tx(), params, grads, inplace=inplace)
+    assert_trees_close(ours, torch_trajectory(make_opt, params, grads), rtol=1e-10, atol=1e-12)
+
+
+def test_adadelta_without_learning_rate_is_unscaled_as_in_optax():
+    params, grads = tree(0), grad_sequence(3)
+    ours, _ = gradtx_trajectory(gtx.adadelta(), params, grads)
+    descended = torch_trajectory(lambda ps: torch.optim.Adadelta(ps, lr=1.0), params, grads)
+    # no learning rate: the chain ends in the identity, so the step is +delta where torch takes -delta
+    assert_trees_close({k: 2 * params[k] - ours[k] for k in params}, descended, rtol=1e-10, atol=1e-12)
+
+
+STATE_TYPES = {
+    "sign_sgd": lambda: (gtx.sign_sgd(0.1), (gtx.EmptyState, gtx.EmptyState)),
+    "sign_sgd_sched": lambda: (gtx.sign_sgd(gtx.linear_schedule(0.1, 0.01, 3)), (gtx.EmptyState, gtx.ScaleByScheduleState)),
+    "signum": lambda: (gtx.signum(0.1), (gtx.EmaState, gtx.EmptyState, gtx.EmptyState)),
+    "adadelta": lambda: (gtx.adadelta(1.0), (gtx.EmptyState, gtx.ScaleByAdaDeltaState, gtx.EmptyState)),
+    "yogi": lambda: (gtx.yogi(0.1), (gtx.ScaleByAdamState, gtx.EmptyState)),
+    "rprop": lambda: (gtx.rprop(0.1), (gtx.ScaleByRpropState, gtx.EmptyState)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATE_TYPES))
+def test_state_is_optax_chain_tuple(name):
+    tx, types = STATE_TYPES[name]()
+    state = tx.init(tree(0))
+    assert isinstance(state, tuple) and tuple(type(s) for s in state) == types
+    inner = gtx.chain(gtx.clip_by_value(1.0), tx).init(tree(0))
+    assert len(inner) == 2 and tuple(type(s) for s in inner[1]) == types
+
+
+@pytest.mark.parametrize("name", ["sign_sgd", "signum", "adadelta", "yogi", "rprop"])
+def test_pure_and_donated_agree(name):
+    tx, _ = STATE_TYPES[name]()
+    check_pure_and_donated(tx, tree(0), grad_sequence(4))
+
+
+def test_schedule_learning_rate():
+    schedule = gtx.linear_schedule(0.1, 0.01, 3)
+    params, grads = tree(0), grad_sequence(4)
+    ours, _ = gradtx_trajectory(gtx.sign_sgd(schedule), params, grads)
+    expected = dict(params)
+    for i, g in enumerate(grads):
+        expected = {k: expected[k] - schedule(i) * torch.sign(g[k]) for k in g}
+    assert_trees_close(ours, expected, rtol=1e-7, atol=1e-8)

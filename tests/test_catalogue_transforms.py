@@ -1,0 +1,182 @@
+"""The catalogue's transformations against float64 references written from optax's definitions,
+against torch.optim where torch has the same algorithm, pure/donated agreement, state fields and
+torch.compile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gradtx as gtx
+from catalogue_helpers import check_against_reference, compiled_matches_eager, leafwise
+from optimizer_helpers import assert_trees_close, check_pure_and_donated, clone_tree, grad_sequence, tree
+
+# --------------------------------------------------------------------------- references (optax's definitions)
+
+
+def _zeros(params):
+    return leafwise(torch.zeros_like, params)
+
+
+def ref_sign():
+    return (lambda p: {}), (lambda g, s, p: (leafwise(torch.sign, g), s))
+
+
+def ref_adadelta(rho=0.9, eps=1e-6):
+    def init(p):
+        return {"e_g": _zeros(p), "e_x": _zeros(p)}
+
+    def step(g, s, p):
+        e_g = leafwise(lambda gi, e: (1 - rho) * gi**2 + rho * e, g, s["e_g"])
+        u = leafwise(lambda gi, eg, ex: math.sqrt(1) * torch.sqrt(ex + eps) / torch.sqrt(eg + eps) * gi, g, e_g, s["e_x"])
+        e_x = leafwise(lambda ui, e: (1 - rho) * ui**2 + rho * e, u, s["e_x"])
+        return u, {"e_g": e_g, "e_x": e_x}
+
+    return init, step
+
+
+def ref_yogi(b1=0.9, b2=0.999, eps=1e-3, eps_root=0.0, initial_accumulator_value=1e-6):
+    initial = initial_accumulator_value
+    def init(p):
+        full = leafwise(lambda x: torch.full_like(x, initial), p)
+        return {"count": 0, "mu": full, "nu": dict(full)}
+
+    def step(g, s, p):
+        t = s["count"] + 1
+        mu = leafwise(lambda gi, m: (1 - b1) * gi + b1 * m, g, s["mu"])
+        nu = leafwise(lambda gi, v: v - (1 - b2) * torch.sign(v - gi**2) * gi**2, g, s["nu"])
+        u = leafwise(lambda m, v: (m / (1 - b1**t)) / (torch.sqrt(v / (1 - b2**t) + eps_root) + eps), mu, nu)
+        return u, {"count": t, "mu": mu, "nu": nu}
+
+    return init, step
+
+
+def ref_rprop(lr, eta_minus=0.5, eta_plus=1.2, min_step_size=1e-6, max_step_size=50.0):
+    min_step, max_step = min_step_size, max_step_size
+    def init(p):
+        return {"step_sizes": leafwise(lambda x: torch.full_like(x, lr), p), "prev_updates": _zeros(p)}
+
+    def step(g, s, p):
+        prod = leafwise(torch.mul, g, s["prev_updates"])
+        steps = leafwise(
+            lambda q, st: torch.where(
+                q == 0, st, torch.clamp(st * torch.where(q > 0, torch.full_like(st, eta_plus), torch.full_like(st, eta_minus)), min_step, max_step)
+            ),
+            prod,
+            s["step_sizes"],
+        )
+        prev = leafwise(lambda q, gi, st: torch.where(q < 0, 0.0, st * torch.sign(gi)), prod, g, steps)
+        u = leafwise(lambda q, old: torch.where(q < 0, 0.0, old), prod, s["prev_updates"])
+        return u, {"step_sizes": steps, "prev_updates": prev}
+
+    return init, step
+
+
+CASES = {
+    "sign": (gtx.scale_by_sign, ref_sign, {}),
+    "adadelta": (gtx.scale_by_adadelta, ref_adadelta, {}),
+    "adadelta_args": (gtx.scale_by_adadelta, ref_adadelta, {"rho": 0.5, "eps": 1e-3}),
+    "yogi": (gtx.scale_by_yogi, ref_yogi, {}),
+    "yogi_args": (
+        gtx.scale_by_yogi,
+        ref_yogi,
+        {"b1": 0.5, "b2": 0.9, "eps": 1e-2, "eps_root": 1e-4, "initial_accumulator_value": 0.3},
+    ),
+    "rprop": (lambda **kw: gtx.scale_by_rprop(0.1, **kw), lambda **kw: ref_rprop(0.1, **kw), {}),
+    "rprop_args": (
+        lambda **kw: gtx.scale_by_rprop(0.1, **kw),
+        lambda **kw: ref_rprop(0.1, **kw),
+        {"eta_minus": 0.3, "eta_plus": 2.0, "min_step_size": 0.05, "max_step_size": 0.3},
+    ),
+}
+
+FIELDS = {
+    "sign": (),
+    "adadelta": ("e_g", "e_x"),
+    "yogi": ("count", "mu", "nu"),
+    "rprop": ("step_sizes", "prev_updates"),
+}
+
+
+def _grads_with_sign_flips(steps):
+    """Gradients whose signs repeat and flip, so every Rprop branch is taken."""
+    base = grad_sequence(1)[0]
+    signs = [1.0, 1.0, -1.0, -1.0, 1.0, 0.0, 1.0, 1.0]
+    noise = grad_sequence(steps)
+    return [{k: signs[i % len(signs)] * v.abs() * (1 + 0.1 * noise[i][k].abs()) for k, v in base.items()} for i in range(steps)]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("inplace", [False, True])
+def test_matches_reference(name, inplace):
+    make, make_ref, kwargs = CASES[name]
+    grads = _grads_with_sign_flips(8) if name.startswith("rprop") else grad_sequence(6)
+    check_against_reference(make(**kwargs), *make_ref(**kwargs), grads=grads, inplace=inplace)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_pure_and_donated_agree(name):
+    make, _, kwargs = CASES[name]
+    grads = _grads_with_sign_flips(6) if name.startswith("rprop") else grad_sequence(4)
+    check_pure_and_donated(make(**kwargs), tree(0), grads)
+
+
+@pytest.mark.parametrize("name", sorted(FIELDS))
+def test_state_fields_are_optax(name):
+    make, _, _ = CASES[name]
+    state = make().init(tree(0))
+    assert tuple(getattr(type(state), "_fields", ())) == FIELDS[name]
+    if name == "sign":
+        assert isinstance(state, gtx.EmptyState)
+
+
+@pytest.mark.parametrize("name", ["sign", "adadelta", "yogi", "rprop"])
+def test_compiles_to_one_graph(name):
+    make, _, _ = CASES[name]
+    compiled_matches_eager(make())
+
+
+def test_none_leaves_pass_through():
+    params = tree(0)
+    for make in (gtx.scale_by_sign, gtx.scale_by_adadelta, gtx.scale_by_yogi, lambda: gtx.scale_by_rprop(0.1)):
+        tx = make()
+        state = tx.init(params)
+        g = dict(grad_sequence(1)[0], scale=None)
+        updates, _ = tx.update(g, state, params)
+        assert updates["scale"] is None and updates["layer.weight"] is not None
+
+
+# --------------------------------------------------------------------------- torch.optim
+
+
+def _torch_trajectory(make_optimizer, params, grads):
+    names = list(params)
+    tensors = [params[k].clone().requires_grad_(True) for k in names]
+    opt = make_optimizer(tensors)
+    deltas = []
+    for g in grads:
+        before = [t.detach().clone() for t in tensors]
+        for t, k in zip(tensors, names):
+            t.grad = g[k].clone()
+        opt.step()
+        deltas.append({k: t.detach() - b for k, t, b in zip(names, tensors, before)})
+    return deltas
+
+
+def test_rprop_state_is_torch_step():
+    """optax's Rprop keeps in ``prev_updates`` the negated step torch's Rprop takes, and returns it a step later."""
+    params, grads = tree(0), _grads_with_sign_flips(8)
+    deltas = _torch_trajectory(lambda ps: torch.optim.Rprop(ps, lr=0.1, foreach=False), params, grads)
+    tx = gtx.scale_by_rprop(0.1)
+    state = tx.init(params)
+    previous = None
+    for g, delta in zip(grads, deltas):
+        updates, state = tx.update(g, state, params)
+        assert_trees_close(state.prev_updates, {k: -v for k, v in delta.items()}, rtol=1e-12, atol=1e-14)
+        if previous is not None:  # the lag: what comes out now is last step's torch step, zeroed on a sign flip
+            flipped = {k: (g[k] * -previous[k]) < 0 for k in g}
+            expected = {k: torch.where(flipped[k], 0.0, -previous[k]) for k in g}
+            assert_trees_close(updates, expected, rtol=1e-12, atol=1e-14)
+        previous = {k: v for k, v in delta.items()}
