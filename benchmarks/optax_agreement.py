@@ -100,6 +100,28 @@ cases = {
  "lion_refined": (optax.chain(optax.scale_by_lion(mode="refined"), optax.scale(-0.01)), gtx.chain(gtx.scale_by_lion(mode="refined"), gtx.scale(-0.01))),
  "centralize": (optax.chain(optax.centralize(), optax.scale(-0.1)), gtx.chain(gtx.centralize(), gtx.scale(-0.1))),
 }
+# The catalogue's names, each run only where the installed optax has it.
+CATALOGUE = {
+ "sign_sgd": ("sign_sgd", lambda m: m.sign_sgd(0.1)),
+ "signum": ("signum", lambda m: m.signum(0.1, beta=0.8)),
+ "adadelta": ("adadelta", lambda m: m.adadelta(1.0, weight_decay=0.1)),
+ "adadelta_norate": ("adadelta", lambda m: m.adadelta(rho=0.8, eps=1e-4)),
+ "yogi": ("yogi", lambda m: m.yogi(1e-2)),
+ "scale_by_yogi": ("scale_by_yogi", lambda m: m.chain(m.scale_by_yogi(b1=0.5, eps_root=1e-3, initial_accumulator_value=0.1), m.scale(-0.01))),
+ "rprop": ("rprop", lambda m: m.rprop(1e-2)),
+ "adan": ("adan", lambda m: m.adan(1e-2, weight_decay=0.1)),
+ "scale_by_adan": ("scale_by_adan", lambda m: m.chain(m.scale_by_adan(b1=0.7, b2=0.6, b3=0.8, eps_root=1e-4), m.scale(-0.01))),
+ "novograd": ("novograd", lambda m: m.novograd(1e-2, weight_decay=0.1)),
+ "optimistic_gd": ("optimistic_gradient_descent", lambda m: m.optimistic_gradient_descent(1e-2, alpha=0.5, beta=0.8)),
+ "optimistic_adam": ("optimistic_adam", lambda m: m.optimistic_adam(1e-2, optimism=0.02)),
+ "optimistic_adam_v2": ("optimistic_adam_v2", lambda m: m.optimistic_adam_v2(1e-2, alpha=0.5, beta=0.8)),
+ "adamaxw": ("adamaxw", lambda m: m.adamaxw(1e-2, weight_decay=0.1)),
+}
+for _name, (_attr, _make) in CATALOGUE.items():
+    if hasattr(optax, _attr) and hasattr(gtx, _attr):
+        cases[_name] = (_make(optax), _make(gtx))
+    else:
+        print(f"{_name:16s} skipped: {_attr} missing from optax or gradtx")
 worst = 0
 for name, (o, t) in cases.items():
     ref = run_optax(o)

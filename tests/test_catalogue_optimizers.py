@@ -3,6 +3,8 @@ optax's chains and against torch.optim where torch has the same algorithm; their
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -16,7 +18,14 @@ from optimizer_helpers import (
     torch_trajectory,
     tree,
 )
-from test_catalogue_transforms import _grads_with_sign_flips, ref_rprop, ref_yogi
+from test_catalogue_transforms import (
+    _grads_with_sign_flips,
+    ref_adan,
+    ref_novograd,
+    ref_optimistic,
+    ref_rprop,
+    ref_yogi,
+)
 
 STEPS = 6
 
@@ -52,7 +61,63 @@ def ref_sign_sgd(lr):
     return (lambda p: {}), (lambda g, s, p: (leafwise(lambda x: -lr * torch.sign(x), g), s))
 
 
+def _then(first, second):
+    """The reference of ``chain(first, second)``."""
+    (init1, step1), (init2, step2) = first, second
+
+    def step(g, s, p):
+        u, s1 = step1(g, s["a"], p)
+        u, s2 = step2(u, s["b"], p)
+        return u, {"a": s1, "b": s2}
+
+    return (lambda p: {"a": init1(p), "b": init2(p)}), step
+
+
+def _quietly(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return fn(*args, **kwargs)
+
+
+def ref_decay(weight_decay):
+    return (lambda p: {}), (lambda g, s, p: (leafwise(lambda gi, pi: gi + weight_decay * pi, g, p), s))
+
+
+def ref_adam_nesterov(b1=0.9, b2=0.999, eps=1e-8):
+    def step(g, s, p):
+        t = s["count"] + 1
+        mu = leafwise(lambda gi, m: (1 - b1) * gi + b1 * m, g, s["mu"])
+        nu = leafwise(lambda gi, v: (1 - b2) * gi**2 + b2 * v, g, s["nu"])
+        u = leafwise(
+            lambda gi, m, v: (b1 * m / (1 - b1 ** (t + 1)) + (1 - b1) * gi / (1 - b1**t)) / (torch.sqrt(v / (1 - b2**t)) + eps),
+            g, mu, nu,
+        )
+        return u, {"count": t, "mu": mu, "nu": nu}
+
+    return (lambda p: {"count": 0, "mu": leafwise(torch.zeros_like, p), "nu": leafwise(torch.zeros_like, p)}), step
+
+
 REFERENCE_CASES = {
+    "adan": (
+        lambda: gtx.adan(0.05, weight_decay=0.1),
+        lambda: _scaled(_then(ref_adan(eps_root=1e-8), ref_decay(0.1)), -0.05),
+    ),
+    "novograd": (
+        lambda: gtx.novograd(0.05, weight_decay=0.1),
+        lambda: _scaled(ref_novograd(eps=1e-6, weight_decay=0.1), -0.05),
+    ),
+    "optimistic_gradient_descent": (
+        lambda: gtx.optimistic_gradient_descent(0.05, alpha=0.5, beta=0.8),
+        lambda: _scaled(ref_optimistic(0.5, 0.8), -0.05),
+    ),
+    "optimistic_adam_v2": (
+        lambda: gtx.optimistic_adam_v2(0.05, alpha=0.5, beta=0.8),
+        lambda: _scaled(_then(ref_adam_nesterov(), ref_optimistic(0.5, 0.8)), -0.05),
+    ),
+    "optimistic_adam": (
+        lambda: _quietly(gtx.optimistic_adam, 0.05, optimism=0.02),
+        lambda: _scaled(_then(ref_adam_nesterov(), ref_optimistic(0.05, 0.02)), -1.0),
+    ),
     "sign_sgd": (lambda: gtx.sign_sgd(0.1), lambda: ref_sign_sgd(0.1)),
     "signum": (lambda: gtx.signum(0.1, beta=0.8), lambda: ref_signum(0.1, beta=0.8)),
     "yogi": (lambda: gtx.yogi(0.05, b1=0.8, eps=1e-2), lambda: _scaled(ref_yogi(b1=0.8, eps=1e-2), -0.05)),
@@ -91,6 +156,36 @@ def test_trajectory_matches_torch(name, inplace):
     assert_trees_close(ours, torch_trajectory(make_opt, params, grads), rtol=1e-10, atol=1e-12)
 
 
+def _decoupled_adamax_trajectory(params, grads, lr, weight_decay, **kwargs):
+    """torch's Adamax, the params first shrunk by ``1 - lr * weight_decay`` (decoupled decay)."""
+    names = list(params)
+    tensors = [params[k].clone().requires_grad_(True) for k in names]
+    opt = torch.optim.Adamax(tensors, lr=lr, **kwargs)
+    for g in grads:
+        with torch.no_grad():
+            for t in tensors:
+                t.mul_(1 - lr * weight_decay)
+        for t, k in zip(tensors, names):
+            t.grad = g[k].clone()
+        opt.step()
+    return {k: t.detach() for k, t in zip(names, tensors)}
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_adamaxw_matches_torch_adamax_with_decoupled_decay(inplace):
+    params, grads = tree(0), grad_sequence(STEPS)
+    ours, _ = gradtx_trajectory(gtx.adamaxw(0.05, b1=0.8, weight_decay=0.3), params, grads, inplace=inplace)
+    theirs = _decoupled_adamax_trajectory(params, grads, 0.05, 0.3, betas=(0.8, 0.999))
+    assert_trees_close(ours, theirs, rtol=1e-10, atol=1e-12)
+
+
+def test_optimistic_adam_is_deprecated_and_rejects_schedules():
+    with pytest.warns(DeprecationWarning, match="optimistic_adam_v2"):
+        gtx.optimistic_adam(0.1)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="schedule"):
+        gtx.optimistic_adam(gtx.constant_schedule(0.1))
+
+
 def test_adadelta_without_learning_rate_is_unscaled_as_in_optax():
     params, grads = tree(0), grad_sequence(3)
     ours, _ = gradtx_trajectory(gtx.adadelta(), params, grads)
@@ -106,6 +201,17 @@ STATE_TYPES = {
     "adadelta": lambda: (gtx.adadelta(1.0), (gtx.EmptyState, gtx.ScaleByAdaDeltaState, gtx.EmptyState)),
     "yogi": lambda: (gtx.yogi(0.1), (gtx.ScaleByAdamState, gtx.EmptyState)),
     "rprop": lambda: (gtx.rprop(0.1), (gtx.ScaleByRpropState, gtx.EmptyState)),
+    "adan": lambda: (gtx.adan(0.1), (gtx.ScaleByAdanState, gtx.EmptyState, gtx.EmptyState)),
+    "novograd": lambda: (gtx.novograd(0.1), (gtx.ScaleByNovogradState, gtx.EmptyState)),
+    "optimistic_gradient_descent": lambda: (
+        gtx.optimistic_gradient_descent(0.1),
+        (gtx.ScaleByOptimisticGradientState, gtx.EmptyState),
+    ),
+    "optimistic_adam_v2": lambda: (
+        gtx.optimistic_adam_v2(0.1),
+        (gtx.ScaleByAdamState, gtx.ScaleByOptimisticGradientState, gtx.EmptyState),
+    ),
+    "adamaxw": lambda: (gtx.adamaxw(0.1), (gtx.ScaleByAdamState, gtx.EmptyState, gtx.EmptyState)),
 }
 
 
@@ -118,7 +224,9 @@ def test_state_is_optax_chain_tuple(name):
     assert len(inner) == 2 and tuple(type(s) for s in inner[1]) == types
 
 
-@pytest.mark.parametrize("name", ["sign_sgd", "signum", "adadelta", "yogi", "rprop"])
+@pytest.mark.parametrize(
+    "name", ["sign_sgd", "signum", "adadelta", "yogi", "rprop", "adan", "novograd", "optimistic_adam_v2", "adamaxw"]
+)
 def test_pure_and_donated_agree(name):
     tx, _ = STATE_TYPES[name]()
     check_pure_and_donated(tx, tree(0), grad_sequence(4))

@@ -74,6 +74,56 @@ def ref_rprop(lr, eta_minus=0.5, eta_plus=1.2, min_step_size=1e-6, max_step_size
     return init, step
 
 
+def ref_adan(b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=0.0):
+    def init(p):
+        return {"m": _zeros(p), "v": _zeros(p), "n": _zeros(p), "g": _zeros(p), "t": 0}
+
+    def step(g, s, p):
+        diff = leafwise(lambda gi, pi: torch.zeros_like(gi) if s["t"] == 0 else gi - pi, g, s["g"])
+        m = leafwise(lambda gi, x: (1 - b1) * gi + b1 * x, g, s["m"])
+        v = leafwise(lambda di, x: (1 - b2) * di + b2 * x, diff, s["v"])
+        n = leafwise(lambda gi, di, x: (1 - b3) * (gi + (1 - b2) * di) ** 2 + b3 * x, g, diff, s["n"])
+        t = s["t"] + 1
+        u = leafwise(
+            lambda mi, vi, ni: (mi / (1 - b1**t) + (1 - b2) * vi / (1 - b2**t)) / (torch.sqrt(ni / (1 - b3**t) + eps_root) + eps),
+            m, v, n,
+        )
+        return u, {"m": m, "v": v, "n": n, "g": dict(g), "t": t}
+
+    return init, step
+
+
+def ref_novograd(b1=0.9, b2=0.25, eps=1e-8, eps_root=0.0, weight_decay=0.0):
+    def init(p):
+        return {"count": 0, "mu": _zeros(p), "nu": leafwise(lambda x: torch.zeros((), dtype=x.dtype), p)}
+
+    def step(g, s, p):
+        sq = leafwise(lambda gi: torch.linalg.norm(gi.flatten()) ** 2, g)
+        if s["count"] == 0:
+            nu = sq
+            mu = leafwise(lambda gi, pi, vi: gi / (torch.sqrt(vi + eps_root) + eps) + weight_decay * pi, g, p, nu)
+        else:
+            nu = leafwise(lambda q, vi: (1 - b2) * q + b2 * vi, sq, s["nu"])
+            mu = leafwise(
+                lambda gi, pi, vi, mi: b1 * mi + (gi / (torch.sqrt(vi + eps_root) + eps) + weight_decay * pi), g, p, nu, s["mu"]
+            )
+        return dict(mu), {"count": s["count"] + 1, "mu": mu, "nu": nu}
+
+    return init, step
+
+
+def ref_optimistic(alpha=1.0, beta=1.0):
+    def init(p):
+        return {"is_initial_step": 1.0, "previous_gradient": _zeros(p)}
+
+    def step(g, s, p):
+        prev = g if s["is_initial_step"] else s["previous_gradient"]
+        u = leafwise(lambda gi, pi: (alpha + beta) * gi - beta * pi, g, prev)
+        return u, {"is_initial_step": 0.0, "previous_gradient": dict(g)}
+
+    return init, step
+
+
 CASES = {
     "sign": (gtx.scale_by_sign, ref_sign, {}),
     "adadelta": (gtx.scale_by_adadelta, ref_adadelta, {}),
@@ -90,9 +140,22 @@ CASES = {
         lambda **kw: ref_rprop(0.1, **kw),
         {"eta_minus": 0.3, "eta_plus": 2.0, "min_step_size": 0.05, "max_step_size": 0.3},
     ),
+    "adan": (gtx.scale_by_adan, ref_adan, {}),
+    "adan_args": (gtx.scale_by_adan, ref_adan, {"b1": 0.7, "b2": 0.6, "b3": 0.8, "eps": 1e-3, "eps_root": 1e-4}),
+    "novograd": (gtx.scale_by_novograd, ref_novograd, {}),
+    "novograd_args": (
+        gtx.scale_by_novograd,
+        ref_novograd,
+        {"b1": 0.5, "b2": 0.7, "eps": 1e-3, "eps_root": 1e-2, "weight_decay": 0.1},
+    ),
+    "optimistic": (gtx.scale_by_optimistic_gradient, ref_optimistic, {}),
+    "optimistic_args": (gtx.scale_by_optimistic_gradient, ref_optimistic, {"alpha": 0.3, "beta": 2.0}),
 }
 
 FIELDS = {
+    "adan": ("m", "v", "n", "g", "t"),
+    "novograd": ("count", "mu", "nu"),
+    "optimistic": ("is_initial_step", "previous_gradient"),
     "sign": (),
     "adadelta": ("e_g", "e_x"),
     "yogi": ("count", "mu", "nu"),
@@ -132,7 +195,7 @@ def test_state_fields_are_optax(name):
         assert isinstance(state, gtx.EmptyState)
 
 
-@pytest.mark.parametrize("name", ["sign", "adadelta", "yogi", "rprop"])
+@pytest.mark.parametrize("name", ["sign", "adadelta", "yogi", "rprop", "adan", "novograd", "optimistic"])
 def test_compiles_to_one_graph(name):
     make, _, _ = CASES[name]
     compiled_matches_eager(make())
@@ -140,7 +203,16 @@ def test_compiles_to_one_graph(name):
 
 def test_none_leaves_pass_through():
     params = tree(0)
-    for make in (gtx.scale_by_sign, gtx.scale_by_adadelta, gtx.scale_by_yogi, lambda: gtx.scale_by_rprop(0.1)):
+    makers = (
+        gtx.scale_by_sign,
+        gtx.scale_by_adadelta,
+        gtx.scale_by_yogi,
+        lambda: gtx.scale_by_rprop(0.1),
+        gtx.scale_by_adan,
+        lambda: gtx.scale_by_novograd(weight_decay=0.1),
+        gtx.scale_by_optimistic_gradient,
+    )
+    for make in makers:
         tx = make()
         state = tx.init(params)
         g = dict(grad_sequence(1)[0], scale=None)
@@ -180,3 +252,11 @@ def test_rprop_state_is_torch_step():
             expected = {k: torch.where(flipped[k], 0.0, -previous[k]) for k in g}
             assert_trees_close(updates, expected, rtol=1e-12, atol=1e-14)
         previous = {k: v for k, v in delta.items()}
+
+
+def test_novograd_norms_accumulate_in_float32_for_bfloat16():
+    params = tree(0, torch.bfloat16)
+    g = {k: torch.full_like(v, 3.0) for k, v in params.items()}
+    updates, state = gtx.scale_by_novograd().update(g, gtx.scale_by_novograd().init(params), params)
+    assert state.nu["layer.weight"].dtype == torch.bfloat16 and updates["layer.weight"].dtype == torch.bfloat16
+    torch.testing.assert_close(state.nu["layer.weight"].float(), torch.tensor(9.0 * 12), rtol=1e-2, atol=0)

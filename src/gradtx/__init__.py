@@ -118,11 +118,29 @@ from gradtx.schedules import (
     warmup_constant_schedule,
     warmup_cosine_decay_schedule,
 )
-from gradtx.chains import adadelta, rprop, sign_sgd, signum, yogi
+from gradtx.chains import (
+    adadelta,
+    adamaxw,
+    adan,
+    novograd,
+    optimistic_adam,
+    optimistic_adam_v2,
+    optimistic_gradient_descent,
+    rprop,
+    sign_sgd,
+    signum,
+    yogi,
+)
 from gradtx.transforms import (
     ScaleByAdaDeltaState,
+    ScaleByAdanState,
+    ScaleByNovogradState,
+    ScaleByOptimisticGradientState,
     ScaleByRpropState,
     scale_by_adadelta,
+    scale_by_adan,
+    scale_by_novograd,
+    scale_by_optimistic_gradient,
     scale_by_rprop,
     scale_by_sign,
     scale_by_yogi,

@@ -83,6 +83,30 @@ __all__ = [
     "wrap",
 ]
 
-from gradtx.chains.optimizers import adadelta, rprop, sign_sgd, signum, yogi
+from gradtx.chains.optimizers import (
+    adadelta,
+    adamaxw,
+    adan,
+    novograd,
+    optimistic_adam,
+    optimistic_adam_v2,
+    optimistic_gradient_descent,
+    rprop,
+    sign_sgd,
+    signum,
+    yogi,
+)
 
-__all__ += ["adadelta", "rprop", "sign_sgd", "signum", "yogi"]
+__all__ += [
+    "adadelta",
+    "adamaxw",
+    "adan",
+    "novograd",
+    "optimistic_adam",
+    "optimistic_adam_v2",
+    "optimistic_gradient_descent",
+    "rprop",
+    "sign_sgd",
+    "signum",
+    "yogi",
+]

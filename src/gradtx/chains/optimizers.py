@@ -6,6 +6,7 @@ As in :mod:`gradtx.chains.aliases`: ``learning_rate`` is a number or a schedule 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -13,7 +14,12 @@ import torch
 from gradtx.base import GradientTransformation
 from gradtx.chains.aliases import _one
 from gradtx.chains.chain import chain
+from gradtx import sharding
 from gradtx.transforms.adadelta import scale_by_adadelta, scale_by_yogi
+from gradtx.transforms.adam import scale_by_adam, scale_by_adamax
+from gradtx.transforms.adan import scale_by_adan
+from gradtx.transforms.novograd import scale_by_novograd
+from gradtx.transforms.optimistic import scale_by_optimistic_gradient
 from gradtx.transforms.momentum import ema
 from gradtx.transforms.scaling import ScalarOrSchedule, scale, scale_by_learning_rate
 from gradtx.transforms.sign import scale_by_rprop, scale_by_sign
@@ -80,5 +86,126 @@ def rprop(
         chain(
             scale_by_rprop(learning_rate, eta_minus, eta_plus, min_step_size, max_step_size),
             scale(-1.0),
+        )
+    )
+
+
+def adan(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.98,
+    b2: float = 0.92,
+    b3: float = 0.99,
+    eps: float = 1e-8,
+    eps_root: float = 1e-8,
+    weight_decay: ScalarOrSchedule = 0.0,
+    mask: Any = None,
+) -> GradientTransformation:
+    """Adan: ``chain(scale_by_adan(...), add_decayed_weights(weight_decay, mask), scale_by_learning_rate)``
+    (note optax's ``eps_root=1e-8`` here, ``0.0`` in :func:`scale_by_adan`)."""
+    return _one(
+        chain(
+            scale_by_adan(b1=b1, b2=b2, b3=b3, eps=eps, eps_root=eps_root),
+            add_decayed_weights(weight_decay, mask),
+            scale_by_learning_rate(learning_rate),
+        )
+    )
+
+
+def novograd(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.25,
+    eps: float = 1e-6,
+    eps_root: float = 0.0,
+    weight_decay: float = 0.0,
+    *,
+    spec: Optional[sharding.ShardingSpec] = None,
+) -> GradientTransformation:
+    """NovoGrad: ``chain(scale_by_novograd(...), scale_by_learning_rate(learning_rate))``; per-layer norms
+    of the logical leaves under a sharding ``spec``."""
+    return _one(
+        chain(
+            scale_by_novograd(b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=weight_decay, spec=spec),
+            scale_by_learning_rate(learning_rate),
+        )
+    )
+
+
+def optimistic_gradient_descent(
+    learning_rate: ScalarOrSchedule, alpha: float = 1.0, beta: float = 1.0
+) -> GradientTransformation:
+    """Optimistic gradient descent: ``chain(scale_by_optimistic_gradient(alpha, beta), scale_by_learning_rate)``."""
+    return _one(chain(scale_by_optimistic_gradient(alpha=alpha, beta=beta), scale_by_learning_rate(learning_rate)))
+
+
+def optimistic_adam(
+    learning_rate: float,
+    optimism: Optional[float] = None,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Optional[torch.dtype] = None,
+    *,
+    nesterov: bool = True,
+) -> GradientTransformation:
+    """Optimistic Adam, optax's first version (deprecated there in favour of :func:`optimistic_adam_v2`):
+    ``chain(scale_by_adam(...), scale_by_optimistic_gradient(alpha=learning_rate, beta=optimism),
+    scale_by_learning_rate(1.0))``; ``optimism`` defaults to ``learning_rate``, which must be a number."""
+    warnings.warn(
+        "`optimistic_adam` is deprecated, please use `optimistic_adam_v2` instead.", category=DeprecationWarning, stacklevel=2
+    )
+    if callable(learning_rate):
+        raise ValueError("optimistic_adam: learning rate schedules are not supported; optimistic_adam_v2 takes them")
+    if optimism is None:
+        optimism = learning_rate
+    return _one(
+        chain(
+            scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov),
+            scale_by_optimistic_gradient(alpha=learning_rate, beta=optimism),
+            scale_by_learning_rate(1.0),
+        )
+    )
+
+
+def optimistic_adam_v2(
+    learning_rate: ScalarOrSchedule,
+    *,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Optional[torch.dtype] = None,
+    nesterov: bool = True,
+) -> GradientTransformation:
+    """Optimistic Adam: ``chain(scale_by_adam(...), scale_by_optimistic_gradient(alpha, beta),
+    scale_by_learning_rate(learning_rate))``."""
+    return _one(
+        chain(
+            scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov),
+            scale_by_optimistic_gradient(alpha=alpha, beta=beta),
+            scale_by_learning_rate(learning_rate),
+        )
+    )
+
+
+def adamaxw(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: ScalarOrSchedule = 1e-4,
+    mask: Any = None,
+) -> GradientTransformation:
+    """Adamax with decoupled weight decay: ``chain(scale_by_adamax, add_decayed_weights(weight_decay,
+    mask), scale_by_learning_rate)``; ``torch.optim.Adamax`` after shrinking the params by
+    ``1 - learning_rate * weight_decay`` takes the same step."""
+    return _one(
+        chain(
+            scale_by_adamax(b1=b1, b2=b2, eps=eps),
+            add_decayed_weights(weight_decay, mask),
+            scale_by_learning_rate(learning_rate),
         )
     )

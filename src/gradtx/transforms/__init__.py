@@ -102,12 +102,21 @@ __all__ = [
 ]
 
 from gradtx.transforms.adadelta import ScaleByAdaDeltaState, scale_by_adadelta, scale_by_yogi
+from gradtx.transforms.adan import ScaleByAdanState, scale_by_adan
+from gradtx.transforms.novograd import ScaleByNovogradState, scale_by_novograd
+from gradtx.transforms.optimistic import ScaleByOptimisticGradientState, scale_by_optimistic_gradient
 from gradtx.transforms.sign import ScaleByRpropState, scale_by_rprop, scale_by_sign
 
 __all__ += [
     "ScaleByAdaDeltaState",
+    "ScaleByAdanState",
+    "ScaleByNovogradState",
+    "ScaleByOptimisticGradientState",
     "ScaleByRpropState",
     "scale_by_adadelta",
+    "scale_by_adan",
+    "scale_by_novograd",
+    "scale_by_optimistic_gradient",
     "scale_by_rprop",
     "scale_by_sign",
     "scale_by_yogi",
