@@ -116,6 +116,12 @@ CATALOGUE = {
  "optimistic_adam": ("optimistic_adam", lambda m: m.optimistic_adam(1e-2, optimism=0.02)),
  "optimistic_adam_v2": ("optimistic_adam_v2", lambda m: m.optimistic_adam_v2(1e-2, alpha=0.5, beta=0.8)),
  "adamaxw": ("adamaxw", lambda m: m.adamaxw(1e-2, weight_decay=0.1)),
+ "fromage": ("fromage", lambda m: m.fromage(1e-2)),
+ "param_block_norm": ("scale_by_param_block_norm", lambda m: m.chain(m.scale_by_param_block_norm(), m.scale(-0.01))),
+ "param_block_rms": ("scale_by_param_block_rms", lambda m: m.chain(m.scale_by_param_block_rms(min_scale=0.5), m.scale(-0.01))),
+ "normalize_update": ("normalize_by_update_norm", lambda m: m.chain(m.normalize_by_update_norm(0.5), m.scale(-0.01))),
+ "nonnegative": ("keep_params_nonnegative", lambda m: m.chain(m.scale(-0.5), m.keep_params_nonnegative())),
+ "dog": ("scale_by_distance_over_gradients", lambda m: m.chain(m.scale_by_distance_over_gradients(reps_rel=1e-2, global_scale=-1.0))),
 }
 for _name, (_attr, _make) in CATALOGUE.items():
     if hasattr(optax, _attr) and hasattr(gtx, _attr):

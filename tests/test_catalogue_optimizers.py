@@ -97,7 +97,21 @@ def ref_adam_nesterov(b1=0.9, b2=0.999, eps=1e-8):
     return (lambda p: {"count": 0, "mu": leafwise(torch.zeros_like, p), "nu": leafwise(torch.zeros_like, p)}), step
 
 
+def ref_fromage(lr, min_norm=1e-6):
+    mult = 1 / (1 + lr**2) ** 0.5
+
+    def trust(g, p):
+        pn = torch.clamp(torch.linalg.norm(p.flatten()), min=min_norm)
+        gn = torch.clamp(torch.linalg.norm(g.flatten()), min=min_norm)
+        ratio = pn / gn if (pn != 0 and gn != 0) else 1.0
+        return -lr * mult * ratio * g + (mult - 1) * p
+
+    return (lambda p: {}), (lambda g, s, p: (leafwise(trust, g, p), s))
+
+
 REFERENCE_CASES = {
+    "fromage": (lambda: gtx.fromage(0.1), lambda: ref_fromage(0.1)),
+    "fromage_min_norm": (lambda: gtx.fromage(0.3, min_norm=0.5), lambda: ref_fromage(0.3, min_norm=0.5)),
     "adan": (
         lambda: gtx.adan(0.05, weight_decay=0.1),
         lambda: _scaled(_then(ref_adan(eps_root=1e-8), ref_decay(0.1)), -0.05),
@@ -212,6 +226,11 @@ STATE_TYPES = {
         (gtx.ScaleByAdamState, gtx.ScaleByOptimisticGradientState, gtx.EmptyState),
     ),
     "adamaxw": lambda: (gtx.adamaxw(0.1), (gtx.ScaleByAdamState, gtx.EmptyState, gtx.EmptyState)),
+    "fromage": lambda: (gtx.fromage(0.1), (gtx.EmptyState, gtx.EmptyState, gtx.EmptyState)),
+    "fromage_sched": lambda: (
+        gtx.fromage(gtx.linear_schedule(0.1, 0.01, 3)),
+        (gtx.EmptyState, gtx.ScaleByScheduleState, gtx.WeightDecaySchedule),
+    ),
 }
 
 
@@ -225,7 +244,7 @@ def test_state_is_optax_chain_tuple(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["sign_sgd", "signum", "adadelta", "yogi", "rprop", "adan", "novograd", "optimistic_adam_v2", "adamaxw"]
+    "name", ["sign_sgd", "signum", "adadelta", "yogi", "rprop", "adan", "novograd", "optimistic_adam_v2", "adamaxw", "fromage_sched"]
 )
 def test_pure_and_donated_agree(name):
     tx, _ = STATE_TYPES[name]()
@@ -240,3 +259,15 @@ def test_schedule_learning_rate():
     for i, g in enumerate(grads):
         expected = {k: expected[k] - schedule(i) * torch.sign(g[k]) for k in g}
     assert_trees_close(ours, expected, rtol=1e-7, atol=1e-8)
+
+
+def test_fromage_schedule_matches_constant_at_each_step():
+    schedule = gtx.linear_schedule(0.2, 0.05, 3)
+    params, grads = tree(0), grad_sequence(4)
+    ours, _ = gradtx_trajectory(gtx.fromage(schedule), params, grads)
+    expected = dict(params)
+    for i, g in enumerate(grads):
+        tx = gtx.fromage(float(schedule(i)))
+        updates, _ = tx.update(g, tx.init(expected), expected)
+        expected = gtx.apply_updates(expected, updates)
+    assert_trees_close(ours, expected, rtol=1e-6, atol=1e-8)

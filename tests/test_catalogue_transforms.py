@@ -124,6 +124,53 @@ def ref_optimistic(alpha=1.0, beta=1.0):
     return init, step
 
 
+def _floor_at(value, low):
+    return torch.where(value <= low, torch.full_like(value, low), value)
+
+
+def ref_param_block_norm(min_scale=1e-3):
+    def step(g, s, p):
+        return leafwise(lambda gi, pi: gi * _floor_at(torch.sqrt(torch.sum(pi**2)), min_scale), g, p), s
+
+    return (lambda p: {}), step
+
+
+def ref_param_block_rms(min_scale=1e-3):
+    def step(g, s, p):
+        return leafwise(lambda gi, pi: gi * _floor_at(torch.sqrt(torch.mean(pi**2)), min_scale), g, p), s
+
+    return (lambda p: {}), step
+
+
+def ref_normalize(scale_factor=1.0, eps=1e-6):
+    def step(g, s, p):
+        norm = torch.sqrt(sum(torch.sum(x**2) for x in g.values()))
+        return leafwise(lambda gi: gi / ((norm + eps) / scale_factor), g), s
+
+    return (lambda p: {}), step
+
+
+def ref_nonnegative():
+    return (lambda p: {}), (lambda g, s, p: (leafwise(lambda gi, pi: torch.where(pi + gi < 0, -pi, gi), g, p), s))
+
+
+def ref_dog(reps_rel=1e-6, eps=1e-8, global_scale=1.0):
+    def init(p):
+        return {
+            "max_dist": leafwise(lambda x: reps_rel * (1 + torch.sqrt(torch.sum(x**2))), p),
+            "grad_sum_of_squares": leafwise(lambda x: torch.zeros(1, dtype=x.dtype), p),
+            "init_params": leafwise(torch.clone, p),
+        }
+
+    def step(g, s, p):
+        d = leafwise(lambda di, x, x0: torch.maximum(di, torch.sqrt(torch.sum((x - x0) ** 2))), s["max_dist"], p, s["init_params"])
+        sos = leafwise(lambda q, gi: q + torch.sum(gi**2), s["grad_sum_of_squares"], g)
+        u = leafwise(lambda gi, di, q: global_scale * (di / torch.sqrt(q + eps)).reshape(()) * gi, g, d, sos)
+        return u, {"max_dist": d, "grad_sum_of_squares": sos, "init_params": s["init_params"]}
+
+    return init, step
+
+
 CASES = {
     "sign": (gtx.scale_by_sign, ref_sign, {}),
     "adadelta": (gtx.scale_by_adadelta, ref_adadelta, {}),
@@ -150,9 +197,31 @@ CASES = {
     ),
     "optimistic": (gtx.scale_by_optimistic_gradient, ref_optimistic, {}),
     "optimistic_args": (gtx.scale_by_optimistic_gradient, ref_optimistic, {"alpha": 0.3, "beta": 2.0}),
+    "param_block_norm": (gtx.scale_by_param_block_norm, ref_param_block_norm, {}),
+    "param_block_norm_args": (gtx.scale_by_param_block_norm, ref_param_block_norm, {"min_scale": 0.9}),
+    "param_block_rms": (gtx.scale_by_param_block_rms, ref_param_block_rms, {}),
+    "param_block_rms_args": (gtx.scale_by_param_block_rms, ref_param_block_rms, {"min_scale": 0.9}),
+    "normalize_by_update_norm": (gtx.normalize_by_update_norm, ref_normalize, {}),
+    "normalize_by_update_norm_args": (gtx.normalize_by_update_norm, ref_normalize, {"scale_factor": 0.3, "eps": 0.5}),
+    "keep_params_nonnegative": (gtx.keep_params_nonnegative, ref_nonnegative, {}),
+    "distance_over_gradients": (
+        lambda **kw: gtx.scale_by_distance_over_gradients(param_dtype=torch.float64, **kw),
+        ref_dog,
+        {},
+    ),
+    "distance_over_gradients_args": (
+        lambda **kw: gtx.scale_by_distance_over_gradients(param_dtype=None, **kw),
+        ref_dog,
+        {"reps_rel": 1e-2, "eps": 1e-3, "global_scale": -0.5},
+    ),
 }
 
 FIELDS = {
+    "param_block_norm": (),
+    "param_block_rms": (),
+    "normalize_by_update_norm": (),
+    "keep_params_nonnegative": (),
+    "distance_over_gradients": ("max_dist", "grad_sum_of_squares", "init_params"),
     "adan": ("m", "v", "n", "g", "t"),
     "novograd": ("count", "mu", "nu"),
     "optimistic": ("is_initial_step", "previous_gradient"),
@@ -191,11 +260,17 @@ def test_state_fields_are_optax(name):
     make, _, _ = CASES[name]
     state = make().init(tree(0))
     assert tuple(getattr(type(state), "_fields", ())) == FIELDS[name]
-    if name == "sign":
+    if name in ("sign", "param_block_norm", "param_block_rms", "normalize_by_update_norm"):
         assert isinstance(state, gtx.EmptyState)
+    if name == "keep_params_nonnegative":
+        assert type(state).__name__ == "NonNegativeParamsState"
 
 
-@pytest.mark.parametrize("name", ["sign", "adadelta", "yogi", "rprop", "adan", "novograd", "optimistic"])
+@pytest.mark.parametrize(
+    "name",
+    ["sign", "adadelta", "yogi", "rprop", "adan", "novograd", "optimistic", "param_block_rms", "normalize_by_update_norm",
+     "keep_params_nonnegative", "distance_over_gradients"],
+)
 def test_compiles_to_one_graph(name):
     make, _, _ = CASES[name]
     compiled_matches_eager(make())
@@ -211,6 +286,10 @@ def test_none_leaves_pass_through():
         gtx.scale_by_adan,
         lambda: gtx.scale_by_novograd(weight_decay=0.1),
         gtx.scale_by_optimistic_gradient,
+        gtx.scale_by_param_block_norm,
+        gtx.normalize_by_update_norm,
+        gtx.keep_params_nonnegative,
+        gtx.scale_by_distance_over_gradients,
     )
     for make in makers:
         tx = make()
@@ -260,3 +339,26 @@ def test_novograd_norms_accumulate_in_float32_for_bfloat16():
     updates, state = gtx.scale_by_novograd().update(g, gtx.scale_by_novograd().init(params), params)
     assert state.nu["layer.weight"].dtype == torch.bfloat16 and updates["layer.weight"].dtype == torch.bfloat16
     torch.testing.assert_close(state.nu["layer.weight"].float(), torch.tensor(9.0 * 12), rtol=1e-2, atol=0)
+
+
+def test_param_block_scalings_floor_small_params():
+    params = {"zero": torch.zeros(3, dtype=torch.float64), "big": torch.full((4,), 2.0, dtype=torch.float64)}
+    g = {k: torch.ones_like(v) for k, v in params.items()}
+    by_norm, _ = gtx.scale_by_param_block_norm(min_scale=0.25).update(g, gtx.EmptyState(), params)
+    by_rms, _ = gtx.scale_by_param_block_rms(min_scale=0.25).update(g, gtx.EmptyState(), params)
+    assert torch.equal(by_norm["zero"], torch.full((3,), 0.25, dtype=torch.float64))
+    assert torch.equal(by_norm["big"], torch.full((4,), 4.0, dtype=torch.float64))
+    assert torch.equal(by_rms["big"], torch.full((4,), 2.0, dtype=torch.float64))
+
+
+def test_keep_params_nonnegative_lands_on_zero():
+    params = {"w": torch.tensor([1.0, 0.5, 0.0, 2.0], dtype=torch.float64)}
+    step = {"w": torch.tensor([-2.0, -0.25, -1.0, 1.0], dtype=torch.float64)}
+    updates, _ = gtx.keep_params_nonnegative().update(step, gtx.keep_params_nonnegative().init(params), params)
+    assert torch.equal(gtx.apply_updates(params, updates)["w"], torch.tensor([0.0, 0.25, 0.0, 3.0], dtype=torch.float64))
+
+
+def test_parameter_scalings_need_params():
+    for tx in (gtx.scale_by_param_block_norm(), gtx.keep_params_nonnegative(), gtx.scale_by_distance_over_gradients()):
+        with pytest.raises(ValueError, match="params are required"):
+            tx.update(grad_sequence(1)[0], tx.init(tree(0)), None)

@@ -122,6 +122,7 @@ from gradtx.chains import (
     adadelta,
     adamaxw,
     adan,
+    fromage,
     novograd,
     optimistic_adam,
     optimistic_adam_v2,
@@ -132,6 +133,13 @@ from gradtx.chains import (
     yogi,
 )
 from gradtx.transforms import (
+    NonNegativeParamsState,
+    ScaleByDistanceOverGradientsState,
+    keep_params_nonnegative,
+    normalize_by_update_norm,
+    scale_by_distance_over_gradients,
+    scale_by_param_block_norm,
+    scale_by_param_block_rms,
     ScaleByAdaDeltaState,
     ScaleByAdanState,
     ScaleByNovogradState,

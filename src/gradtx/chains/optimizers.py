@@ -21,7 +21,7 @@ from gradtx.transforms.adan import scale_by_adan
 from gradtx.transforms.novograd import scale_by_novograd
 from gradtx.transforms.optimistic import scale_by_optimistic_gradient
 from gradtx.transforms.momentum import ema
-from gradtx.transforms.scaling import ScalarOrSchedule, scale, scale_by_learning_rate
+from gradtx.transforms.scaling import ScalarOrSchedule, scale, scale_by_learning_rate, scale_by_trust_ratio
 from gradtx.transforms.sign import scale_by_rprop, scale_by_sign
 from gradtx.transforms.weight_decay import add_decayed_weights
 
@@ -207,5 +207,37 @@ def adamaxw(
             scale_by_adamax(b1=b1, b2=b2, eps=eps),
             add_decayed_weights(weight_decay, mask),
             scale_by_learning_rate(learning_rate),
+        )
+    )
+
+
+def fromage(
+    learning_rate: ScalarOrSchedule, min_norm: float = 1e-6, *, spec: Optional[sharding.ShardingSpec] = None
+) -> GradientTransformation:
+    """Fromage (Bernstein et al., 2020): ``chain(scale_by_trust_ratio(min_norm), scale_by_learning_rate(lr
+    * m), add_decayed_weights(m - 1))`` with ``m = 1 / sqrt(1 + lr^2)``, so
+    ``p_new = (p - lr * ||p|| / ||g|| * g) / sqrt(1 + lr^2)``. Per-leaf norms of the logical leaves
+    under a sharding ``spec``.
+    """
+    if not callable(learning_rate):
+        lr = float(learning_rate)
+        mult = 1.0 / (1.0 + lr**2) ** 0.5
+        return _one(
+            chain(
+                scale_by_trust_ratio(min_norm, spec=spec),
+                scale_by_learning_rate(lr * mult),
+                add_decayed_weights(mult - 1.0),
+            )
+        )
+    schedule = learning_rate
+
+    def mult_of(count):
+        return 1.0 / (1.0 + schedule(count) ** 2) ** 0.5
+
+    return _one(
+        chain(
+            scale_by_trust_ratio(min_norm, spec=spec),
+            scale_by_learning_rate(lambda count: mult_of(count) * schedule(count)),
+            add_decayed_weights(lambda count: mult_of(count) - 1.0),
         )
     )

@@ -103,11 +103,27 @@ __all__ = [
 
 from gradtx.transforms.adadelta import ScaleByAdaDeltaState, scale_by_adadelta, scale_by_yogi
 from gradtx.transforms.adan import ScaleByAdanState, scale_by_adan
+from gradtx.transforms.block_norm import (
+    NonNegativeParamsState,
+    ScaleByDistanceOverGradientsState,
+    keep_params_nonnegative,
+    normalize_by_update_norm,
+    scale_by_distance_over_gradients,
+    scale_by_param_block_norm,
+    scale_by_param_block_rms,
+)
 from gradtx.transforms.novograd import ScaleByNovogradState, scale_by_novograd
 from gradtx.transforms.optimistic import ScaleByOptimisticGradientState, scale_by_optimistic_gradient
 from gradtx.transforms.sign import ScaleByRpropState, scale_by_rprop, scale_by_sign
 
 __all__ += [
+    "NonNegativeParamsState",
+    "ScaleByDistanceOverGradientsState",
+    "keep_params_nonnegative",
+    "normalize_by_update_norm",
+    "scale_by_distance_over_gradients",
+    "scale_by_param_block_norm",
+    "scale_by_param_block_rms",
     "ScaleByAdaDeltaState",
     "ScaleByAdanState",
     "ScaleByNovogradState",
