@@ -121,6 +121,9 @@ CATALOGUE = {
  "param_block_rms": ("scale_by_param_block_rms", lambda m: m.chain(m.scale_by_param_block_rms(min_scale=0.5), m.scale(-0.01))),
  "normalize_update": ("normalize_by_update_norm", lambda m: m.chain(m.normalize_by_update_norm(0.5), m.scale(-0.01))),
  "nonnegative": ("keep_params_nonnegative", lambda m: m.chain(m.scale(-0.5), m.keep_params_nonnegative())),
+ "sgd_onecycle_cos": ("cosine_onecycle_schedule", lambda m: m.sgd(m.cosine_onecycle_schedule(6, 0.1, pct_start=0.3))),
+ "sgd_onecycle_lin": ("linear_onecycle_schedule", lambda m: m.sgd(m.linear_onecycle_schedule(6, 0.1))),
+ "sgd_warmup_exp": ("warmup_exponential_decay_schedule", lambda m: m.sgd(m.warmup_exponential_decay_schedule(0.0, 0.1, 2, 3, 0.5, staircase=True))),
  "dog": ("scale_by_distance_over_gradients", lambda m: m.chain(m.scale_by_distance_over_gradients(reps_rel=1e-2, global_scale=-1.0))),
 }
 for _name, (_attr, _make) in CATALOGUE.items():

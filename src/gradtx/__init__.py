@@ -153,5 +153,11 @@ from gradtx.transforms import (
     scale_by_sign,
     scale_by_yogi,
 )
+from gradtx.schedules import (
+    cosine_onecycle_schedule,
+    linear_onecycle_schedule,
+    piecewise_interpolate_schedule,
+    warmup_exponential_decay_schedule,
+)
 
 __version__ = "0.1.0"
