@@ -124,6 +124,9 @@ CATALOGUE = {
  "sgd_onecycle_cos": ("cosine_onecycle_schedule", lambda m: m.sgd(m.cosine_onecycle_schedule(6, 0.1, pct_start=0.3))),
  "sgd_onecycle_lin": ("linear_onecycle_schedule", lambda m: m.sgd(m.linear_onecycle_schedule(6, 0.1))),
  "sgd_warmup_exp": ("warmup_exponential_decay_schedule", lambda m: m.sgd(m.warmup_exponential_decay_schedule(0.0, 0.1, 2, 3, 0.5, staircase=True))),
+ "adafactor": ("adafactor", lambda m: m.adafactor()),
+ "adafactor_fact": ("adafactor", lambda m: m.adafactor(1e-2, min_dim_size_to_factor=2, momentum=0.9, weight_decay_rate=1e-3)),
+ "factored_rms": ("scale_by_factored_rms", lambda m: m.chain(m.scale_by_factored_rms(min_dim_size_to_factor=5, decay_rate=0.5), m.scale(-0.01))),
  "dog": ("scale_by_distance_over_gradients", lambda m: m.chain(m.scale_by_distance_over_gradients(reps_rel=1e-2, global_scale=-1.0))),
 }
 for _name, (_attr, _make) in CATALOGUE.items():

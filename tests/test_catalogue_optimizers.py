@@ -271,3 +271,66 @@ def test_fromage_schedule_matches_constant_at_each_step():
         updates, _ = tx.update(g, tx.init(expected), expected)
         expected = gtx.apply_updates(expected, updates)
     assert_trees_close(ours, expected, rtol=1e-6, atol=1e-8)
+
+
+# --------------------------------------------------------------------------- Adafactor
+
+
+def _relative_step(lr):
+    """torch's Adafactor step size ``min(lr, 1 / sqrt(t))`` as a schedule of the 0-d count."""
+    return lambda count: torch.clamp((torch.as_tensor(count, dtype=torch.float64) + 1.0) ** -0.5, max=lr)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_adafactor_matches_torch_adafactor(weight_decay, inplace):
+    lr = 0.05
+    params, grads = tree(0), grad_sequence(STEPS)
+    tx = gtx.adafactor(
+        _relative_step(lr),
+        min_dim_size_to_factor=1,
+        weight_decay_rate=lr * weight_decay if weight_decay else None,
+    )
+    ours, _ = gradtx_trajectory(tx, params, grads, inplace=inplace)
+    theirs = torch_trajectory(lambda ps: torch.optim.Adafactor(ps, lr=lr, weight_decay=weight_decay, foreach=False), params, grads)
+    assert_trees_close(ours, theirs, rtol=1e-10, atol=1e-12)
+
+
+def test_adafactor_differs_from_torch_where_it_does_not_factor():
+    """With optax's default ``min_dim_size_to_factor=128`` a small matrix keeps its full second moment,
+    which torch's Adafactor never does for a matrix: the trajectories part."""
+    lr = 0.05
+    params, grads = tree(0), grad_sequence(STEPS)
+    ours, _ = gradtx_trajectory(gtx.adafactor(_relative_step(lr)), params, grads)
+    theirs = torch_trajectory(lambda ps: torch.optim.Adafactor(ps, lr=lr), params, grads)
+    assert not torch.allclose(ours["layer.weight"], theirs["layer.weight"], rtol=1e-6)
+    torch.testing.assert_close(ours["layer.bias"], theirs["layer.bias"], rtol=1e-10, atol=1e-12)
+
+
+def test_adafactor_default_chain_matches_reference():
+    """optax's defaults: no learning rate, so ``-clip_by_block_rms(g / sqrt(v), 1) * max(rms(param), 1e-3)``."""
+    params, grads = tree(0), grad_sequence(4)
+    ours, _ = gradtx_trajectory(gtx.adafactor(momentum=0.5, dtype_momentum=torch.float64), params, grads)
+    expected, v, m = dict(params), {k: torch.zeros_like(x) for k, x in params.items()}, {k: torch.zeros_like(x) for k, x in params.items()}
+    for t, g in enumerate(grads):
+        beta = 1.0 - (t + 1.0) ** -0.8
+        new = {}
+        for k in g:
+            v[k] = beta * v[k] + (1 - beta) * (g[k] ** 2 + 1e-30)
+            u = g[k] / torch.sqrt(v[k])
+            u = u / max(1.0, float(torch.sqrt(torch.mean(u**2))))
+            u = u * max(float(torch.sqrt(torch.mean(expected[k] ** 2))), 1e-3)
+            m[k] = 0.5 * m[k] + 0.5 * u
+            new[k] = expected[k] - m[k]
+        expected = new
+    assert_trees_close(ours, expected, rtol=1e-9, atol=1e-12)
+
+
+def test_adafactor_state():
+    tx = gtx.adafactor(0.1, momentum=0.9, weight_decay_rate=0.1)
+    state = tx.init(tree(0))
+    assert state[4].ema["layer.weight"].dtype == torch.float32  # optax's dtype_momentum default
+    assert tuple(type(s) for s in state) == (
+        gtx.FactoredState, gtx.EmptyState, gtx.EmptyState, gtx.EmptyState, gtx.EmaState, gtx.EmptyState, gtx.EmptyState
+    )
+    check_pure_and_donated(tx, tree(0), grad_sequence(3))

@@ -362,3 +362,76 @@ def test_parameter_scalings_need_params():
     for tx in (gtx.scale_by_param_block_norm(), gtx.keep_params_nonnegative(), gtx.scale_by_distance_over_gradients()):
         with pytest.raises(ValueError, match="params are required"):
             tx.update(grad_sequence(1)[0], tx.init(tree(0)), None)
+
+
+# --------------------------------------------------------------------------- Adafactor's factored moments
+
+FACTOR_SHAPES = {"mat": (3, 5), "tall": (6, 2), "cube": (2, 4, 3), "square": (4, 4), "vec": (5,), "s": ()}
+
+
+def _factored_dims_reference(shape, min_dim):
+    if len(shape) < 2:
+        return None
+    order = sorted(range(len(shape)), key=lambda d: (shape[d], d))
+    return (order[-2], order[-1]) if shape[order[-2]] >= min_dim else None
+
+
+def ref_factored_rms(decay_rate=0.8, step_offset=0, min_dim_size_to_factor=128, epsilon=1e-30):
+    def init(p):
+        rows, cols, full = {}, {}, {}
+        for k, x in p.items():
+            dims = _factored_dims_reference(tuple(x.shape), min_dim_size_to_factor)
+            if dims is None:
+                rows[k], cols[k], full[k] = torch.zeros(1, dtype=x.dtype), torch.zeros(1, dtype=x.dtype), torch.zeros_like(x)
+            else:
+                d1, d0 = dims
+                rows[k], cols[k], full[k] = x.sum(d0) * 0, x.sum(d1) * 0, torch.zeros(1, dtype=x.dtype)
+        return {"count": 0, "v_row": rows, "v_col": cols, "v": full}
+
+    def step(g, s, p):
+        beta = 1.0 - (s["count"] - step_offset + 1.0) ** (-decay_rate)
+        u, rows, cols, full = {}, {}, {}, {}
+        for k, gi in g.items():
+            sq = gi**2 + epsilon
+            dims = _factored_dims_reference(tuple(gi.shape), min_dim_size_to_factor)
+            if dims is None:
+                full[k] = beta * s["v"][k] + (1 - beta) * sq
+                rows[k], cols[k] = torch.zeros(1, dtype=gi.dtype), torch.zeros(1, dtype=gi.dtype)
+                u[k] = gi / torch.sqrt(full[k])
+            else:
+                d1, d0 = dims
+                rows[k] = beta * s["v_row"][k] + (1 - beta) * sq.mean(d0)
+                cols[k] = beta * s["v_col"][k] + (1 - beta) * sq.mean(d1)
+                full[k] = torch.zeros(1, dtype=gi.dtype)
+                # the second moment estimate v_ij = row_i * col_j / mean(row), the mean taken over the
+                # factored pair only (one per slice of any other dimensions)
+                row_mean = rows[k].unsqueeze(d0).mean(dim=d1, keepdim=True)
+                estimate = rows[k].unsqueeze(d0) * cols[k].unsqueeze(d1) / row_mean
+                u[k] = gi / torch.sqrt(estimate)
+        return u, {"count": s["count"] + 1, "v_row": rows, "v_col": cols, "v": full}
+
+    return init, step
+
+
+@pytest.mark.parametrize("min_dim", [1, 3, 128])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_factored_rms_matches_reference(min_dim, inplace):
+    params, grads = tree(0, shapes=FACTOR_SHAPES), grad_sequence(5, shapes=FACTOR_SHAPES)
+    kwargs = {"decay_rate": 0.7, "step_offset": 0, "min_dim_size_to_factor": min_dim, "epsilon": 1e-30}
+    check_against_reference(
+        gtx.scale_by_factored_rms(**kwargs), *ref_factored_rms(**kwargs), params=params, grads=grads, inplace=inplace
+    )
+
+
+def test_factored_rms_state_and_purity():
+    params, grads = tree(0, shapes=FACTOR_SHAPES), grad_sequence(3, shapes=FACTOR_SHAPES)
+    tx = gtx.scale_by_factored_rms(min_dim_size_to_factor=2)
+    state = tx.init(params)
+    assert type(state)._fields == ("count", "v_row", "v_col", "v")
+    assert state.v_row["mat"].shape == (3,) and state.v_col["mat"].shape == (5,) and state.v["mat"].shape == (1,)
+    assert state.v_row["cube"].shape == (2, 3) and state.v_col["cube"].shape == (2, 4)
+    assert state.v["vec"].shape == (5,) and state.v_row["vec"].shape == (1,)
+    check_pure_and_donated(tx, params, grads)
+    offset = gtx.scale_by_factored_rms(min_dim_size_to_factor=2, step_offset=-2, decay_rate=0.5)
+    check_against_reference(offset, *ref_factored_rms(0.5, -2, 2), params=params, grads=grads)
+    compiled_matches_eager(gtx.scale_by_factored_rms(min_dim_size_to_factor=2))

@@ -120,6 +120,7 @@ from gradtx.schedules import (
 )
 from gradtx.chains import (
     adadelta,
+    adafactor,
     adamaxw,
     adan,
     fromage,
@@ -133,6 +134,8 @@ from gradtx.chains import (
     yogi,
 )
 from gradtx.transforms import (
+    FactoredState,
+    scale_by_factored_rms,
     NonNegativeParamsState,
     ScaleByDistanceOverGradientsState,
     keep_params_nonnegative,

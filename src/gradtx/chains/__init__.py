@@ -85,6 +85,7 @@ __all__ = [
 
 from gradtx.chains.optimizers import (
     adadelta,
+    adafactor,
     adamaxw,
     adan,
     fromage,
@@ -100,6 +101,7 @@ from gradtx.chains.optimizers import (
 
 __all__ += [
     "adadelta",
+    "adafactor",
     "adamaxw",
     "adan",
     "fromage",

@@ -18,6 +18,9 @@ from gradtx import sharding
 from gradtx.transforms.adadelta import scale_by_adadelta, scale_by_yogi
 from gradtx.transforms.adam import scale_by_adam, scale_by_adamax
 from gradtx.transforms.adan import scale_by_adan
+from gradtx.transforms.block_norm import scale_by_param_block_rms
+from gradtx.transforms.clipping import clip_by_block_rms
+from gradtx.transforms.factored import scale_by_factored_rms
 from gradtx.transforms.novograd import scale_by_novograd
 from gradtx.transforms.optimistic import scale_by_optimistic_gradient
 from gradtx.transforms.momentum import ema
@@ -241,3 +244,48 @@ def fromage(
             add_decayed_weights(lambda count: mult_of(count) - 1.0),
         )
     )
+
+
+def adafactor(
+    learning_rate: Optional[ScalarOrSchedule] = None,
+    min_dim_size_to_factor: int = 128,
+    decay_rate: float = 0.8,
+    decay_offset: int = 0,
+    multiply_by_parameter_scale: bool = True,
+    clipping_threshold: Optional[float] = 1.0,
+    momentum: Optional[float] = None,
+    dtype_momentum: torch.dtype = torch.float32,
+    weight_decay_rate: Optional[ScalarOrSchedule] = None,
+    eps: float = 1e-30,
+    factored: bool = True,
+    weight_decay_mask: Any = None,
+    *,
+    spec: Optional[sharding.ShardingSpec] = None,
+) -> GradientTransformation:
+    """Adafactor, optax's chain: ``scale_by_factored_rms``, then (each when asked for)
+    ``clip_by_block_rms(clipping_threshold)``, ``scale_by_learning_rate(learning_rate, flip_sign=False)``,
+    ``scale_by_param_block_rms()``, ``ema(momentum, debias=False)``, ``add_decayed_weights(weight_decay_rate,
+    weight_decay_mask)``, and ``scale(-1)``.
+
+    ``torch.optim.Adafactor(lr, beta2_decay=-decay_rate, d=clipping_threshold, weight_decay=wd)`` is
+    this chain with ``learning_rate`` the schedule ``min(lr, 1 / sqrt(count + 1))``,
+    ``min_dim_size_to_factor`` small enough to factor every matrix, ``weight_decay_rate = lr * wd``
+    and a negligible ``eps``, up to where torch floors its variance estimate (at ``eps1^2``) and its
+    parameter RMS (at ``eps2``, which is ``scale_by_param_block_rms``'s ``1e-3``); torch factors the
+    last two dimensions of every tensor, optax the two largest when both reach
+    ``min_dim_size_to_factor``. ``spec`` makes the block RMS of the clipping and of the parameter
+    scale those of the logical leaves.
+    """
+    txs = [scale_by_factored_rms(factored, decay_rate, decay_offset, min_dim_size_to_factor, eps)]
+    if clipping_threshold is not None:
+        txs.append(clip_by_block_rms(clipping_threshold, spec))
+    if learning_rate is not None:
+        txs.append(scale_by_learning_rate(learning_rate, flip_sign=False))
+    if multiply_by_parameter_scale:
+        txs.append(scale_by_param_block_rms(spec=spec))
+    if momentum is not None:
+        txs.append(ema(momentum, debias=False, accumulator_dtype=dtype_momentum))
+    if weight_decay_rate is not None:
+        txs.append(add_decayed_weights(weight_decay_rate, mask=weight_decay_mask))
+    txs.append(scale(-1.0))
+    return _one(chain(*txs))
