@@ -127,6 +127,7 @@ CATALOGUE = {
  "adafactor": ("adafactor", lambda m: m.adafactor()),
  "adafactor_fact": ("adafactor", lambda m: m.adafactor(1e-2, min_dim_size_to_factor=2, momentum=0.9, weight_decay_rate=1e-3)),
  "factored_rms": ("scale_by_factored_rms", lambda m: m.chain(m.scale_by_factored_rms(min_dim_size_to_factor=5, decay_rate=0.5), m.scale(-0.01))),
+ "sm3": ("sm3", lambda m: m.masked(m.sm3(1e-2), {"w": True, "b": True, "s": False})),  # optax's sm3 has no 0-d accumulator
  "dog": ("scale_by_distance_over_gradients", lambda m: m.chain(m.scale_by_distance_over_gradients(reps_rel=1e-2, global_scale=-1.0))),
 }
 for _name, (_attr, _make) in CATALOGUE.items():

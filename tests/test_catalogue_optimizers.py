@@ -334,3 +334,14 @@ def test_adafactor_state():
         gtx.FactoredState, gtx.EmptyState, gtx.EmptyState, gtx.EmptyState, gtx.EmaState, gtx.EmptyState, gtx.EmptyState
     )
     check_pure_and_donated(tx, tree(0), grad_sequence(3))
+
+
+def test_sm3_optimizer():
+    from test_catalogue_transforms import SM3_SHAPES, ref_sm3
+
+    params, grads = tree(0, shapes=SM3_SHAPES), grad_sequence(4, shapes=SM3_SHAPES)
+    for inplace in (False, True):
+        ours, state = gradtx_trajectory(gtx.sm3(0.1, momentum=0.8), params, grads, inplace=inplace)
+        expected = reference_trajectory(params, grads, *_scaled(ref_sm3(b1=0.8), -0.1))
+        assert_trees_close(ours, expected, rtol=1e-10, atol=1e-12)
+    assert tuple(type(s) for s in state) == (gtx.ScaleBySM3State, gtx.EmptyState)

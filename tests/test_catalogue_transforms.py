@@ -435,3 +435,64 @@ def test_factored_rms_state_and_purity():
     offset = gtx.scale_by_factored_rms(min_dim_size_to_factor=2, step_offset=-2, decay_rate=0.5)
     check_against_reference(offset, *ref_factored_rms(0.5, -2, 2), params=params, grads=grads)
     compiled_matches_eager(gtx.scale_by_factored_rms(min_dim_size_to_factor=2))
+
+
+# --------------------------------------------------------------------------- SM3
+
+SM3_SHAPES = {"cube": (3, 4, 2), "mat": (4, 3), "vec": (5,)}
+
+
+def ref_sm3(b1=0.9, b2=1.0, eps=1e-8):
+    c0 = 1.0 if b2 == 1.0 else 1.0 - b2
+
+    def init(p):
+        return {"nu": _zeros(p), "mu": {k: [torch.zeros(n, dtype=x.dtype) for n in x.shape] for k, x in p.items()}}
+
+    def step(g, s, p):
+        nu, mu = {}, {}
+        for k, gi in g.items():
+            acc = torch.empty_like(gi)
+            for index in torch.cartesian_prod(*[torch.arange(n) for n in gi.shape]).reshape(-1, gi.ndim).tolist():
+                bound = min(float(s["mu"][k][axis][i]) for axis, i in enumerate(index))
+                acc[tuple(index)] = c0 * gi[tuple(index)] ** 2 + b2 * bound
+            scaled = torch.where(acc > 0, gi / torch.sqrt(acc + eps), torch.zeros_like(gi))
+            nu[k] = (1 - b1) * scaled + b1 * s["nu"][k]
+            mu[k] = [
+                torch.stack([acc.select(axis, i).max() for i in range(gi.shape[axis])]) for axis in range(gi.ndim)
+            ]
+        return dict(nu), {"nu": nu, "mu": mu}
+
+    return init, step
+
+
+def _check_sm3_mu(actual, expected):
+    for k in expected:
+        assert len(actual[k]) == len(expected[k])
+        for a, e in zip(actual[k], expected[k]):
+            torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"b1": 0.5, "b2": 0.9, "eps": 1e-3}])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_sm3_matches_reference(kwargs, inplace):
+    params, grads = tree(0, shapes=SM3_SHAPES), grad_sequence(4, shapes=SM3_SHAPES)
+    tx, (ref_init, ref_step) = gtx.scale_by_sm3(**kwargs), ref_sm3(**kwargs)
+    state, ref_state = tx.init(params), ref_init(params)
+    assert type(state)._fields == ("mu", "nu")
+    for g in grads:
+        updates, state = tx.update(clone_tree(g), state, params, inplace=inplace)
+        ref_updates, ref_state = ref_step(g, ref_state, params)
+        assert_trees_close(updates, ref_updates, rtol=1e-10, atol=1e-13)
+        assert_trees_close(state.nu, ref_state["nu"], rtol=1e-10, atol=1e-13)
+        _check_sm3_mu(state.mu, ref_state["mu"])
+
+
+def test_sm3_pure_donated_scalar_leaf_and_compile():
+    shapes = dict(SM3_SHAPES, s=())
+    check_pure_and_donated(gtx.scale_by_sm3(), tree(0, shapes=shapes), grad_sequence(3, shapes=shapes))
+    # a 0-d leaf is a vector of one element
+    tx = gtx.scale_by_sm3(b1=0.0)
+    updates, state = tx.update({"s": torch.tensor(2.0, dtype=torch.float64)}, tx.init({"s": torch.tensor(1.0, dtype=torch.float64)}))
+    torch.testing.assert_close(updates["s"], torch.tensor(2.0 / math.sqrt(4.0 + 1e-8), dtype=torch.float64))
+    assert state.mu["s"][0].shape == () and float(state.mu["s"][0]) == 4.0
+    compiled_matches_eager(gtx.scale_by_sm3())

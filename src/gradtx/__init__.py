@@ -131,11 +131,14 @@ from gradtx.chains import (
     rprop,
     sign_sgd,
     signum,
+    sm3,
     yogi,
 )
 from gradtx.transforms import (
     FactoredState,
     scale_by_factored_rms,
+    ScaleBySM3State,
+    scale_by_sm3,
     NonNegativeParamsState,
     ScaleByDistanceOverGradientsState,
     keep_params_nonnegative,

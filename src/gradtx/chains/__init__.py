@@ -96,6 +96,7 @@ from gradtx.chains.optimizers import (
     rprop,
     sign_sgd,
     signum,
+    sm3,
     yogi,
 )
 
@@ -112,5 +113,6 @@ __all__ += [
     "rprop",
     "sign_sgd",
     "signum",
+    "sm3",
     "yogi",
 ]

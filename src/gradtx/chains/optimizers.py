@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from gradtx.base import GradientTransformation
+from gradtx.transforms._foreach import number_or_tensor as fe_number
 from gradtx.chains.aliases import _one
 from gradtx.chains.chain import chain
 from gradtx import sharding
@@ -25,6 +26,7 @@ from gradtx.transforms.novograd import scale_by_novograd
 from gradtx.transforms.optimistic import scale_by_optimistic_gradient
 from gradtx.transforms.momentum import ema
 from gradtx.transforms.scaling import ScalarOrSchedule, scale, scale_by_learning_rate, scale_by_trust_ratio
+from gradtx.transforms.sm3 import scale_by_sm3
 from gradtx.transforms.sign import scale_by_rprop, scale_by_sign
 from gradtx.transforms.weight_decay import add_decayed_weights
 
@@ -289,3 +291,8 @@ def adafactor(
         txs.append(add_decayed_weights(weight_decay_rate, mask=weight_decay_mask))
     txs.append(scale(-1.0))
     return _one(chain(*txs))
+
+
+def sm3(learning_rate: float, momentum: float = 0.9) -> GradientTransformation:
+    """SM3: ``chain(scale_by_sm3(momentum), scale(-learning_rate))`` (a number, as in optax)."""
+    return _one(chain(scale_by_sm3(momentum), scale(-fe_number(learning_rate))))

@@ -115,11 +115,14 @@ from gradtx.transforms.block_norm import (
 from gradtx.transforms.factored import FactoredState, scale_by_factored_rms
 from gradtx.transforms.novograd import ScaleByNovogradState, scale_by_novograd
 from gradtx.transforms.optimistic import ScaleByOptimisticGradientState, scale_by_optimistic_gradient
+from gradtx.transforms.sm3 import ScaleBySM3State, scale_by_sm3
 from gradtx.transforms.sign import ScaleByRpropState, scale_by_rprop, scale_by_sign
 
 __all__ += [
     "FactoredState",
     "scale_by_factored_rms",
+    "ScaleBySM3State",
+    "scale_by_sm3",
     "NonNegativeParamsState",
     "ScaleByDistanceOverGradientsState",
     "keep_params_nonnegative",
