@@ -128,6 +128,10 @@ CATALOGUE = {
  "adafactor_fact": ("adafactor", lambda m: m.adafactor(1e-2, min_dim_size_to_factor=2, momentum=0.9, weight_decay_rate=1e-3)),
  "factored_rms": ("scale_by_factored_rms", lambda m: m.chain(m.scale_by_factored_rms(min_dim_size_to_factor=5, decay_rate=0.5), m.scale(-0.01))),
  "sm3": ("sm3", lambda m: m.masked(m.sm3(1e-2), {"w": True, "b": True, "s": False})),  # optax's sm3 has no 0-d accumulator
+ "apply_every": ("apply_every", lambda m: m.chain(m.apply_every(3), m.sgd(0.1))),
+ "cond_transform": ("conditionally_transform", lambda m: m.conditionally_transform(m.adam(1e-2), lambda step: step % 3 != 1)),
+ "cond_mask": ("conditionally_mask", lambda m: m.conditionally_mask(m.adam(1e-2), lambda step: step % 3 != 1)),
+ "flatten": ("flatten", lambda m: m.flatten(m.adam(1e-2))),
  "dog": ("scale_by_distance_over_gradients", lambda m: m.chain(m.scale_by_distance_over_gradients(reps_rel=1e-2, global_scale=-1.0))),
 }
 for _name, (_attr, _make) in CATALOGUE.items():

@@ -165,5 +165,17 @@ from gradtx.schedules import (
     piecewise_interpolate_schedule,
     warmup_exponential_decay_schedule,
 )
+from gradtx.chains import (
+    ApplyEvery,
+    ConditionallyMaskState,
+    ConditionallyTransformState,
+    LookaheadParams,
+    LookaheadState,
+    apply_every,
+    conditionally_mask,
+    conditionally_transform,
+    flatten,
+    lookahead,
+)
 
 __version__ = "0.1.0"

@@ -116,3 +116,27 @@ __all__ += [
     "sm3",
     "yogi",
 ]
+
+from gradtx.chains.cadence import (
+    ApplyEvery,
+    ConditionallyMaskState,
+    ConditionallyTransformState,
+    apply_every,
+    conditionally_mask,
+    conditionally_transform,
+)
+from gradtx.chains.layouts import flatten
+from gradtx.chains.lookahead import LookaheadParams, LookaheadState, lookahead
+
+__all__ += [
+    "ApplyEvery",
+    "ConditionallyMaskState",
+    "ConditionallyTransformState",
+    "LookaheadParams",
+    "LookaheadState",
+    "apply_every",
+    "conditionally_mask",
+    "conditionally_transform",
+    "flatten",
+    "lookahead",
+]
