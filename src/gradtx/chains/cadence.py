@@ -14,6 +14,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor
 
+from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, with_inplace
 from gradtx.chains._select import counter, safe_increment, where_tree, zeros_like_tree
 from gradtx.transforms import _foreach as fe
@@ -91,7 +92,8 @@ def _conditional(owner: str, inner: GradientTransformation, should_transform_fn:
             return out, where_tree(decision, new_inner, inner_state, what=owner)
         if decision:
             return inner_update(updates, inner_state, params, inplace=inplace, **extra_args)
-        return reject(updates, inplace=inplace), inner_state
+        kept = inner_state if inplace else tree_lib.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, inner_state)
+        return reject(updates, inplace=inplace), kept
 
     return run
 

@@ -169,7 +169,8 @@ def scale_by_distance_over_gradients(
         return leaves.rebuild(outs), ScaleByDistanceOverGradientsState(
             max_dist=leaves.rebuild(new_dist, like=state.max_dist),
             grad_sum_of_squares=leaves.rebuild(new_sums, like=state.grad_sum_of_squares),
-            init_params=state.init_params,
+            # a new state shares no storage with the old one (the caller may donate either later)
+            init_params=state.init_params if inplace else tree_lib.tree_map(torch.clone, state.init_params),
         )
 
     return GradientTransformation(init_fn, update_fn)
