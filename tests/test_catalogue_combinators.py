@@ -179,3 +179,19 @@ def test_lookahead_reset_state_and_errors():
         gtx.lookahead(gtx.sgd(0.1), sync_period=0, slow_step_size=0.5)
     with pytest.raises(ValueError, match="LookaheadParams"):
         tx.update(grads[0], state, params)
+
+
+# --------------------------------------------------------------------------- inject_stateful_hyperparams
+
+
+def test_inject_stateful_hyperparams_is_the_deprecated_inject_hyperparams():
+    with pytest.warns(DeprecationWarning, match="inject_hyperparams"):
+        factory = gtx.inject_stateful_hyperparams(gtx.sgd, static_args="nesterov")
+    tx = factory(learning_rate=gtx.linear_schedule(0.1, 0.01, 2), momentum=0.9)
+    reference = gtx.inject_hyperparams(gtx.sgd, static_args="nesterov")(learning_rate=gtx.linear_schedule(0.1, 0.01, 2), momentum=0.9)
+    ours, state = _run(tx, grad_sequence(3))
+    theirs, reference_state = _run(reference, grad_sequence(3))
+    for a, b in zip(ours, theirs):
+        assert_trees_close(a, b, rtol=0, atol=0)
+    assert type(state) is type(reference_state)
+    assert_trees_close(state.hyperparams, reference_state.hyperparams, rtol=0, atol=0)

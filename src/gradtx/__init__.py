@@ -175,6 +175,7 @@ from gradtx.chains import (
     conditionally_mask,
     conditionally_transform,
     flatten,
+    inject_stateful_hyperparams,
     lookahead,
 )
 

@@ -140,3 +140,7 @@ __all__ += [
     "flatten",
     "lookahead",
 ]
+
+from gradtx.chains.stateful_hyperparams import inject_stateful_hyperparams
+
+__all__ += ["inject_stateful_hyperparams"]
