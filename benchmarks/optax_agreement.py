@@ -156,4 +156,23 @@ for name, (o, t) in cases.items():
         err = max(float(np.max(np.abs(got[k] - ref[k]) / (np.abs(ref[k]) + 1e-6))) for k in ref)
         worst = max(worst, err)
         print(f"{name:16s} inplace={inplace!s:5s} max rel err {err:.2e}" + ("  <-- above 1e-5" if err > 1e-5 else ""))
+if hasattr(optax, "lookahead"):  # its params and updates are (fast, slow) pairs
+    def run_lookahead(module, tx, to, back, inplace=None):
+        p = to(params0)
+        pair = module.LookaheadParams(fast=p, slow=p)
+        state = tx.init(pair)
+        for g in grads:
+            kwargs = {} if inplace is None else {"inplace": inplace}
+            updates, state = tx.update(to(g), state, pair, **kwargs)
+            pair = module.apply_updates(pair, updates)
+        return back(pair.fast), back(pair.slow)
+
+    to_jax = lambda t: {k: jnp.asarray(v) for k, v in t.items()}  # noqa: E731
+    to_torch = lambda t: {k: torch.tensor(v) for k, v in t.items()}  # noqa: E731
+    ref = run_lookahead(optax, optax.lookahead(optax.adam(1e-2), 3, 0.5, reset_state=True), to_jax, lambda t: {k: np.asarray(v) for k, v in t.items()})
+    for inplace in (False, True):
+        got = run_lookahead(gtx, gtx.lookahead(gtx.adam(1e-2), 3, 0.5, reset_state=True), to_torch, lambda t: {k: v.numpy() for k, v in t.items()}, inplace)
+        err = max(float(np.max(np.abs(a[k] - b[k]) / (np.abs(b[k]) + 1e-6))) for a, b in zip(got, ref) for k in b)
+        worst = max(worst, err)
+        print(f"{'lookahead':16s} inplace={inplace!s:5s} max rel err {err:.2e}" + ("  <-- above 1e-5" if err > 1e-5 else ""))
 print("worst", worst)

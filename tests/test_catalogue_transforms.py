@@ -30,7 +30,7 @@ def ref_adadelta(rho=0.9, eps=1e-6):
 
     def step(g, s, p):
         e_g = leafwise(lambda gi, e: (1 - rho) * gi**2 + rho * e, g, s["e_g"])
-        u = leafwise(lambda gi, eg, ex: math.sqrt(1) * torch.sqrt(ex + eps) / torch.sqrt(eg + eps) * gi, g, e_g, s["e_x"])
+        u = leafwise(lambda gi, eg, ex: torch.sqrt(ex + eps) / torch.sqrt(eg + eps) * gi, g, e_g, s["e_x"])
         e_x = leafwise(lambda ui, e: (1 - rho) * ui**2 + rho * e, u, s["e_x"])
         return u, {"e_g": e_g, "e_x": e_x}
 
