@@ -496,3 +496,35 @@ def test_sm3_pure_donated_scalar_leaf_and_compile():
     torch.testing.assert_close(updates["s"], torch.tensor(2.0 / math.sqrt(4.0 + 1e-8), dtype=torch.float64))
     assert state.mu["s"][0].shape == () and float(state.mu["s"][0]) == 4.0
     compiled_matches_eager(gtx.scale_by_sm3())
+
+
+# --------------------------------------------------------------------------- differentiable pure path
+
+DIFFERENTIABLE = {
+    "adadelta": gtx.scale_by_adadelta,
+    "yogi": gtx.scale_by_yogi,
+    "adan": gtx.scale_by_adan,
+    "novograd": lambda: gtx.scale_by_novograd(weight_decay=0.1),
+    "optimistic": lambda: gtx.scale_by_optimistic_gradient(0.5, 2.0),
+    "factored_rms": lambda: gtx.scale_by_factored_rms(min_dim_size_to_factor=2),
+    "sm3": lambda: gtx.scale_by_sm3(b2=0.9),
+    "param_block_rms": gtx.scale_by_param_block_rms,
+    "distance_over_gradients": lambda: gtx.scale_by_distance_over_gradients(param_dtype=None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DIFFERENTIABLE))
+def test_pure_update_is_differentiable(name):
+    """gradcheck of two steps with respect to the second gradient and the params."""
+    tx = DIFFERENTIABLE[name]()
+    shapes = {"w": (3, 2), "b": (2,)}
+    params, first, second = tree(0, shapes=shapes), tree(1, shapes=shapes), tree(2, shapes=shapes)
+    _, state = tx.update(first, tx.init(params), params)
+
+    def step(w_grad, b_grad, w_param):
+        p = dict(params, w=w_param)
+        updates, _ = tx.update({"w": w_grad, "b": b_grad}, state, p)
+        return updates["w"], updates["b"]
+
+    inputs = tuple(x.clone().requires_grad_(True) for x in (second["w"], second["b"], params["w"]))
+    assert torch.autograd.gradcheck(step, inputs)

@@ -86,7 +86,8 @@ def scale_by_yogi(
             d = fe.mul(v, fe.on(inv_bc2, v), inplace=False)
             if eps_root:
                 fe.add(d, eps_root, inplace=True)
-            d = fe.add(fe.sqrt(d, inplace=True), eps, inplace=True)
+            # a new tensor for the sum: autograd needs the square root as it was
+            d = fe.add(fe.sqrt(d, inplace=True), eps, inplace=False)
             out = fe.div(fe.mul(fe.cast(m, d[0].dtype), fe.on(inv_bc1, d), inplace=False), d, inplace=True)
             out = fe.finish(out, g)
             return (fe.copy_into(g, out) if inplace else out), m, v

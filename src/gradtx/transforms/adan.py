@@ -70,7 +70,8 @@ def scale_by_adan(
             d = fe.mul(fe.cast(n, corrected[0].dtype), fe.on(inv_bc3, corrected), inplace=False)
             if eps_root:
                 fe.add(d, eps_root, inplace=True)
-            d = fe.add(fe.sqrt(d, inplace=True), eps, inplace=True)
+            # a new tensor for the sum: autograd needs the square root as it was
+            d = fe.add(fe.sqrt(d, inplace=True), eps, inplace=False)
             out = fe.finish(fe.div(numer, d, inplace=True), g)
             new_prev = fe.copy_into(p, g) if inplace else [x.clone() for x in g]
             return (fe.copy_into(g, out) if inplace else out), m, v, n, new_prev
