@@ -202,3 +202,104 @@ def test_property_int_and_tensor_counts_agree(init, end, power, steps, begin, co
     for schedule in candidates:
         scalar, tensor = _both(schedule, count)
         assert tensor == pytest.approx(scalar, rel=2e-6, abs=1e-6)
+
+
+# --------------------------------------------------------------------------- interpolated and one-cycle schedules
+
+
+def _piecewise_reference(kind, init, boundaries_and_scales, count):
+    """optax's definition, written out: the interpolation on the interval holding ``count``."""
+    bounds, values = [0], [init]
+    for boundary, scale in sorted(boundaries_and_scales.items()):
+        bounds.append(boundary)
+        values.append(values[-1] * scale)
+    if count < 0:
+        return 0.0
+    if count >= bounds[-1]:
+        return values[-1]
+    for i in range(len(bounds) - 1):
+        if bounds[i] <= count < bounds[i + 1]:
+            pct = (count - bounds[i]) / max(bounds[i + 1] - bounds[i], 1)
+            a, b = values[i], values[i + 1]
+            if kind == "linear":
+                return a + pct * (b - a)
+            return b + (a - b) * (1 + math.cos(math.pi * pct)) / 2
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine"])
+def test_piecewise_interpolate_schedule(kind):
+    table = {5: 2.0, 12: 0.25, 20: 0.0}
+    schedule = gtx.piecewise_interpolate_schedule(kind, 0.8, table)
+    _check(schedule, lambda c: _piecewise_reference(kind, 0.8, table, c), range(-2, 25))
+    constant = gtx.piecewise_interpolate_schedule(kind, 0.8)
+    _check(constant, lambda c: 0.0 if c < 0 else 0.8, [-1, 0, 7])
+
+
+def test_piecewise_interpolate_schedule_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="interpolate_type"):
+        gtx.piecewise_interpolate_schedule("quadratic", 1.0)
+    with pytest.raises(ValueError, match="non-negative"):
+        gtx.piecewise_interpolate_schedule("linear", 1.0, {3: -1.0})
+
+
+def test_linear_onecycle_schedule():
+    schedule = gtx.linear_onecycle_schedule(100, 2.0, pct_start=0.25, pct_final=0.8, div_factor=10.0, final_div_factor=100.0)
+
+    def reference(c):
+        start, peak, end = 0.2, 2.0, 0.2 / 100.0
+        if c < 25:
+            return start + (peak - start) * c / 25
+        if c < 80:
+            return peak + (start - peak) * (c - 25) / 55
+        if c < 100:
+            return start + (end - start) * (c - 80) / 20
+        return end
+
+    _check(schedule, reference, list(range(0, 110, 3)) + [25, 80, 100])
+    with pytest.raises(ValueError, match="transition_steps"):
+        gtx.linear_onecycle_schedule(0, 1.0)
+
+
+def test_cosine_onecycle_schedule():
+    schedule = gtx.cosine_onecycle_schedule(50, 1.5, pct_start=0.2, div_factor=5.0, final_div_factor=20.0)
+
+    def reference(c):
+        start, peak, end = 0.3, 1.5, 1.5 / 100.0
+        if c < 10:
+            return peak + (start - peak) * (1 + math.cos(math.pi * c / 10)) / 2
+        if c < 50:
+            return end + (peak - end) * (1 + math.cos(math.pi * (c - 10) / 40)) / 2
+        return end
+
+    _check(schedule, reference, list(range(0, 60, 2)) + [10, 50])
+    with pytest.raises(ValueError, match="transition_steps"):
+        gtx.cosine_onecycle_schedule(-1, 1.0)
+
+
+@pytest.mark.parametrize("staircase", [False, True])
+def test_warmup_exponential_decay_schedule(staircase):
+    schedule = gtx.warmup_exponential_decay_schedule(
+        0.1, 1.0, warmup_steps=4, transition_steps=3, decay_rate=0.5, transition_begin=2, staircase=staircase, end_value=0.2
+    )
+
+    def reference(c):
+        if c < 4:
+            return 0.1 + 0.9 * c / 4
+        t = c - 4 - 2
+        if t <= 0:
+            return 1.0
+        exponent = math.floor(t / 3) if staircase else t / 3
+        return max(0.5**exponent, 0.2)
+
+    _check(schedule, reference, range(0, 25))
+
+
+def test_new_schedules_compile_without_recompiling():
+    schedule = gtx.cosine_onecycle_schedule(20, 1.0)
+    torch._dynamo.reset()
+    graphs = []
+    compiled = torch.compile(schedule, backend=lambda gm, inputs: graphs.append(gm) or gm.forward, fullgraph=True)
+    for c in (0, 3, 11, 25):
+        assert float(compiled(torch.tensor(c))) == pytest.approx(schedule(c), rel=1e-6, abs=1e-7)
+    assert len(graphs) == 1

@@ -102,7 +102,51 @@ FACTORIES = {
     "stateless_with_tree_map": lambda: gtx.stateless_with_tree_map(lambda g: g * 2),
     "trace": lambda: gtx.trace(0.9, nesterov=True),
     "zero_nans": gtx.zero_nans,
+    "scale_by_sign": gtx.scale_by_sign,
+    "scale_by_rprop": lambda: gtx.scale_by_rprop(0.1),
+    "scale_by_adadelta": gtx.scale_by_adadelta,
+    "scale_by_yogi": gtx.scale_by_yogi,
+    "scale_by_adan": gtx.scale_by_adan,
+    "scale_by_novograd": lambda: gtx.scale_by_novograd(weight_decay=0.1),
+    "scale_by_optimistic_gradient": gtx.scale_by_optimistic_gradient,
+    "scale_by_param_block_norm": gtx.scale_by_param_block_norm,
+    "scale_by_param_block_rms": gtx.scale_by_param_block_rms,
+    "normalize_by_update_norm": gtx.normalize_by_update_norm,
+    "keep_params_nonnegative": gtx.keep_params_nonnegative,
+    "scale_by_distance_over_gradients": gtx.scale_by_distance_over_gradients,
+    "scale_by_factored_rms": lambda: gtx.scale_by_factored_rms(min_dim_size_to_factor=2),
+    "scale_by_sm3": gtx.scale_by_sm3,
+    "sign_sgd": lambda: gtx.sign_sgd(1e-2),
+    "signum": lambda: gtx.signum(1e-2),
+    "adadelta": lambda: gtx.adadelta(1.0, weight_decay=0.1),
+    "yogi": lambda: gtx.yogi(1e-2),
+    "rprop": lambda: gtx.rprop(1e-2),
+    "adan": lambda: gtx.adan(1e-2, weight_decay=0.1),
+    "novograd": lambda: gtx.novograd(1e-2),
+    "optimistic_gradient_descent": lambda: gtx.optimistic_gradient_descent(1e-2),
+    "optimistic_adam": lambda: gtx.optimistic_adam_v2(1e-2),  # the deprecated first version is the same chain
+    "optimistic_adam_v2": lambda: gtx.optimistic_adam_v2(1e-2),
+    "adamaxw": lambda: gtx.adamaxw(1e-2),
+    "fromage": lambda: gtx.fromage(1e-2),
+    "sm3": lambda: gtx.sm3(1e-2),
+    "adafactor": lambda: gtx.adafactor(1e-2, min_dim_size_to_factor=2, momentum=0.9, weight_decay_rate=1e-3),
+    "apply_every": lambda: gtx.apply_every(2),
+    "conditionally_transform": lambda: gtx.conditionally_transform(adam(), lambda step: step % 2 == 0),
+    "conditionally_mask": lambda: gtx.conditionally_mask(adam(), lambda step: step % 2 == 0),
+    "flatten": lambda: gtx.flatten(adam()),
+    "lookahead": lambda: _on_fast_params(gtx.lookahead(adam(), sync_period=2, slow_step_size=0.5)),
 }
+
+
+def _on_fast_params(tx):
+    """A lookahead transformation driven with plain params (fast and slow both taken to be them)."""
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        pair = gtx.LookaheadParams(fast=params, slow=params)
+        out, state = tx.update(updates, state, pair, inplace=inplace)
+        return out.fast, state
+
+    return gtx.GradientTransformation(tx.init, update_fn)
 # MultiSteps is a class; its transformation is built in several configurations.
 MULTISTEPS = {
     "MultiSteps": lambda: gtx.MultiSteps(running_sum(), 2).gradient_transformation(),

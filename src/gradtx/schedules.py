@@ -280,6 +280,130 @@ def sgdr_schedule(cosine_kwargs: Iterable[Mapping[str, Any]]) -> Schedule:
     return join_schedules(schedules, boundaries[:-1])
 
 
+def _interval(count: Numeric, low: float, high: float) -> Any:
+    """Whether ``low <= count < high``: a bool tensor for tensors, a ``bool`` otherwise."""
+    if isinstance(count, Tensor):
+        return (count >= low) & (count < high)
+    return low <= count < high
+
+
+def _linear_interpolate(start: float, end: float, pct: Numeric) -> Numeric:
+    return (end - start) * pct + start
+
+
+def _cosine_interpolate(start: float, end: float, pct: Numeric) -> Numeric:
+    return end + (start - end) / 2.0 * (_cos(math.pi * pct) + 1.0)
+
+
+def piecewise_interpolate_schedule(
+    interpolate_type: str, init_value: Numeric, boundaries_and_scales: Optional[Mapping[int, float]] = None
+) -> Schedule:
+    """Interpolates (``"linear"`` or ``"cosine"``) between ``init_value`` times the running product of the
+    scales, from one boundary to the next; the last value holds after the last boundary.
+
+    As optax's: the value is 0 for a negative count, and scales must be non-negative.
+    """
+    if interpolate_type == "linear":
+        interpolate = _linear_interpolate
+    elif interpolate_type == "cosine":
+        interpolate = _cosine_interpolate
+    else:
+        raise ValueError(f"piecewise_interpolate_schedule: interpolate_type must be 'cosine' or 'linear', got {interpolate_type!r}")
+    items = sorted((boundaries_and_scales or {}).items())
+    for boundary, scale in items:
+        if not scale >= 0.0:
+            raise ValueError(
+                f"piecewise_interpolate_schedule: scale {scale!r} at boundary {boundary} must be non-negative"
+            )
+    bounds = [0] + [int(b) for b, _ in items]
+    values = [init_value]
+    for _, scale in items:
+        values.append(values[-1] * scale)
+
+    def schedule(count: Numeric) -> Numeric:
+        steps = _as_float(count)
+        value: Numeric = _like(count, 0.0)
+        for low, high, start, end in zip(bounds[:-1], bounds[1:], values[:-1], values[1:]):
+            pct = (steps - low) / max(high - low, 1)
+            value = _select(_interval(steps, low, high), _like(count, interpolate(start, end, pct)), value)
+        return _select(steps >= bounds[-1], _like(count, values[-1]), value)
+
+    return schedule
+
+
+def linear_onecycle_schedule(
+    transition_steps: int,
+    peak_value: Numeric,
+    pct_start: float = 0.3,
+    pct_final: float = 0.85,
+    div_factor: float = 25.0,
+    final_div_factor: float = 1e4,
+) -> Schedule:
+    """The one-cycle policy (Smith & Topin, 2017) with linear pieces: from ``peak_value / div_factor`` up to
+    ``peak_value`` at ``pct_start * transition_steps``, back down by ``pct_final * transition_steps``, then
+    to ``peak_value / (div_factor * final_div_factor)`` at ``transition_steps``."""
+    if transition_steps <= 0:
+        raise ValueError(f"linear_onecycle_schedule: transition_steps must be positive, got {transition_steps}")
+    return piecewise_interpolate_schedule(
+        "linear",
+        peak_value / div_factor,
+        {
+            int(pct_start * transition_steps): div_factor,
+            int(pct_final * transition_steps): 1.0 / div_factor,
+            transition_steps: 1.0 / final_div_factor,
+        },
+    )
+
+
+def cosine_onecycle_schedule(
+    transition_steps: int,
+    peak_value: Numeric,
+    pct_start: float = 0.3,
+    div_factor: float = 25.0,
+    final_div_factor: float = 1e4,
+) -> Schedule:
+    """The one-cycle policy with cosine pieces: from ``peak_value / div_factor`` up to ``peak_value`` at
+    ``pct_start * transition_steps``, then down to ``peak_value / (div_factor * final_div_factor)``."""
+    if transition_steps <= 0:
+        raise ValueError(f"cosine_onecycle_schedule: transition_steps must be positive, got {transition_steps}")
+    return piecewise_interpolate_schedule(
+        "cosine",
+        peak_value / div_factor,
+        {
+            int(pct_start * transition_steps): div_factor,
+            int(transition_steps): 1.0 / (div_factor * final_div_factor),
+        },
+    )
+
+
+def warmup_exponential_decay_schedule(
+    init_value: Numeric,
+    peak_value: Numeric,
+    warmup_steps: int,
+    transition_steps: int,
+    decay_rate: float,
+    transition_begin: int = 0,
+    staircase: bool = False,
+    end_value: Optional[Numeric] = None,
+) -> Schedule:
+    """Linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps``, then
+    :func:`exponential_decay` from ``peak_value`` (its count starting again at 0)."""
+    return join_schedules(
+        [
+            linear_schedule(init_value=init_value, end_value=peak_value, transition_steps=warmup_steps),
+            exponential_decay(
+                init_value=peak_value,
+                transition_steps=transition_steps,
+                decay_rate=decay_rate,
+                transition_begin=transition_begin,
+                staircase=staircase,
+                end_value=end_value,
+            ),
+        ],
+        [warmup_steps],
+    )
+
+
 __all__ = [
     "Schedule",
     "constant_schedule",
@@ -292,4 +416,10 @@ __all__ = [
     "sgdr_schedule",
     "warmup_constant_schedule",
     "warmup_cosine_decay_schedule",
+]
+__all__ += [
+    "cosine_onecycle_schedule",
+    "linear_onecycle_schedule",
+    "piecewise_interpolate_schedule",
+    "warmup_exponential_decay_schedule",
 ]

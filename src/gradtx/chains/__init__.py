@@ -82,3 +82,65 @@ __all__ = [
     "snapshot",
     "wrap",
 ]
+
+from gradtx.chains.optimizers import (
+    adadelta,
+    adafactor,
+    adamaxw,
+    adan,
+    fromage,
+    novograd,
+    optimistic_adam,
+    optimistic_adam_v2,
+    optimistic_gradient_descent,
+    rprop,
+    sign_sgd,
+    signum,
+    sm3,
+    yogi,
+)
+
+__all__ += [
+    "adadelta",
+    "adafactor",
+    "adamaxw",
+    "adan",
+    "fromage",
+    "novograd",
+    "optimistic_adam",
+    "optimistic_adam_v2",
+    "optimistic_gradient_descent",
+    "rprop",
+    "sign_sgd",
+    "signum",
+    "sm3",
+    "yogi",
+]
+
+from gradtx.chains.cadence import (
+    ApplyEvery,
+    ConditionallyMaskState,
+    ConditionallyTransformState,
+    apply_every,
+    conditionally_mask,
+    conditionally_transform,
+)
+from gradtx.chains.layouts import flatten
+from gradtx.chains.lookahead import LookaheadParams, LookaheadState, lookahead
+
+__all__ += [
+    "ApplyEvery",
+    "ConditionallyMaskState",
+    "ConditionallyTransformState",
+    "LookaheadParams",
+    "LookaheadState",
+    "apply_every",
+    "conditionally_mask",
+    "conditionally_transform",
+    "flatten",
+    "lookahead",
+]
+
+from gradtx.chains.stateful_hyperparams import inject_stateful_hyperparams
+
+__all__ += ["inject_stateful_hyperparams"]

@@ -100,3 +100,46 @@ __all__ = [
     "unitwise_norm",
     "zero_nans",
 ]
+
+from gradtx.transforms.adadelta import ScaleByAdaDeltaState, scale_by_adadelta, scale_by_yogi
+from gradtx.transforms.adan import ScaleByAdanState, scale_by_adan
+from gradtx.transforms.block_norm import (
+    NonNegativeParamsState,
+    ScaleByDistanceOverGradientsState,
+    keep_params_nonnegative,
+    normalize_by_update_norm,
+    scale_by_distance_over_gradients,
+    scale_by_param_block_norm,
+    scale_by_param_block_rms,
+)
+from gradtx.transforms.factored import FactoredState, scale_by_factored_rms
+from gradtx.transforms.novograd import ScaleByNovogradState, scale_by_novograd
+from gradtx.transforms.optimistic import ScaleByOptimisticGradientState, scale_by_optimistic_gradient
+from gradtx.transforms.sm3 import ScaleBySM3State, scale_by_sm3
+from gradtx.transforms.sign import ScaleByRpropState, scale_by_rprop, scale_by_sign
+
+__all__ += [
+    "FactoredState",
+    "scale_by_factored_rms",
+    "ScaleBySM3State",
+    "scale_by_sm3",
+    "NonNegativeParamsState",
+    "ScaleByDistanceOverGradientsState",
+    "keep_params_nonnegative",
+    "normalize_by_update_norm",
+    "scale_by_distance_over_gradients",
+    "scale_by_param_block_norm",
+    "scale_by_param_block_rms",
+    "ScaleByAdaDeltaState",
+    "ScaleByAdanState",
+    "ScaleByNovogradState",
+    "ScaleByOptimisticGradientState",
+    "ScaleByRpropState",
+    "scale_by_adadelta",
+    "scale_by_adan",
+    "scale_by_novograd",
+    "scale_by_optimistic_gradient",
+    "scale_by_rprop",
+    "scale_by_sign",
+    "scale_by_yogi",
+]
