@@ -4,11 +4,13 @@ from gradtx import schedules, sharding, tree
 from gradtx.base import (
     EmptyState,
     GradientTransformation,
+    GradientTransformationExtraArgs,
     apply_updates,
     identity,
     init_empty_state,
     stateless,
     stateless_with_tree_map,
+    with_extra_args_support,
 )
 from gradtx.chains import (
     ApplyIfFiniteState,
