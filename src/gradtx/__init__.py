@@ -12,6 +12,7 @@ from gradtx.base import (
     stateless_with_tree_map,
     with_extra_args_support,
 )
+from gradtx.chains import lbfgs, polyak_sgd
 from gradtx.chains import (
     ApplyIfFiniteState,
     ChainedOptimizer,
@@ -57,6 +58,18 @@ from gradtx.chains import (
     skip_not_finite,
     snapshot,
     wrap,
+)
+from gradtx.transforms import (
+    BacktrackingLinesearchInfo,
+    ScaleByBacktrackingLinesearchState,
+    ScaleByLBFGSState,
+    ScaleByZoomLinesearchState,
+    ZoomLinesearchInfo,
+    scale_by_backtracking_linesearch,
+    scale_by_lbfgs,
+    scale_by_polyak,
+    scale_by_zoom_linesearch,
+    value_and_grad_from_state,
 )
 from gradtx.transforms import (
     AddNoiseState,
