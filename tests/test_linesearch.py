@@ -245,3 +245,15 @@ def test_polyak_sgd_is_optax_chain_and_converges():
         values.append(float(fn(params)))
     # on sum(x^2) the Polyak step f/||g||^2 = 1/4 scales x by 1/2 each step: f is divided by 4
     assert values == pytest.approx([3.5, 0.875, 0.21875, 0.0546875, 0.013671875], rel=1e-12)
+
+
+def test_value_fn_with_var_keyword_takes_any_extra_argument():
+    def fn(params, **batch):
+        return ((batch["x"] @ params["w"] - batch["y"]) ** 2).mean()
+
+    x, y = torch.randn(5, 3, dtype=F64), torch.randn(5, dtype=F64)
+    params = {"w": torch.zeros(3, dtype=F64)}
+    tx = gtx.chain(gtx.sgd(1.0), gtx.scale_by_backtracking_linesearch(max_backtracking_steps=10))
+    value, grad = gtx.transforms.linesearch.value_and_grad(fn)(params, x=x, y=y)
+    updates, _ = tx.update(grad, tx.init(params), params, value=value, grad=grad, value_fn=fn, x=x, y=y)
+    assert float(fn(gtx.apply_updates(params, updates), x=x, y=y)) < float(value)

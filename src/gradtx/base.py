@@ -133,15 +133,6 @@ def with_extra_args_support(tx: GradientTransformation) -> GradientTransformatio
     return GradientTransformationExtraArgs(tx.init, update_fn)
 
 
-def forwarding_update(tx: GradientTransformation) -> TransformUpdateExtraArgsFn:
-    """An update taking ``inplace`` and ``**extra_args`` that hands ``tx`` what it takes of them.
-
-    For combinators: decided once when they are built; a plain transformation never sees extra
-    arguments.
-    """
-    return with_inplace(with_extra_args_support(tx))
-
-
 def init_empty_state(params: Params) -> EmptyState:
     """The ``init`` of every stateless transformation."""
     del params

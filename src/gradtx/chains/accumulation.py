@@ -26,7 +26,7 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, forwarding_update, takes_extra_args
+from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace
 from gradtx.chains._select import safe_increment, where_or_zero, where_tree, zeros_like_tree
 
 PyTree = Any
@@ -157,7 +157,7 @@ class MultiSteps:
         elif not callable(every_k_schedule):
             raise TypeError("MultiSteps: every_k_schedule must be an int or a callable")
         self._opt = opt
-        self._opt_update = forwarding_update(opt)
+        self._opt_update = with_inplace(opt)
         self._opt_takes_extra_args = takes_extra_args(opt)
         self._every_k_schedule = every_k_schedule
         self._use_grad_mean = use_grad_mean

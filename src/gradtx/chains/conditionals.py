@@ -20,7 +20,7 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, forwarding_update, takes_extra_args
+from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace
 from gradtx.chains._select import counter, safe_increment, where_or_zero, where_tree
 
 PyTree = Any
@@ -64,7 +64,7 @@ def apply_if_finite(
     if int(max_consecutive_errors) != max_consecutive_errors or max_consecutive_errors < 0:
         raise ValueError(f"apply_if_finite: max_consecutive_errors must be an int >= 0, got {max_consecutive_errors!r}")
     max_consecutive_errors = int(max_consecutive_errors)
-    inner_update = forwarding_update(inner)
+    inner_update = with_inplace(inner)
     extra = takes_extra_args(inner)
 
     def init_fn(params: PyTree) -> ApplyIfFiniteState:

@@ -15,9 +15,9 @@ from gradtx import tree as tree_lib
 from gradtx.base import (
     GradientTransformation,
     GradientTransformationExtraArgs,
-    forwarding_update,
     init_empty_state,
     takes_extra_args,
+    with_inplace,
 )
 from gradtx.chains._select import zeros_like_tree
 
@@ -141,7 +141,7 @@ def masked(inner: GradientTransformation, mask: Mask, *, mask_compatible_extra_a
     masked out.
     """
     selector = mask_selector(mask, "masked")
-    inner_update = forwarding_update(inner)
+    inner_update = with_inplace(inner)
     extra = takes_extra_args(inner)
 
     def init_fn(params: PyTree) -> MaskedState:

@@ -18,9 +18,9 @@ from gradtx import tree as tree_lib
 from gradtx.base import (
     GradientTransformation,
     GradientTransformationExtraArgs,
-    forwarding_update,
     init_empty_state,
     takes_extra_args,
+    with_inplace,
 )
 from gradtx.chains._select import counter, safe_increment
 
@@ -150,7 +150,7 @@ def monitor(measures: Mapping[str, Union[Measure, GradientTransformation]]) -> G
             as_transforms[name] = _measuring(measure)
         else:
             raise TypeError(f"monitor: measure {name!r} is a {type(measure).__name__}, expected a callable")
-    updaters = {name: forwarding_update(tx) for name, tx in as_transforms.items()}
+    updaters = {name: with_inplace(tx) for name, tx in as_transforms.items()}
     takes_extra = {name: takes_extra_args(tx) for name, tx in as_transforms.items()}
 
     def init_fn(params: PyTree) -> MonitorState:

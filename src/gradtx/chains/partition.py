@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable, Hashable, Mapping, NamedTuple, Union
 
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, forwarding_update, takes_extra_args
+from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace
 from gradtx.chains.masking import LeafSelector, MaskedState, none_as_false, freeze, init_selected, update_selected
 
 PyTree = Any
@@ -79,7 +79,7 @@ def partition(
     for label, tx in transforms.items():
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"partition: the transformation for {label!r} is a {type(tx).__name__}")
-    updaters = {label: (forwarding_update(tx), takes_extra_args(tx)) for label, tx in transforms.items()}
+    updaters = {label: (with_inplace(tx), takes_extra_args(tx)) for label, tx in transforms.items()}
     selector = LeafSelector(param_labels, _label_resolver(transforms))
 
     def init_fn(params: PyTree) -> PartitionState:

@@ -105,11 +105,15 @@ def value_and_grad(value_fn: Callable[..., Any]) -> Callable[..., tuple[Tensor, 
 
 
 def _extract_fn_kwargs(value_fn: Callable[..., Any], extra_args: dict[str, Any], owner: str) -> dict[str, Any]:
-    """The extra arguments ``value_fn`` takes by name; any other one is a ``TypeError`` (as optax)."""
+    """The extra arguments for ``value_fn``: each must be one it takes by name (or through its
+    ``**kwargs``); any other one is a ``TypeError``, as in optax."""
     try:
-        names = set(inspect.signature(value_fn).parameters)
+        parameters = inspect.signature(value_fn).parameters.values()
     except (TypeError, ValueError):
-        names = set()
+        parameters = []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return dict(extra_args)
+    names = {p.name for p in parameters}
     unknown = sorted(k for k in extra_args if k not in names)
     if unknown:
         raise TypeError(
