@@ -166,3 +166,18 @@ def test_lbfgs_with_a_fixed_learning_rate_needs_no_extra_args():
 def test_memory_size_must_be_positive():
     with pytest.raises(ValueError):
         gtx.scale_by_lbfgs(memory_size=0)
+
+
+def test_none_update_leaves_are_left_out():
+    """A leaf with no gradient: the others get exactly the direction they get on their own."""
+    rng = np.random.default_rng(2)
+    tx = gtx.scale_by_lbfgs(memory_size=2)
+    alone = gtx.scale_by_lbfgs(memory_size=2)
+    state = tx.init(split(rng.normal(size=7)))
+    state_alone = alone.init({"a": torch.zeros(3, dtype=torch.float64)})
+    for _ in range(4):
+        w, g = split(rng.normal(size=7)), split(rng.normal(size=7))
+        direction, state = tx.update({"a": g["a"], "b": None}, state, w)
+        expected, state_alone = alone.update({"a": g["a"]}, state_alone, {"a": w["a"]})
+        assert direction["b"] is None
+        torch.testing.assert_close(direction["a"], expected["a"], rtol=1e-12, atol=1e-14)

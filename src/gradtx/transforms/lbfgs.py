@@ -8,7 +8,7 @@ params' device: the ring-buffer index is a 0-d tensor, nothing is read back to t
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -105,7 +105,8 @@ def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> Gr
     :func:`~gradtx.scale_by_zoom_linesearch`.
 
     The memory is updated before preconditioning, so in a chain with a line search the pair added
-    at a call is the step the search accepted at the previous one. ``params`` are required.
+    at a call is the step the search accepted at the previous one. ``params`` are required. A
+    ``None`` update ("no gradient") comes back ``None`` and leaves its leaf out of the estimate.
 
     Args:
       memory_size: the number of pairs kept.
@@ -138,13 +139,17 @@ def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> Gr
         started = count > 0
 
         # 1. the newest pair: differences since the last call (zero at the first one)
-        diff_params = tree_lib.tree_map(lambda p, q: torch.where(started.to(p.device), p - q, 0), params, state.params)
+        diff_params = tree_lib.tree_map(
+            lambda p, q, u: None if u is None else torch.where(started.to(p.device), p - q, 0), params, state.params, updates
+        )
         diff_updates = tree_lib.tree_map(lambda u, v: torch.where(started.to(u.device), u - v, 0), updates, state.updates)
         curvature = _vdot(diff_updates, diff_params, dtype, device)
         weight = torch.where(curvature == 0, torch.zeros_like(curvature), 1.0 / curvature)
         weight = torch.where(started, weight, torch.zeros_like(weight))
 
-        def store(memory: Tensor, value: Tensor) -> Tensor:
+        def store(memory: Tensor, value: Optional[Tensor]) -> Tensor:
+            if value is None:  # no update for this leaf: its memory stays as it is
+                return memory if inplace else memory.clone()
             value = value.to(memory.dtype).unsqueeze(0)
             index = prev_idx.to(device=memory.device, dtype=torch.long).reshape(1)
             return memory.index_copy_(0, index, value) if inplace else memory.index_copy(0, index, value)
@@ -168,8 +173,10 @@ def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> Gr
             updates, diff_params_memory, diff_updates_memory, weights_memory, identity_scale, memory_idx
         )
 
-        def keep(old: Tensor, new: Tensor) -> Tensor:
-            return old.copy_(new) if inplace else new.detach().clone()
+        def keep(old: Tensor, new: Optional[Tensor]) -> Tensor:
+            if new is None:
+                return old if inplace else old.clone()
+            return old.copy_(new) if inplace else new.clone()
 
         new_state = ScaleByLBFGSState(
             count=torch.where(count < torch.iinfo(count.dtype).max, count + 1, count).to(state.count.device),
