@@ -32,6 +32,7 @@ RUNS: dict[str, list[tuple[int, list[str], str]]] = {
     "fsdp2.py": [(2, [], "FSDP2 + gradtx matches dense training")],
     "per_example_dp.py": [(1, [], "with DP-SGD")],
     "maml.py": [(1, [], "meta-loss decreased: True"), (1, ["--inner", "adam"], "meta-loss decreased: True")],
+    "lbfgs_logistic.py": [(1, ["--quick"], "torch.optim.LBFGS  iterations to reach target")],
 }
 # Examples whose run under torchrun is checked by a test of their own (not repeated here).
 RUN_ELSEWHERE = {"hybrid_parallel.py": ROOT / "tests" / "distributed" / "test_hybrid_parallel_example.py"}

@@ -83,6 +83,7 @@ FACTORIES = {
     "rmsprop": lambda: gtx.rmsprop(1e-2, momentum=0.9, centered=True),
     "scale": lambda: gtx.scale(0.5),
     "scale_by_adam": adam,
+    "scale_by_lbfgs": lambda: gtx.scale_by_lbfgs(memory_size=3),
     "scale_by_adamax": gtx.scale_by_adamax,
     "scale_by_amsgrad": gtx.scale_by_amsgrad,
     "scale_by_belief": gtx.scale_by_belief,

@@ -5,12 +5,15 @@ from gradtx import projections, tree_utils
 from gradtx.base import (
     EmptyState,
     GradientTransformation,
+    GradientTransformationExtraArgs,
     apply_updates,
     identity,
     init_empty_state,
     stateless,
     stateless_with_tree_map,
+    with_extra_args_support,
 )
+from gradtx.chains import lbfgs, polyak_sgd
 from gradtx.chains import (
     ApplyIfFiniteState,
     ChainedOptimizer,
@@ -56,6 +59,18 @@ from gradtx.chains import (
     skip_not_finite,
     snapshot,
     wrap,
+)
+from gradtx.transforms import (
+    BacktrackingLinesearchInfo,
+    ScaleByBacktrackingLinesearchState,
+    ScaleByLBFGSState,
+    ScaleByZoomLinesearchState,
+    ZoomLinesearchInfo,
+    scale_by_backtracking_linesearch,
+    scale_by_lbfgs,
+    scale_by_polyak,
+    scale_by_zoom_linesearch,
+    value_and_grad_from_state,
 )
 from gradtx.transforms import (
     AddNoiseState,

@@ -4,6 +4,11 @@
 -> (updates, state)`` transforms a gradient pytree. ``update`` never mutates what it is given,
 unless the caller passes ``inplace=True`` and so donates ``updates`` and ``state`` (never ``params``)
 to be overwritten and reused; both paths give identical numbers.
+
+A :class:`GradientTransformationExtraArgs` also takes keyword arguments beyond those (as in optax:
+``value=`` the objective at ``params``, ``grad=`` its gradient, ``value_fn=`` the objective as a
+function of the params, and anything ``value_fn`` needs). Combinators forward such arguments to
+the transformations that take them, and only to those.
 """
 
 from __future__ import annotations
@@ -38,16 +43,48 @@ class GradientTransformation(NamedTuple):
     update: TransformUpdateFn
 
 
+class TransformUpdateExtraArgsFn(Protocol):
+    def __call__(
+        self,
+        updates: Updates,
+        state: OptState,
+        params: Optional[Params] = None,
+        *,
+        inplace: bool = False,
+        **extra_args: Any,
+    ) -> Tuple[Updates, OptState]: ...
+
+
+class GradientTransformationExtraArgs(GradientTransformation):
+    """A gradient transformation whose ``update`` also takes keyword arguments (``**extra_args``).
+
+    Still a ``GradientTransformation`` (the same ``(init, update)`` pair, ``isinstance`` holds), so it
+    goes wherever one does. Being of this type is how a transformation says it wants extra
+    arguments: :func:`~gradtx.chain` and the other combinators pass them on to it, and never to a
+    plain ``GradientTransformation``.
+    """
+
+    update: TransformUpdateExtraArgsFn  # type: ignore[assignment]
+
+
 class EmptyState(NamedTuple):
     """The state of a stateless transformation: a pytree with no leaves."""
 
 
-def _accepts_inplace(update_fn: Callable) -> bool:
+def _accepts_inplace(update_fn: Callable, *, var_keyword: bool = True) -> bool:
+    """Whether ``update_fn`` takes ``inplace=`` (by name, or through ``**kwargs`` if ``var_keyword``)."""
     try:
         parameters = inspect.signature(update_fn).parameters.values()
     except (TypeError, ValueError):
         return True
-    return any(p.name == "inplace" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    return any(
+        p.name == "inplace" or (var_keyword and p.kind is inspect.Parameter.VAR_KEYWORD) for p in parameters
+    )
+
+
+def takes_extra_args(tx: GradientTransformation) -> bool:
+    """Whether combinators forward extra keyword arguments to ``tx`` (it is a ``GradientTransformationExtraArgs``)."""
+    return isinstance(tx, GradientTransformationExtraArgs)
 
 
 def with_inplace(tx: GradientTransformation) -> TransformUpdateFn:
@@ -56,7 +93,20 @@ def with_inplace(tx: GradientTransformation) -> TransformUpdateFn:
     Hand-written optax-style update functions ``(updates, state, params=None)`` thus work inside
     combinators; they always take the pure path, which gives the same numbers. Decided once, when
     the combinator is built, so nothing is inspected per step.
+
+    For a :class:`GradientTransformationExtraArgs` the result also takes ``**extra_args`` and passes
+    them on; its ``inplace`` is passed only if its ``update`` names it (an optax-style
+    ``update(updates, state, params=None, **extra_args)`` does not see it among its extra arguments).
     """
+    if takes_extra_args(tx):
+        if _accepts_inplace(tx.update, var_keyword=False):
+            return tx.update
+
+        def update_extra_args(updates, state, params=None, *, inplace=False, **extra_args):
+            del inplace
+            return tx.update(updates, state, params, **extra_args)
+
+        return update_extra_args
     if _accepts_inplace(tx.update):
         return tx.update
 
@@ -65,6 +115,22 @@ def with_inplace(tx: GradientTransformation) -> TransformUpdateFn:
         return tx.update(updates, state, params)
 
     return update_fn
+
+
+def with_extra_args_support(tx: GradientTransformation) -> GradientTransformationExtraArgs:
+    """``tx`` as a :class:`GradientTransformationExtraArgs` that accepts extra arguments and ignores them.
+
+    A transformation that already takes them is returned as it is.
+    """
+    if takes_extra_args(tx):
+        return tx  # type: ignore[return-value]
+    update = with_inplace(tx)
+
+    def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
+        del extra_args
+        return update(updates, state, params, inplace=inplace)
+
+    return GradientTransformationExtraArgs(tx.init, update_fn)
 
 
 def init_empty_state(params: Params) -> EmptyState:

@@ -33,10 +33,13 @@ from gradtx.chains.monitoring import (
     monitor,
     snapshot,
 )
+from gradtx.chains.objective_aliases import lbfgs, polyak_sgd
 from gradtx.chains.partition import PartitionState, multi_transform, partition, selective_transform
 from gradtx.chains.wrap import ChainedOptimizer, wrap
 
 __all__ = [
+    "lbfgs",
+    "polyak_sgd",
     "ApplyIfFiniteState",
     "ChainedOptimizer",
     "EmaMeasureState",

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, with_inplace
+from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace
 from gradtx.chains._select import safe_increment, where_or_zero, where_tree, zeros_like_tree
 
 PyTree = Any
@@ -134,6 +134,8 @@ class MultiSteps:
     ``inplace`` then); under ``torch.compile`` or with ``should_skip_update_fn`` the decision stays
     on the device and the inner transformation runs on its pure path at every mini-step, its
     result discarded on mini-steps. With ``inplace=True`` the accumulator is updated in place.
+
+    Extra arguments given to ``update`` reach ``opt`` when it takes them (on the steps it runs).
     """
 
     def __init__(
@@ -156,6 +158,7 @@ class MultiSteps:
             raise TypeError("MultiSteps: every_k_schedule must be an int or a callable")
         self._opt = opt
         self._opt_update = with_inplace(opt)
+        self._opt_takes_extra_args = takes_extra_args(opt)
         self._every_k_schedule = every_k_schedule
         self._use_grad_mean = use_grad_mean
         self._should_skip = should_skip_update_fn
@@ -196,8 +199,10 @@ class MultiSteps:
             return k.to(device=gradient_step.device, dtype=gradient_step.dtype)
         return torch.full((), int(k), dtype=gradient_step.dtype, device=gradient_step.device)
 
-    def update(self, updates, state: MultiStepsState, params=None, *, inplace: bool = False):
+    def update(self, updates, state: MultiStepsState, params=None, *, inplace: bool = False, **extra_args):
         """Accumulates ``updates``; returns the inner updates every k-th call and zeros otherwise."""
+        if not self._opt_takes_extra_args:
+            extra_args = {}
         on_host = (
             self._should_skip is None
             and state.mini_step.device.type == "cpu"
@@ -206,10 +211,10 @@ class MultiSteps:
             and not tree_lib.uses_functorch([state.mini_step, state.gradient_step])  # batched by vmap
         )
         if on_host:
-            return self._update_on_host(updates, state, params, inplace=inplace)
-        return self._update_on_device(updates, state, params, inplace=inplace)
+            return self._update_on_host(updates, state, params, inplace=inplace, extra_args=extra_args)
+        return self._update_on_device(updates, state, params, inplace=inplace, extra_args=extra_args)
 
-    def _update_on_host(self, updates, state: MultiStepsState, params, *, inplace: bool):
+    def _update_on_host(self, updates, state: MultiStepsState, params, *, inplace: bool, extra_args: dict):
         """Branches in Python on the CPU counters: the inner transformation runs on emitting steps only."""
         k_steps = int(self._k_steps(state.gradient_step))
         mini_step = int(state.mini_step)
@@ -227,7 +232,9 @@ class MultiSteps:
         # the accumulator is handed to the inner transformation (donated when ``inplace``: its
         # updates may be written into it), so the next one starts from fresh zeros
         inner_grads = self._inner_grads(updates, acc_grads)
-        final_updates, inner_state = self._opt_update(inner_grads, state.inner_opt_state, params, inplace=inplace)
+        final_updates, inner_state = self._opt_update(
+            inner_grads, state.inner_opt_state, params, inplace=inplace, **extra_args
+        )
         new_state = MultiStepsState(
             mini_step=torch.zeros_like(state.mini_step),
             gradient_step=safe_increment(state.gradient_step),
@@ -244,7 +251,7 @@ class MultiSteps:
             lambda u, a: u if a is None else (a if a.dtype == u.dtype else a.to(u.dtype)), updates, acc_grads
         )
 
-    def _update_on_device(self, updates, state: MultiStepsState, params, *, inplace: bool):
+    def _update_on_device(self, updates, state: MultiStepsState, params, *, inplace: bool, extra_args: dict):
         """Selects with ``torch.where``: the inner transformation runs every mini-step, nothing syncs."""
         k_steps = self._k_steps(state.gradient_step)
         if self._should_skip is None:
@@ -262,7 +269,9 @@ class MultiSteps:
         # the old accumulator must survive a skipped mini-step, so it is only reused when none can be
         acc_grads = self._accumulate(updates, state.acc_grads, state.mini_step, inplace=inplace and self._should_skip is None)
         inner_grads = self._inner_grads(updates, acc_grads)
-        final_updates, new_inner_state = self._opt_update(inner_grads, state.inner_opt_state, params, inplace=False)
+        final_updates, new_inner_state = self._opt_update(
+            inner_grads, state.inner_opt_state, params, inplace=False, **extra_args
+        )
 
         emit = state.mini_step == k_steps - 1
         apply = emit & ~skip
@@ -312,6 +321,10 @@ class MultiSteps:
         return (state.mini_step == 0) & (state.gradient_step > 0)
 
     def gradient_transformation(self) -> GradientTransformation:
-        """This accumulator as a ``GradientTransformation`` (to put it in a chain)."""
-        return GradientTransformation(self.init, self.update)
+        """This accumulator as a ``GradientTransformation`` (to put it in a chain).
+
+        A ``GradientTransformationExtraArgs`` when the inner transformation takes extra arguments.
+        """
+        kind = GradientTransformationExtraArgs if self._opt_takes_extra_args else GradientTransformation
+        return kind(self.init, self.update)
 

@@ -42,7 +42,7 @@ def _one(tx: GradientTransformation) -> GradientTransformation:
     def init_fn(params: Any):
         return tx.init(params)
 
-    return GradientTransformation(init_fn, tx.update)
+    return type(tx)(init_fn, tx.update)
 
 
 def _momentum(momentum: Optional[float], nesterov: bool) -> GradientTransformation:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, with_inplace
+from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace
 from gradtx.chains._select import counter, safe_increment, where_or_zero, where_tree
 
 PyTree = Any
@@ -57,11 +57,15 @@ def apply_if_finite(
 
     The inner transformation always runs on its pure path (its state must survive a skipped
     step), so with ``inplace=True`` only this wrapper's own counters are reused.
+
+    Extra arguments given to ``update`` reach ``inner`` when it takes them (and the result is then a
+    ``GradientTransformationExtraArgs``).
     """
     if int(max_consecutive_errors) != max_consecutive_errors or max_consecutive_errors < 0:
         raise ValueError(f"apply_if_finite: max_consecutive_errors must be an int >= 0, got {max_consecutive_errors!r}")
     max_consecutive_errors = int(max_consecutive_errors)
     inner_update = with_inplace(inner)
+    extra = takes_extra_args(inner)
 
     def init_fn(params: PyTree) -> ApplyIfFiniteState:
         zero = counter(params)
@@ -72,20 +76,20 @@ def apply_if_finite(
             inner_state=inner.init(params),
         )
 
-    def decide_and_run(updates, state, params):
+    def decide_and_run(updates, state, params, extra_args):
         """``(all finite, inner updates, inner state)``, the flag global under sharding."""
         device = state.notfinite_count.device
         if torch.compiler.is_compiling() or not sharding.is_sharded(tree_lib.leaves(updates), spec):
             isfinite = sharding.all_finite(updates, spec, device=device)
-            return (isfinite, *inner_update(updates, state.inner_state, params, inplace=False))
+            return (isfinite, *inner_update(updates, state.inner_state, params, inplace=False, **extra_args))
         with sharding.finiteness_probe(updates, spec) as probe:
-            new_updates, new_inner_state = inner_update(updates, state.inner_state, params, inplace=False)
+            new_updates, new_inner_state = inner_update(updates, state.inner_state, params, inplace=False, **extra_args)
         isfinite = probe.finite if probe.finite is not None else sharding.all_finite(updates, spec, device=device)
         return isfinite.to(device), new_updates, new_inner_state
 
-    def update_fn(updates, state, params=None, *, inplace=False):
+    def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
         del inplace  # the inner state must survive a rejected step: see the docstring
-        isfinite, new_updates, new_inner_state = decide_and_run(updates, state, params)
+        isfinite, new_updates, new_inner_state = decide_and_run(updates, state, params, extra_args if extra else {})
         notfinite_count = torch.where(
             isfinite, torch.zeros_like(state.notfinite_count), safe_increment(state.notfinite_count)
         )
@@ -95,4 +99,4 @@ def apply_if_finite(
         inner_state = where_tree(apply, new_inner_state, state.inner_state, what="apply_if_finite")
         return out_updates, ApplyIfFiniteState(notfinite_count, isfinite, total_notfinite, inner_state)
 
-    return GradientTransformation(init_fn, update_fn)
+    return (GradientTransformationExtraArgs if extra else GradientTransformation)(init_fn, update_fn)

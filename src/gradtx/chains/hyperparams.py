@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, with_inplace
+from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace
 from gradtx.chains._select import counter, safe_increment
 
 PyTree = Any
@@ -89,7 +89,8 @@ def inject_hyperparams(
       ``count -> value``. Schedules get the 0-d int32 tensor count, so they must accept tensors
       (every schedule in :mod:`gradtx.schedules` does). The factory is also called once when the
       transformation is built, with the initial values, to learn whether its ``update`` takes
-      ``inplace`` (which is then passed through).
+      ``inplace`` (which is then passed through) and extra arguments (a
+      ``GradientTransformationExtraArgs``: then so is the result, and it forwards them).
     """
     static_args = {static_args} if isinstance(static_args, str) else set(static_args)
     signature = inspect.signature(inner_factory)
@@ -123,6 +124,7 @@ def inject_hyperparams(
         # whether the inner update takes ``inplace``, decided once on a probe built with the first values
         probe = inner_factory(**other, **numeric, **{name: fn(0) for name, fn in schedules.items()})
         takes_inplace = with_inplace(probe) is probe.update
+        extra = takes_extra_args(probe)
 
         def current(hyperparams: dict[str, Any], count: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
             values = {name: _as_hyperparam(hyperparams[name], dtype, count.device) for name in numeric}
@@ -137,7 +139,7 @@ def inject_hyperparams(
             inner = inner_factory(**other, **hyperparams)
             return InjectHyperparamsState(count=count, hyperparams=hyperparams, inner_state=inner.init(params))
 
-        def update_fn(updates, state, params=None, *, inplace=False):
+        def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
             missing = set(numeric) - set(state.hyperparams)
             if missing:
                 raise ValueError(f"inject_hyperparams: state.hyperparams lacks {sorted(missing)}")
@@ -150,12 +152,14 @@ def inject_hyperparams(
             if not inplace:  # values read from the state are copied: the new state shares no storage with the old
                 hyperparams.update({name: hyperparams[name].clone() for name in numeric})
             inner = inner_factory(**other, **hyperparams)
+            if not extra:
+                extra_args = {}
             if takes_inplace:
-                new_updates, inner_state = inner.update(updates, state.inner_state, params, inplace=inplace)
+                new_updates, inner_state = inner.update(updates, state.inner_state, params, inplace=inplace, **extra_args)
             else:
-                new_updates, inner_state = inner.update(updates, state.inner_state, params)
+                new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
             return new_updates, InjectHyperparamsState(safe_increment(state.count), hyperparams, inner_state)
 
-        return GradientTransformation(init_fn, update_fn)
+        return (GradientTransformationExtraArgs if extra else GradientTransformation)(init_fn, update_fn)
 
     return wrapped

@@ -12,7 +12,13 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, init_empty_state, with_inplace
+from gradtx.base import (
+    GradientTransformation,
+    GradientTransformationExtraArgs,
+    init_empty_state,
+    takes_extra_args,
+    with_inplace,
+)
 from gradtx.chains._select import zeros_like_tree
 
 PyTree = Any
@@ -67,18 +73,37 @@ def update_selected(
     *,
     inplace: bool,
     owner: str,
+    extra_args: Optional[dict[str, Any]] = None,
+    mask_compatible_extra_args: bool = False,
 ) -> tuple[PyTree, Any]:
-    """Runs ``update_fn`` on the selected leaves only; unselected leaves come back as they were."""
+    """Runs ``update_fn`` on the selected leaves only; unselected leaves come back as they were.
+
+    ``extra_args`` are passed on (``update_fn`` must take them); with ``mask_compatible_extra_args``
+    those with the updates' tree structure are masked as the updates are.
+    """
     update_leaves, treedef = tree_lib.flatten(updates)
     sub_updates = tree_lib.unflatten(treedef, keep_selected(update_leaves, selected))
     sub_params = None
     if params is not None:
         param_leaves = tree_lib.flatten_like(params, treedef, updates, what=f"{owner}: params")
         sub_params = tree_lib.unflatten(treedef, keep_selected(param_leaves, selected))
-    new_sub_updates, new_inner_state = update_fn(sub_updates, inner_state, sub_params, inplace=inplace)
+    if extra_args:
+        if mask_compatible_extra_args:
+            extra_args = {name: _mask_if_alike(value, treedef, selected) for name, value in extra_args.items()}
+        new_sub_updates, new_inner_state = update_fn(sub_updates, inner_state, sub_params, inplace=inplace, **extra_args)
+    else:
+        new_sub_updates, new_inner_state = update_fn(sub_updates, inner_state, sub_params, inplace=inplace)
     new_leaves = tree_lib.flatten_like(new_sub_updates, treedef, updates, what=f"{owner}: inner updates")
     merged = [new if keep else old for new, old, keep in zip(new_leaves, update_leaves, selected)]
     return tree_lib.unflatten(treedef, merged), new_inner_state
+
+
+def _mask_if_alike(value: Any, treedef: Any, selected: Sequence[bool]) -> Any:
+    """``value`` with its unselected leaves replaced by ``None`` if it has the structure ``treedef``."""
+    value_leaves, value_def = tree_lib.flatten(value)
+    if value_def != treedef:
+        return value
+    return tree_lib.unflatten(treedef, keep_selected(value_leaves, selected))
 
 
 def mask_selector(mask: Mask, owner: str) -> LeafSelector:
@@ -97,7 +122,7 @@ def none_as_false(mask: PyTree) -> tuple[Any, list[Any]]:
     return mask_def, [False if leaf is None else leaf for leaf in mask_leaves]
 
 
-def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
+def masked(inner: GradientTransformation, mask: Mask, *, mask_compatible_extra_args: bool = False) -> GradientTransformation:
     """Applies ``inner`` to the leaves ``mask`` selects; the others pass through untouched.
 
     Example: weight decay on matrices only,
@@ -108,23 +133,35 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
       mask: a tree of bools (the params' structure or a prefix of it; ``True`` selects) or a
         callable ``tree -> such a tree``, called on the params at ``init`` and on the updates at
         ``update``.
+      mask_compatible_extra_args: also mask the extra arguments that have the updates' tree
+        structure (a ``grad=`` tree, say), as the updates are.
 
-    The state is ``MaskedState(inner_state)``, with ``None`` in the inner state wherever a leaf is
+    Extra arguments given to ``update`` reach ``inner`` when it takes them (it is then a
+    ``GradientTransformationExtraArgs``, and so is the result). The state is ``MaskedState(inner_state)``, with ``None`` in the inner state wherever a leaf is
     masked out.
     """
     selector = mask_selector(mask, "masked")
     inner_update = with_inplace(inner)
+    extra = takes_extra_args(inner)
 
     def init_fn(params: PyTree) -> MaskedState:
         return MaskedState(inner_state=init_selected(inner.init, params, selector(params)))
 
-    def update_fn(updates, state, params=None, *, inplace=False):
+    def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
         new_updates, inner_state = update_selected(
-            inner_update, selector(updates), updates, state.inner_state, params, inplace=inplace, owner="masked"
+            inner_update,
+            selector(updates),
+            updates,
+            state.inner_state,
+            params,
+            inplace=inplace,
+            owner="masked",
+            extra_args=extra_args if extra else None,
+            mask_compatible_extra_args=mask_compatible_extra_args,
         )
         return new_updates, MaskedState(inner_state=inner_state)
 
-    return GradientTransformation(init_fn, update_fn)
+    return (GradientTransformationExtraArgs if extra else GradientTransformation)(init_fn, update_fn)
 
 
 def _zero_updates() -> GradientTransformation:

@@ -15,7 +15,13 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, init_empty_state, with_inplace
+from gradtx.base import (
+    GradientTransformation,
+    GradientTransformationExtraArgs,
+    init_empty_state,
+    takes_extra_args,
+    with_inplace,
+)
 from gradtx.chains._select import counter, safe_increment
 
 PyTree = Any
@@ -131,7 +137,9 @@ def monitor(measures: Mapping[str, Union[Measure, GradientTransformation]]) -> G
 
     Measuring transformations run on their pure path, whatever ``inplace`` says: the updates they
     see go on down the chain. ``init`` records the measurements of the params (with a throwaway
-    state), so the state has its final structure from the start.
+    state), so the state has its final structure from the start. Extra arguments given to
+    ``update`` reach the measuring transformations that take them (``GradientTransformationExtraArgs``,
+    which the result then is too); ``init`` calls them without any, so they need defaults.
     """
     names = tuple(measures)
     as_transforms: dict[str, GradientTransformation] = {}
@@ -143,6 +151,7 @@ def monitor(measures: Mapping[str, Union[Measure, GradientTransformation]]) -> G
         else:
             raise TypeError(f"monitor: measure {name!r} is a {type(measure).__name__}, expected a callable")
     updaters = {name: with_inplace(tx) for name, tx in as_transforms.items()}
+    takes_extra = {name: takes_extra_args(tx) for name, tx in as_transforms.items()}
 
     def init_fn(params: PyTree) -> MonitorState:
         states = tuple(as_transforms[name].init(params) for name in names)
@@ -151,15 +160,16 @@ def monitor(measures: Mapping[str, Union[Measure, GradientTransformation]]) -> G
         }
         return MonitorState(measurements, states)
 
-    def update_fn(updates, state, params=None, *, inplace=False):
+    def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
         measurements, states = {}, []
         for name, measure_state in zip(names, state.measure_states):
-            measurement, new_state = updaters[name](updates, measure_state, params, inplace=False)
+            forwarded = extra_args if takes_extra[name] else {}
+            measurement, new_state = updaters[name](updates, measure_state, params, inplace=False, **forwarded)
             measurements[name] = _detached_from(measurement, updates) if inplace else measurement
             states.append(new_state)
         return updates, MonitorState(measurements, tuple(states))
 
-    return GradientTransformation(init_fn, update_fn)
+    return (GradientTransformationExtraArgs if any(takes_extra.values()) else GradientTransformation)(init_fn, update_fn)
 
 
 def _measuring(measure: Measure) -> GradientTransformation:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable, Hashable, Mapping, NamedTuple, Union
 
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, with_inplace
+from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace
 from gradtx.chains.masking import LeafSelector, MaskedState, none_as_false, freeze, init_selected, update_selected
 
 PyTree = Any
@@ -55,7 +55,12 @@ def _label_resolver(transforms: Mapping[Hashable, GradientTransformation]) -> Ca
     return resolve
 
 
-def partition(transforms: Mapping[Hashable, GradientTransformation], param_labels: Labels) -> GradientTransformation:
+def partition(
+    transforms: Mapping[Hashable, GradientTransformation],
+    param_labels: Labels,
+    *,
+    mask_compatible_extra_args: bool = False,
+) -> GradientTransformation:
     """Applies ``transforms[label]`` to the leaves labelled ``label``.
 
     Args:
@@ -64,12 +69,17 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], param_label
         node covers every leaf below), or a callable ``tree -> such a tree`` (called on the params
         at ``init`` and on the updates at ``update``). A label with no transformation is a
         ``ValueError`` naming it.
+      mask_compatible_extra_args: also mask the extra arguments that have the updates' tree
+        structure, as each group's updates are (see :func:`~gradtx.masked`).
+
+    Extra arguments given to ``update`` reach the transformations that take them; the result is a
+    ``GradientTransformationExtraArgs`` when any of them is.
     """
     transforms = dict(transforms)
     for label, tx in transforms.items():
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"partition: the transformation for {label!r} is a {type(tx).__name__}")
-    updaters = {label: with_inplace(tx) for label, tx in transforms.items()}
+    updaters = {label: (with_inplace(tx), takes_extra_args(tx)) for label, tx in transforms.items()}
     selector = LeafSelector(param_labels, _label_resolver(transforms))
 
     def init_fn(params: PyTree) -> PartitionState:
@@ -81,10 +91,10 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], param_label
             }
         )
 
-    def update_fn(updates, state, params=None, *, inplace=False):
+    def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
         leaf_labels = selector(updates)
         new_states = {}
-        for label, update in updaters.items():
+        for label, (update, extra) in updaters.items():
             updates, new_states[label] = update_selected(
                 update,
                 [lab == label for lab in leaf_labels],
@@ -93,11 +103,14 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], param_label
                 params,
                 inplace=inplace,
                 owner=f"partition[{label!r}]",
+                extra_args=extra_args if extra else None,
+                mask_compatible_extra_args=mask_compatible_extra_args,
             )
             new_states[label] = MaskedState(new_states[label])
         return updates, PartitionState(new_states)
 
-    return GradientTransformation(init_fn, update_fn)
+    kind = GradientTransformationExtraArgs if any(extra for _, extra in updaters.values()) else GradientTransformation
+    return kind(init_fn, update_fn)
 
 
 multi_transform = partition

@@ -22,6 +22,16 @@ from gradtx.transforms.clipping import (
     unitwise_norm,
 )
 from gradtx.transforms.elementwise import ZeroNansState, centralize, set_to_zero, zero_nans
+from gradtx.transforms.lbfgs import ScaleByLBFGSState, scale_by_lbfgs
+from gradtx.transforms.linesearch import (
+    BacktrackingLinesearchInfo,
+    ScaleByBacktrackingLinesearchState,
+    ScaleByZoomLinesearchState,
+    ZoomLinesearchInfo,
+    scale_by_backtracking_linesearch,
+    scale_by_zoom_linesearch,
+    value_and_grad_from_state,
+)
 from gradtx.transforms.lion import ScaleByLionState, scale_by_lion
 from gradtx.transforms.momentum import EmaState, TraceState, ema, trace
 from gradtx.transforms.noise import (
@@ -30,6 +40,7 @@ from gradtx.transforms.noise import (
     add_noise,
     differentially_private_aggregate,
 )
+from gradtx.transforms.polyak import scale_by_polyak
 from gradtx.transforms.per_example import per_example_global_norm_clip, per_example_layer_norm_clip
 from gradtx.transforms.rms import (
     ScaleByRmsState,
@@ -51,6 +62,16 @@ from gradtx.transforms.scaling import (
 from gradtx.transforms.weight_decay import WeightDecaySchedule, add_decayed_weights
 
 __all__ = [
+    "BacktrackingLinesearchInfo",
+    "ScaleByBacktrackingLinesearchState",
+    "ScaleByLBFGSState",
+    "ScaleByZoomLinesearchState",
+    "ZoomLinesearchInfo",
+    "scale_by_backtracking_linesearch",
+    "scale_by_lbfgs",
+    "scale_by_polyak",
+    "scale_by_zoom_linesearch",
+    "value_and_grad_from_state",
     "AddNoiseState",
     "ClipByGlobalNormState",
     "DifferentiallyPrivateAggregateState",
