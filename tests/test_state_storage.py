@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -136,7 +137,32 @@ FACTORIES = {
     "conditionally_mask": lambda: gtx.conditionally_mask(adam(), lambda step: step % 2 == 0),
     "flatten": lambda: gtx.flatten(adam()),
     "lookahead": lambda: _on_fast_params(gtx.lookahead(adam(), sync_period=2, slow_step_size=0.5)),
+    "inject_stateful_hyperparams": lambda: _deprecated(gtx.inject_stateful_hyperparams)(gtx.adamw)(
+        learning_rate=gtx.linear_schedule(1e-2, 1e-3, 3), weight_decay=0.1
+    ),
+    "with_extra_args_support": lambda: gtx.with_extra_args_support(adam()),
+    # the extra-arguments family: each update is given value=, grad= and value_fn= (see EXTRA_ARGS)
+    "scale_by_polyak": lambda: gtx.chain(gtx.scale(-1.0), gtx.scale_by_polyak(max_learning_rate=0.5)),
+    "polyak_sgd": lambda: gtx.polyak_sgd(max_learning_rate=0.5),
+    "scale_by_backtracking_linesearch": lambda: gtx.chain(
+        gtx.scale(-1.0), gtx.scale_by_backtracking_linesearch(max_backtracking_steps=15, store_grad=True)
+    ),
+    "scale_by_zoom_linesearch": lambda: gtx.chain(
+        gtx.scale(-1.0), gtx.scale_by_zoom_linesearch(max_linesearch_steps=15)
+    ),
+    "lbfgs": lambda: gtx.lbfgs(memory_size=3),
 }
+
+
+def _deprecated(factory):
+    """``factory`` called without its DeprecationWarning (the wrapper is what is under test)."""
+
+    def call(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return factory(*args, **kwargs)
+
+    return call
 
 
 def _on_fast_params(tx):
@@ -165,6 +191,30 @@ MULTISTEPS = {
     ),
 }
 CASES = {**FACTORIES, **MULTISTEPS}
+
+# Cases whose update takes the objective: their gradients are the objective's, not random ones.
+EXTRA_ARGS = {"scale_by_polyak", "polyak_sgd", "scale_by_backtracking_linesearch", "scale_by_zoom_linesearch", "lbfgs"}
+# Cases whose state keeps the value and gradient at the accepted point: the next step reads them
+# back (gtx.value_and_grad_from_state) and hands them in, as a training loop does.
+FROM_STATE = {"scale_by_backtracking_linesearch", "scale_by_zoom_linesearch", "lbfgs"}
+_TARGETS = {name: 0.5 * g for name, g in grads(50).items()}
+
+
+def objective(params):
+    """A smooth, anisotropic, non-quadratic objective (so line searches and L-BFGS do real work)."""
+    return sum(
+        ((1.0 + i) * (p - _TARGETS[name]).square() + 0.1 * p.pow(4)).sum()
+        for i, (name, p) in enumerate(params.items())
+    )
+
+
+def extra_args(name, params, state):
+    """``(grads, extra arguments)`` for the update of a case that takes the objective."""
+    if name in FROM_STATE:
+        value, grad = gtx.value_and_grad_from_state(objective)(params, state=state)
+    else:
+        value, grad = torch.func.grad_and_value(objective)(params)[::-1]
+    return grad, {"value": value, "grad": grad, "value_fn": objective}
 
 
 def public_factories() -> set[str]:
@@ -204,7 +254,10 @@ def test_pure_update_returns_a_state_sharing_no_storage_with_the_old_one(name):
         g = grads(step, (2,) if name in PER_EXAMPLE else ())
         if step == 2 and "finite" in name:
             g["layer.bias"] = torch.full_like(g["layer.bias"], float("nan"))  # a skipped step too
-        updates, new_state = tx.update(g, state, p)
+        extra = {}
+        if name in EXTRA_ARGS:
+            g, extra = extra_args(name, p, state)
+        updates, new_state = tx.update(g, state, p, **extra)
         old = storages(state)
         for path, leaf in zip(gtx.tree.paths(new_state), gtx.tree.leaves(new_state)):
             if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().nbytes() > 0:
