@@ -1,11 +1,14 @@
 """gradtx: pure, composable gradient transformations for PyTorch, exact under any sharding."""
 
 from gradtx import schedules, sharding, tree
-from gradtx import projections, tree_utils
+from gradtx import numerics, projections, tree_utils
 from gradtx.base import (
     EmptyState,
     GradientTransformation,
     GradientTransformationExtraArgs,
+    OptState,
+    Params,
+    Updates,
     apply_updates,
     identity,
     init_empty_state,
@@ -193,6 +196,17 @@ from gradtx.chains import (
     flatten,
     inject_stateful_hyperparams,
     lookahead,
+)
+
+from gradtx.numerics import (
+    ScalarOrSchedule,
+    incremental_update,
+    periodic_update,
+    safe_increment,
+    safe_int32_increment,
+    safe_norm,
+    safe_root_mean_squares,
+    scale_gradient,
 )
 
 __version__ = "0.2.0"
