@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -85,10 +86,72 @@ CASES = {
     "noisy_sgd": lambda: gtx.noisy_sgd(0.1, eta=0.01, key=3),
     "dpsgd": lambda: gtx.dpsgd(0.1, l2_norm_clip=1.0, noise_multiplier=0.0, seed=0, momentum=0.5),
     "clip_adamw": lambda: gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(0.05, weight_decay=0.1)),
+    # sign-based: sign() is piecewise constant (zero derivative away from g = 0), so the meta-gradient
+    # flows through the params alone; no gradient element changes sign within a finite-difference step
+    "sign_sgd": lambda: gtx.sign_sgd(0.01),
+    "signum": lambda: gtx.signum(0.01, beta=0.5),
+    # Rprop's step sizes move by comparing signs of successive gradients: piecewise constant too
+    "rprop": lambda: gtx.rprop(0.01),
+    "adadelta": lambda: gtx.adadelta(0.5, weight_decay=0.1),
+    "yogi": lambda: gtx.yogi(0.05),
+    "adan": lambda: gtx.adan(0.05, weight_decay=0.1),
+    "novograd": lambda: gtx.novograd(0.05, weight_decay=0.1),
+    "optimistic_gradient_descent": lambda: gtx.optimistic_gradient_descent(0.1, alpha=0.7, beta=0.4),
+    "optimistic_adam": lambda: _deprecated(gtx.optimistic_adam)(0.05, optimism=0.5),
+    "optimistic_adam_v2": lambda: gtx.optimistic_adam_v2(0.05, alpha=0.7, beta=0.4),
+    # eps_root > 0: the graph path must add it as the fast path does
+    "yogi_eps_root": lambda: gtx.chain(gtx.scale_by_yogi(eps_root=1e-8), gtx.scale(-0.05)),
+    "adamaxw": lambda: gtx.adamaxw(0.05, weight_decay=0.1),
+    "fromage": lambda: gtx.fromage(0.05),
+    # one accumulator per vector or scalar leaf here; the maxima over a matrix's covers:
+    # test_matrix_statistics_are_differentiable
+    "sm3": lambda: gtx.sm3(0.05, momentum=0.5),
+    # the leaves are a vector and a scalar (below min_dim_size_to_factor): the unfactored second
+    # moment, update clipping (active: the first update's RMS is 1) and the parameter-scale
+    # multiplier; the momentum in float64 (its float32 default would round what finite differences see)
+    "adafactor": lambda: gtx.adafactor(
+        0.05, clipping_threshold=0.5, momentum=0.5, dtype_momentum=DTYPE, weight_decay_rate=0.1
+    ),
+    # the objective's value= goes in with its graph: d step / d value is part of the meta-gradient
+    "polyak_sgd": lambda: gtx.polyak_sgd(max_learning_rate=10.0, scaling=0.5, f_min=-1.0),
+    "with_extra_args_support": lambda: gtx.with_extra_args_support(gtx.sgd(0.1, momentum=0.5)),
+    "keep_params_nonnegative": lambda: gtx.chain(gtx.sgd(0.1), gtx.keep_params_nonnegative()),
+    # a fixed step: the L-BFGS direction, differentiated through the two-loop recursion
+    "lbfgs": lambda: gtx.lbfgs(0.5, memory_size=2, linesearch=None),
+    # the accepted step is decrease_factor**k, piecewise constant in the params (1, 0.512, 0.49152
+    # here): the host's decisions do not move within a finite-difference step
+    "scale_by_backtracking_linesearch": lambda: gtx.chain(
+        gtx.scale(-1.0), gtx.scale_by_backtracking_linesearch(max_backtracking_steps=15)
+    ),
 }
 GRADIENTS = {"dpsgd": per_example_gradients}
 # Every public optimizer alias must be covered here (or listed with the reason it is not).
 NOT_COVERED: dict[str, str] = {}
+# Cases left out of the vmap test, and why.
+NOT_VMAPPED = {
+    "scale_by_backtracking_linesearch": "the search reads each trial's value back to the host to decide the next",
+}
+
+# Differentiated by autograd only. A line search that evaluates value_fn's gradient (the zoom search,
+# the backtracking one with store_grad=True) takes it with torch.autograd on detached copies, which
+# torch.func transforms refuse (requires_grad_ inside a transform), and reads its decisions back to
+# the host (no vmap). The accepted step is a host number, so its derivative is taken as 0: exact where
+# the step is piecewise constant in the params (a backtracking step decrease_factor**k, or the zoom's
+# initial guess accepted, as in each case here); a step the zoom search interpolates (cubic or
+# quadratic minimiser of its trial values) depends continuously on the params, and that dependence is
+# not differentiated: the meta-gradient then misses it (optax's search, a while_loop, has no reverse
+# mode at all).
+AUTOGRAD_ONLY = {
+    # the strong Wolfe conditions hold at the initial guess 1 at every step here
+    "scale_by_zoom_linesearch": lambda: gtx.chain(
+        gtx.scale(-0.3), gtx.scale_by_zoom_linesearch(max_linesearch_steps=15, initial_guess_strategy="one")
+    ),
+    "scale_by_backtracking_linesearch/store_grad": lambda: gtx.chain(
+        gtx.scale(-1.0), gtx.scale_by_backtracking_linesearch(max_backtracking_steps=15, store_grad=True)
+    ),
+    # L-BFGS's default: its zoom search accepts the step 1 at every step here
+    "lbfgs/zoom_linesearch": lambda: gtx.lbfgs(memory_size=2),
+}
 
 # Transformations and combinators, each checked the same way (chained with a learning rate),
 # keyed by public name (a suffix after "/" names a variant).
@@ -149,6 +212,33 @@ COMPONENTS = {
     ),
     "selective_transform": lambda: gtx.selective_transform(gtx.scale_by_adam(), freeze_mask={"w": False, "b": True}),
     "snapshot": lambda: gtx.chain(gtx.snapshot("norm", gtx.global_norm), gtx.scale_by_adam()),
+    # sign() and Rprop's sign comparisons are piecewise constant: away from g = 0 (as here) the
+    # derivative through them is 0, and the meta-gradient flows through the params alone
+    "scale_by_sign": lambda: gtx.scale_by_sign(),
+    "scale_by_rprop": lambda: gtx.scale_by_rprop(0.1),
+    "scale_by_adadelta": lambda: gtx.scale_by_adadelta(rho=0.8),
+    "scale_by_yogi": lambda: gtx.scale_by_yogi(b2=0.9),
+    "scale_by_adan": lambda: gtx.scale_by_adan(),
+    "scale_by_novograd": lambda: gtx.scale_by_novograd(weight_decay=0.1),
+    "scale_by_optimistic_gradient": lambda: gtx.scale_by_optimistic_gradient(alpha=0.7, beta=0.4),
+    "scale_by_param_block_norm": lambda: gtx.chain(gtx.scale_by_adam(), gtx.scale_by_param_block_norm()),
+    "scale_by_param_block_rms": lambda: gtx.chain(gtx.scale_by_adam(), gtx.scale_by_param_block_rms()),
+    "normalize_by_update_norm": lambda: gtx.normalize_by_update_norm(),
+    # (in float64: the float32 default of param_dtype would round what finite differences see)
+    "scale_by_distance_over_gradients": lambda: gtx.scale_by_distance_over_gradients(param_dtype=torch.float64),
+    # the leaves are a vector and a scalar: the unfactored moment (the factored one and SM3's
+    # maxima over a matrix's covers: test_matrix_statistics_are_differentiable)
+    "scale_by_factored_rms": lambda: gtx.scale_by_factored_rms(),
+    "scale_by_sm3": lambda: gtx.scale_by_sm3(b1=0.5),
+    # the two-loop recursion on tensors: differentiable, no host decision
+    "scale_by_lbfgs": lambda: gtx.scale_by_lbfgs(memory_size=2),
+    # value= goes in with its graph; the step stays below max_learning_rate (no kink)
+    "scale_by_polyak": lambda: gtx.chain(gtx.scale_by_adam(), gtx.scale_by_polyak(max_learning_rate=100.0, f_min=-1.0)),
+    "apply_every": lambda: gtx.chain(gtx.scale_by_adam(), gtx.apply_every(2)),
+    "conditionally_mask": lambda: gtx.conditionally_mask(gtx.scale_by_adam(), lambda step: step % 2 == 0),
+    "conditionally_transform": lambda: gtx.conditionally_transform(gtx.scale_by_adam(), lambda step: step % 2 == 0),
+    "flatten": lambda: gtx.flatten(gtx.scale_by_adam()),
+    "inject_stateful_hyperparams": lambda: _deprecated(gtx.inject_stateful_hyperparams)(gtx.scale_by_adam)(b1=0.8),
 }
 # Unrolled further: RAdam's rectified branch starts at the sixth step (rho_t >= 5).
 LONGER = {"scale_by_radam": 7}
@@ -165,13 +255,34 @@ COMPONENTS_NOT_COVERED = {
     "skip_large_updates": "a MultiSteps skip function: covered by MultiSteps/skip_large_updates",
     "from_torch": "runs a torch.optim.Optimizer's step, which torch takes under no_grad: not differentiable",
     "wrap": "the imperative torch optimizer, stepped under no_grad",
+    "lookahead": "its params are a (fast, slow) pair: test_lookahead_meta_gradient_equals_finite_differences",
+    "value_and_grad_from_state": "a helper returning the value and gradient a line search stored, no transformation",
 }
+
+
+def _deprecated(factory):
+    """``factory`` called without its DeprecationWarning (the deprecated name is what is under test)."""
+
+    def call(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return factory(*args, **kwargs)
+
+    return call
+
+
+def _extra_args(tx, params, g):
+    """The objective's value (with its graph), gradient and function, for a transformation that takes them."""
+    if isinstance(tx, gtx.GradientTransformationExtraArgs):
+        return {"value": loss(params), "grad": g, "value_fn": loss}
+    return {}
 
 
 def _unroll(tx, params, gradients, *, create_graph, steps=STEPS):
     state = tx.init(params)
     for _ in range(steps):
-        updates, state = tx.update(gradients(params, create_graph=create_graph), state, params)
+        g = gradients(params, create_graph=create_graph)
+        updates, state = tx.update(g, state, params, **_extra_args(tx, params, g))
         params = gtx.apply_updates(params, updates)
     return params
 
@@ -226,7 +337,7 @@ def test_every_transformation_and_combinator_is_covered():
         for name in module.__all__
         if inspect.isfunction(getattr(module, name)) or name == "MultiSteps"
     ]
-    covered = {name.split("/")[0] for name in COMPONENTS} | set(COMPONENTS_NOT_COVERED) | set(CASES)
+    covered = {name.split("/")[0] for name in (*COMPONENTS, *AUTOGRAD_ONLY)} | set(COMPONENTS_NOT_COVERED) | set(CASES)
     missing = [name for name in public if name not in covered]
     assert not missing, f"transformations or combinators with no differentiability test: {missing}"
 
@@ -240,6 +351,85 @@ def test_meta_gradient_by_autograd_equals_finite_differences(name):
     computed = dict(zip(params, torch.autograd.grad(value, list(params.values()))))
     torch.testing.assert_close(value.detach(), final_loss(make, PARAMS, gradients), rtol=1e-12, atol=0)
     assert_matches(computed, expected)
+
+
+@pytest.mark.parametrize("name", sorted(AUTOGRAD_ONLY))
+def test_line_search_meta_gradient_by_autograd_equals_finite_differences(name):
+    make = AUTOGRAD_ONLY[name]
+    expected = finite_differences(lambda p: final_loss(make, p), PARAMS)
+    params = {k: v.clone().requires_grad_() for k, v in PARAMS.items()}
+    value = final_loss(make, params, create_graph=True)
+    computed = dict(zip(params, torch.autograd.grad(value, list(params.values()))))
+    torch.testing.assert_close(value.detach(), final_loss(make, PARAMS), rtol=1e-12, atol=0)
+    assert_matches(computed, expected)
+
+
+# Second-moment statistics that only a matrix has: Adafactor's row and column factors, SM3's
+# per-dimension maxima (minimum over covers, maximum over the rest: no ties on this random data).
+_GEN = torch.Generator().manual_seed(1)
+MATRIX_X, MATRIX_Y = torch.randn(8, 4, generator=_GEN, dtype=DTYPE), torch.randn(8, 3, generator=_GEN, dtype=DTYPE)
+MATRIX_PARAMS = {"W": torch.randn(4, 3, generator=_GEN, dtype=DTYPE), "bias": torch.randn(3, generator=_GEN, dtype=DTYPE)}
+MATRIX_CASES = {
+    "scale_by_factored_rms": lambda: gtx.chain(gtx.scale_by_factored_rms(min_dim_size_to_factor=2), gtx.scale(-0.05)),
+    "scale_by_sm3": lambda: gtx.chain(gtx.scale_by_sm3(b1=0.5), gtx.scale(-0.05)),
+    "adafactor": lambda: gtx.adafactor(
+        0.05, min_dim_size_to_factor=2, clipping_threshold=0.5, momentum=0.5, dtype_momentum=DTYPE, weight_decay_rate=0.1
+    ),
+    "sm3": lambda: gtx.sm3(0.05, momentum=0.5),
+}
+
+
+def _matrix_loss(params):
+    return ((MATRIX_X @ params["W"] + params["bias"] - MATRIX_Y) ** 2).mean()
+
+
+def _matrix_final_loss(make, params, *, create_graph=False):
+    tx = make()
+    state = tx.init(params)
+    for _ in range(STEPS):
+        if create_graph:
+            g = dict(zip(params, torch.autograd.grad(_matrix_loss(params), list(params.values()), create_graph=True)))
+        else:
+            g = grad(_matrix_loss)(params)
+        updates, state = tx.update(g, state, params)
+        params = gtx.apply_updates(params, updates)
+    return _matrix_loss(params)
+
+
+@pytest.mark.parametrize("name", sorted(MATRIX_CASES))
+def test_matrix_statistics_are_differentiable(name):
+    make = MATRIX_CASES[name]
+    if name in ("scale_by_factored_rms", "adafactor"):  # the factored branch is the one taken for W
+        factored = make().init(MATRIX_PARAMS)[0]
+        assert factored.v["W"].numel() == 1 and factored.v_row["W"].numel() > 1
+    expected = finite_differences(lambda p: _matrix_final_loss(make, p), MATRIX_PARAMS)
+    params = {k: v.clone().requires_grad_() for k, v in MATRIX_PARAMS.items()}
+    value = _matrix_final_loss(make, params, create_graph=True)
+    computed = dict(zip(params, torch.autograd.grad(value, list(params.values()))))
+    torch.testing.assert_close(value.detach(), _matrix_final_loss(make, MATRIX_PARAMS), rtol=1e-12, atol=0)
+    assert_matches(computed, expected)
+    assert_matches(grad(lambda p: _matrix_final_loss(make, p))(MATRIX_PARAMS), expected)
+
+
+def _lookahead_final_loss(params, *, create_graph=False):
+    """Loss of the fast and slow params after three lookahead steps (a synchronisation at the second)."""
+    tx = gtx.lookahead(gtx.adam(0.05), sync_period=2, slow_step_size=0.5)
+    pair = gtx.LookaheadParams.init_synced(params)
+    state = tx.init(pair)
+    for _ in range(STEPS):
+        updates, state = tx.update(batch_gradient(pair.fast, create_graph=create_graph), state, pair)
+        pair = gtx.apply_updates(pair, updates)
+    return loss(pair.fast) + loss(pair.slow)
+
+
+def test_lookahead_meta_gradient_equals_finite_differences():
+    expected = finite_differences(_lookahead_final_loss, PARAMS)
+    params = {k: v.clone().requires_grad_() for k, v in PARAMS.items()}
+    value = _lookahead_final_loss(params, create_graph=True)
+    computed = dict(zip(params, torch.autograd.grad(value, list(params.values()))))
+    torch.testing.assert_close(value.detach(), _lookahead_final_loss(PARAMS), rtol=1e-12, atol=0)
+    assert_matches(computed, expected)
+    assert_matches(grad(_lookahead_final_loss)(PARAMS), expected)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -263,7 +453,7 @@ def test_transforms_and_combinators_are_differentiable(name):
     assert_matches(grad(lambda p: final_loss(make, p, steps=steps))(PARAMS), expected)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(set(CASES) - set(NOT_VMAPPED)))
 def test_vmap_over_an_ensemble_equals_a_loop(name):
     make, gradients = CASES[name], GRADIENTS.get(name, batch_gradient)
     ensemble = {k: torch.stack([v + 0.3 * i for i in range(3)]) for k, v in PARAMS.items()}

@@ -85,7 +85,7 @@ def scale_by_yogi(
             v = fe.add(v, fe.mul(direction, g_sq, inplace=True), alpha=-(1.0 - b2), inplace=inplace)
             d = fe.mul(v, fe.on(inv_bc2, v), inplace=False)
             if eps_root:
-                fe.add(d, eps_root, inplace=True)
+                d = fe.add(d, eps_root, inplace=True)
             # a new tensor for the sum: autograd needs the square root as it was
             d = fe.add(fe.sqrt(d, inplace=True), eps, inplace=False)
             out = fe.div(fe.mul(fe.cast(m, d[0].dtype), fe.on(inv_bc1, d), inplace=False), d, inplace=True)

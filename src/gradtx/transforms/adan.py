@@ -69,7 +69,7 @@ def scale_by_adan(
             numer = fe.add(numer, fe.mul(v, fe.on(inv_bc2, corrected), inplace=False), alpha=1.0 - b2, inplace=True)
             d = fe.mul(fe.cast(n, corrected[0].dtype), fe.on(inv_bc3, corrected), inplace=False)
             if eps_root:
-                fe.add(d, eps_root, inplace=True)
+                d = fe.add(d, eps_root, inplace=True)
             # a new tensor for the sum: autograd needs the square root as it was
             d = fe.add(fe.sqrt(d, inplace=True), eps, inplace=False)
             out = fe.finish(fe.div(numer, d, inplace=True), g)
