@@ -28,6 +28,8 @@ def test_leaf_specs():
         Shard("tp", dim=(0, 1))
     with pytest.raises(TypeError, match="dim"):
         Shard("tp", dim="0")
+    with pytest.raises(ValueError, match=r"names no mesh axis.*Shard\('dp', dim=0\)"):
+        Shard(dim=0)  # a DTensor habit: it would silently mean Replicate()
 
 
 @pytest.mark.parametrize("p", [1.0, 2.0, 3.0, math.inf])

@@ -132,6 +132,31 @@ def multisteps_skips_everywhere_with_a_spec(world):
                     _same_on_every_rank(value, key)
 
 
+@case(2)
+def decisions_span_the_mesh_when_nothing_is_sharded(world):
+    """A spec that shards nothing (data-parallel copies): a NaN in one rank's copy still skips everywhere."""
+    mesh = world.mesh((2,), ("dp",))
+    spec = ShardingSpec(mesh, default=Replicate())
+    grads = {"w": torch.ones(2)}
+    if world.rank == 1:
+        grads["w"][0] = math.nan
+    params = {"w": torch.zeros(2)}
+    for tx in (
+        gtx.apply_if_finite(gtx.sgd(1.0), 5, spec),
+        gtx.apply_if_finite(gtx.chain(gtx.clip_by_global_norm(1.0, spec), gtx.sgd(1.0)), 5, spec),
+    ):
+        updates, state = tx.update(grads, tx.init(params), params)
+        assert not bool(state.last_finite) and int(state.total_notfinite) == 1, f"rank {world.rank} decided alone"
+        assert torch.count_nonzero(updates["w"]) == 0
+
+    def my_skip(updates, step, params, spec=None):  # takes spec=, but decides on this rank's pieces
+        return ~torch.isfinite(updates["w"]).all(), ()
+
+    multi = gtx.MultiSteps(gtx.sgd(1.0), 1, should_skip_update_fn=my_skip, spec=spec)
+    _, multi_state = multi.update(grads, multi.init(params), params)
+    assert int(multi_state.gradient_step) == 0, f"rank {world.rank} applied a step another rank skipped"
+
+
 def _sharded_model(mesh=None):
     from torch.distributed.fsdp import fully_shard
 

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
 FORK = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_ranks(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import gc
 import os
-import socket
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradtx as gtx
-from _ranks import run_ranks
+from _ranks import free_port, run_ranks
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -143,12 +142,6 @@ def ddp_worker(rank: int, port: int, checkpoint_dir: str) -> None:
         gc.collect()  # DDP's reducer sits in reference cycles: no gloo thread may outlive the group
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.distributed

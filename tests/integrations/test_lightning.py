@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import gc
 import os
-import socket
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from torch import nn
 
 import gradtx as gtx
 from gradtx.chains.wrap import STATE_KEY
-from _ranks import run_ranks
+from _ranks import free_port, run_ranks
 
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -137,12 +136,6 @@ def ddp_worker(rank: int, port: int, checkpoint: str) -> None:
         gc.collect()  # DDP's reducer sits in reference cycles: no gloo thread may outlive the group
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class StateNotConsolidated(AssertionError):

@@ -93,6 +93,12 @@ def skip_large_updates(
     return should_skip, {"should_skip": should_skip, "norm_squared": norm_sq}
 
 
+def _unwrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
+
+
 def _takes_spec(fn: Callable[..., Any]) -> bool:
     """Whether a skip function takes ``spec=`` (and so decides on the logical gradient itself)."""
     try:
@@ -121,10 +127,10 @@ class MultiSteps:
       accumulator_dtype: the accumulator's dtype (float32, as optax), or ``None`` for each
         parameter's own.
       spec: how the gradients are sharded (a :class:`gradtx.sharding.ShardingSpec`; DTensor
-        gradients need none). Skip decisions are then the same on every rank: a skip function
-        that takes ``spec=`` (``skip_not_finite``, ``skip_large_updates``) receives it and decides on
-        the logical gradient; any other one decides per rank, and every rank skips when any rank
-        says so (one all-reduce of a 0/1 flag).
+        gradients need none). Skip decisions are then the same on every rank: ``skip_not_finite``
+        and ``skip_large_updates`` receive it and decide on the logical gradient; any other skip
+        function (given ``spec=`` too if it takes it) decides per rank, and every rank skips when
+        any rank says so (one all-reduce of a 0/1 flag over the mesh).
 
     Mini-steps return zeros. Where optax multiplies by 0/1 flags, this selects with ``torch.where``,
     so a NaN in a discarded inner update neither leaks into a mini-step's zeros nor sticks in the
@@ -163,6 +169,11 @@ class MultiSteps:
         self._use_grad_mean = use_grad_mean
         self._should_skip = should_skip_update_fn
         self._skip_takes_spec = should_skip_update_fn is not None and _takes_spec(should_skip_update_fn)
+        # only gradtx's own skip functions are known to decide on the logical gradient
+        self._skip_is_global = should_skip_update_fn is not None and _unwrapped(should_skip_update_fn) in (
+            skip_not_finite,
+            skip_large_updates,
+        )
         self._accumulator_dtype = accumulator_dtype
         self._spec = spec
 
@@ -263,7 +274,7 @@ class MultiSteps:
                     "MultiSteps: should_skip_update_fn must return a 0-d bool tensor, got "
                     f"{type(skip).__name__} {getattr(skip, 'dtype', '')} {tuple(getattr(skip, 'shape', ()))}"
                 )
-            if not self._skip_takes_spec:  # a per-rank verdict: any rank's skip is everyone's
+            if not self._skip_is_global:  # a per-rank verdict: any rank's skip is everyone's
                 skip = sharding.any_rank(skip, updates, self._spec)
             skip = skip.to(state.gradient_step.device)
         # the old accumulator must survive a skipped mini-step, so it is only reused when none can be

@@ -99,4 +99,5 @@ def apply_if_finite(
         inner_state = where_tree(apply, new_inner_state, state.inner_state, what="apply_if_finite")
         return out_updates, ApplyIfFiniteState(notfinite_count, isfinite, total_notfinite, inner_state)
 
+    update_fn.sharding_spec = spec  # lets gradtx.wrap(..., spec=) catch a wrapper that was given none
     return (GradientTransformationExtraArgs if extra else GradientTransformation)(init_fn, update_fn)

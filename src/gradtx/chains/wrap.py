@@ -78,6 +78,19 @@ _AMP_ATTRS = ("grad_scale", "found_inf")
 """What ``GradScaler`` sets on an optimizer with ``_step_supports_amp_scaling`` before its step."""
 
 
+def _check_members_take_spec(tx: GradientTransformation) -> None:
+    """``wrap(..., spec=)`` serves ``clip_grad_by_norm`` only: a sharding-aware member of the chain
+    given no spec of its own would work on this rank's pieces alone, a silently wrong number."""
+    for part in getattr(tx.init, _PARTS, (tx,)):
+        if getattr(part.update, "sharding_spec", ...) is None:
+            name = getattr(part.update, "__qualname__", "a member").split(".<locals>")[0]
+            raise ValueError(
+                f"wrap: spec= was given, but the chain's {name} has no spec, so it would work on this rank's "
+                f"pieces only; pass the spec to it as well (e.g. gtx.{name}(..., spec)). wrap's spec= is "
+                "used by clip_grad_by_norm and clip_grad_by_value; members of the chain take their own"
+            )
+
+
 def _is_dp_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     """Opacus's ``DPOptimizer`` family: ``step`` rebuilds ``.grad`` from per-sample gradients."""
     return hasattr(optimizer, "original_optimizer") and callable(getattr(optimizer, "pre_step", None))
@@ -141,6 +154,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
             )
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"wrap: model must be a torch.nn.Module, got {type(model).__name__}")
+        if spec is not None and tx is not None:
+            _check_members_take_spec(tx)
         # Deliberately no Optimizer.__init__: param_groups, state and defaults are the inner ones.
         self.optimizer = optimizer
         self.tx = tx
@@ -205,7 +220,12 @@ class ChainedOptimizer(torch.optim.Optimizer):
             inner = self.__dict__["optimizer"]
         except KeyError:
             raise AttributeError(name) from None
-        return getattr(inner, name)
+        try:
+            return getattr(inner, name)
+        except AttributeError:
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute {name!r} (nor has the {type(inner).__name__} it wraps)"
+            ) from None
 
     @property
     def tx_state(self) -> Any:

@@ -92,7 +92,15 @@ def check(mesh: MeshAxes, plan: Any, tree_leaves: Sequence[Any], *, op: str, mod
     description = _describe(mesh, plan, tree_leaves, op=op, mode=mode, spec=spec, error=error)
     record = torch.tensor(_record(description), dtype=torch.int64, device=_device(mesh))
     records = [torch.empty_like(record) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(records, record, group=group)
+    try:
+        dist.all_gather(records, record, group=group)
+    except RuntimeError as failure:  # other ranks are not in this check (a timeout): say what this rank found
+        found = f"; this rank found: {error}" if error is not None else ""
+        raise RuntimeError(
+            f"gradtx.sharding: the cross-rank check before {op} failed ({failure}){found}. Ranks run their "
+            "checks at different steps when the tree changes on some ranks only mid-run, or when "
+            "check_consistency differs between ranks (False on some): use check_consistency=True on every rank"
+        ) from (error or failure)
     rows = [r.tolist() for r in records]
     if not _disagree(rows):
         return

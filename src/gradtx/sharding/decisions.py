@@ -3,8 +3,9 @@
 Skipping a non-finite step or a too-large update is a decision about the whole gradient; with a
 ``ShardingSpec`` or DTensor leaves each rank sees only its pieces, so the local verdicts are turned
 into one global verdict by an all-reduce of 0/1 flags (never of raw values: gloo's MIN and MAX
-drop NaN) over the group the plan spans, the global norm's group. Without a spec and without
-DTensors these are the local computations, with no communication.
+drop NaN) over the whole mesh: copies that should be equal but are not (a fault on one replica)
+still make every rank take the same decision. Without a spec and without DTensors these are the
+local computations, with no communication.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _present_locals(tree_leaves: list[Any], plan: Any, *, counted_only: bool = F
 
 def _reduce(plan: Any, values: list[Tensor]) -> Tensor:
     buffer = torch.stack([v.to(_FLAG_DTYPE) for v in values])
-    group = plan.global_group()
+    group = plan.mesh.group(plan.mesh.names)
     if group is not None:
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
     return buffer

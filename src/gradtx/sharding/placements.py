@@ -33,6 +33,12 @@ class Shard:
                 raise TypeError(f"Shard: mesh axes are names (str), got {axis!r}")
         if len(set(axes)) != len(axes):
             raise ValueError(f"Shard: an axis is named twice in {axes}")
+        if dim is not None and not axes:
+            raise ValueError(
+                f"Shard(dim={dim!r}) names no mesh axis, so it would mean Replicate(): name the axes the "
+                "tensor dim is split over, e.g. Shard('dp', dim=0) (gradtx's Shard takes mesh axis names; "
+                "the tensor dim is the keyword)"
+            )
         if dim is None or isinstance(dim, int):
             dims = (dim,) * len(axes)
         else:

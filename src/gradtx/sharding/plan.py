@@ -67,12 +67,15 @@ def _layout_key(tree_leaves: Sequence[Any]) -> tuple[Any, ...]:
     )
 
 
-def plan_for(tree: Any, spec: Optional[ShardingSpec], *, what: str, op: Optional[str] = None) -> tuple[Plan, list[Any]]:
+def plan_for(
+    tree: Any, spec: Optional[ShardingSpec], *, what: str, op: Optional[str] = None, check: bool = True
+) -> tuple[Plan, list[Any]]:
     """The (cached) plan of ``tree`` under ``spec`` and the tree's leaves (``None`` included).
 
     ``op`` names the reduction about to run (``"global_norm(p=2.0)"``); ranks are checked to agree
     on it, the plan and the mesh before it runs: on a new plan (``check_consistency="once"``, the
-    default), at every call (``True``) or never (``False``). A plan that cannot be built (no rule
+    default), at every call (``True``) or never (``False``); ``check=False`` only looks the plan up
+    (an error then raises here, on this rank). A plan that cannot be built (no rule
     for a leaf, a ``Partial`` DTensor, an axis the mesh lacks) is an error on every rank when the
     check runs, raised by all of them alike, so no rank is left waiting in a collective.
     """
@@ -103,6 +106,8 @@ def plan_for(tree: Any, spec: Optional[ShardingSpec], *, what: str, op: Optional
     except (ValueError, TypeError) as exc:
         error = exc
     mode: CheckMode = spec.check_consistency if spec is not None else "once"
+    if not check:
+        mode = False
     op = op or what
     if mode is True or (mode == "once" and (plan is None or op not in plan.checked)):
         mesh = mesh or (plan.mesh if plan is not None else None)

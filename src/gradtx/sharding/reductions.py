@@ -83,12 +83,26 @@ def global_norm(tree: Any, spec: Optional[ShardingSpec] = None, *, norm_type: fl
         return tree_lib.total_norm([tree_leaves[i] for i in present], float(norm_type))
     p = _check_norm_type(norm_type, "global_norm")
     probe = probe_lib.waiting_probe(tree_leaves, spec)
+    if probe is not None:
+        # the flag may ride in the norm's all-reduce only if that spans the whole mesh, as flags do
+        try:
+            plan, _ = plan_for(tree, spec, what="global_norm", check=False)
+        except (ValueError, TypeError):
+            probe = None  # the checked call below reports the error on every rank
+        else:
+            if not spans_mesh(plan):
+                probe = None
     op = f"global_norm(p={p})" + (" with a finiteness flag" if probe is not None else "")
     plan, tree_leaves = plan_for(tree, spec, what="global_norm", op=op)
     norm, finite = norm_from_plan(plan, tree_leaves, p, with_finite=probe is not None)
     if probe is not None:
         probe.finite = finite
     return norm
+
+
+def spans_mesh(plan: Plan) -> bool:
+    """Whether the global norm's group is the whole mesh (every axis of size > 1 is sharded or staged)."""
+    return set(plan.global_axes) == {a for a in plan.mesh.names if plan.mesh.sizes[a] > 1}
 
 
 def norm_from_plan(plan: Plan, tree_leaves: Sequence[Any], p: float, *, with_finite: bool = False) -> tuple[Tensor, Optional[Tensor]]:

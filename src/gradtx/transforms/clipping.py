@@ -128,6 +128,7 @@ def clip_by_global_norm(
         return coef, ClipByGlobalNormState(norm=norm)
 
     update_fn.scalar_factor = scalar_factor
+    update_fn.sharding_spec = spec  # lets gradtx.wrap(..., spec=) catch a clip that was given none
     return GradientTransformation(init_fn, update_fn)
 
 
@@ -190,6 +191,7 @@ def clip_by_block_rms(threshold: float, spec: Optional[sharding.ShardingSpec] = 
         out = rewrap(out)
         return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, out)), state
 
+    update_fn.sharding_spec = spec
     return GradientTransformation(init_empty_state, update_fn)
 
 
@@ -242,4 +244,5 @@ def adaptive_grad_clip(
         clipped = rewrap(clipped)
         return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, clipped)), state
 
+    update_fn.sharding_spec = spec
     return GradientTransformation(init_empty_state, update_fn)

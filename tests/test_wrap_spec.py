@@ -1,0 +1,58 @@
+"""``wrap(..., spec=)`` serves the wrapper's own clipping; a sharding-aware member of the chain that
+was given no spec of its own is an error at ``wrap`` time, not a norm of this rank's pieces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradtx as gtx
+
+
+@pytest.fixture()
+def spec():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        yield gtx.sharding.ShardingSpec(mesh, default=gtx.sharding.Replicate())
+    finally:
+        dist.destroy_process_group()
+
+
+def _optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda s: gtx.clip_by_global_norm(1.0), "clip_by_global_norm"),
+        (lambda s: gtx.chain(gtx.clip_by_value(1.0), gtx.clip_by_block_rms(0.5)), "clip_by_block_rms"),
+        (lambda s: gtx.chain(gtx.adaptive_grad_clip(0.1), gtx.sgd(0.1)), "adaptive_grad_clip"),
+        (lambda s: gtx.apply_if_finite(gtx.clip_by_global_norm(1.0, s), 3), "apply_if_finite"),
+    ],
+)
+def test_a_member_without_the_spec_is_an_error(spec, make, name):
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=rf"spec= was given, but the chain's {name} has no spec"):
+        gtx.wrap(_optimizer(model), make(spec), model=model, spec=spec)
+
+
+def test_members_with_the_spec_are_accepted(spec):
+    model = torch.nn.Linear(3, 2)
+    tx = gtx.apply_if_finite(gtx.chain(gtx.clip_by_global_norm(1.0, spec), gtx.clip_by_value(1.0)), 3, spec)
+    opt = gtx.wrap(_optimizer(model), tx, model=model, spec=spec)
+    model(torch.ones(4, 3)).sum().backward()
+    opt.step()
+    assert gtx.wrap(_optimizer(model), gtx.clip_by_global_norm(1.0), model=model) is not None  # no spec: fine
+
+
+def test_a_missing_attribute_names_the_wrapper_and_the_inner_optimizer():
+    model = torch.nn.Linear(3, 2)
+    opt = gtx.wrap(_optimizer(model))
+    with pytest.raises(AttributeError, match=r"'ChainedOptimizer' object has no attribute 'nope' \(nor has the SGD"):
+        opt.nope
+    assert not hasattr(opt, "consolidate_state_dict")
