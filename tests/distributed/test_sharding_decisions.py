@@ -157,6 +157,20 @@ def decisions_span_the_mesh_when_nothing_is_sharded(world):
     assert int(multi_state.gradient_step) == 0, f"rank {world.rank} applied a step another rank skipped"
 
 
+@case(4)
+def non_finite_elements_are_counted_once_across_replicas(world):
+    """tp-sharded, dp-replicated: a NaN present in every dp copy of one tp shard is one element."""
+    mesh = world.mesh((2, 2), ("dp", "tp"))
+    spec = ShardingSpec(mesh, [("w", Shard("tp", dim=0)), ("b", Replicate())])
+    coord = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    grads = {"w": torch.ones(2, 3), "b": torch.ones(2)}
+    if coord["tp"] == 1:
+        grads["w"][0, 0] = math.nan  # in both dp replicas of tp shard 1
+    grads["b"][1] = math.inf  # a replicated leaf: one logical element
+    skip, skip_state = gtx.skip_not_finite(grads, torch.zeros((), dtype=torch.int32), None, spec=spec)
+    assert bool(skip) and int(skip_state["num_not_finite"]) == 2, skip_state
+
+
 def _sharded_model(mesh=None):
     from torch.distributed.fsdp import fully_shard
 

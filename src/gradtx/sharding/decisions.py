@@ -62,7 +62,11 @@ def count_not_finite(tree: Any, spec: Optional[ShardingSpec] = None) -> tuple[Te
     plan, tree_leaves = plan_for(tree, spec, what="count_not_finite", op="count_not_finite")
     present = _present_locals(tree_leaves, plan)
     local = tree_lib.all_finite(present)
-    owned = _present_locals(tree_leaves, plan, counted_only=True)
+    # copies along axes outside the norm's group are counted by their first replica only
+    first_replica = all(
+        plan.mesh.coordinate[a] == 0 for a in plan.mesh.names if a not in plan.global_axes and plan.mesh.sizes[a] > 1
+    )
+    owned = _present_locals(tree_leaves, plan, counted_only=True) if first_replica else []
     count = sum((~torch.isfinite(t)).sum() for t in owned) if owned else torch.zeros((), dtype=torch.int64)
     reduced = _reduce(plan, [~local, torch.as_tensor(count, device=local.device)])
     return (reduced[0] == 0).to(local.device), reduced[1].to(torch.int64).to(local.device)
