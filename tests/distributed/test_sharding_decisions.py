@@ -110,6 +110,7 @@ def multisteps_skips_everywhere_with_a_spec(world):
         dense_tx = gtx.MultiSteps(gtx.sgd(0.1), 2, should_skip_update_fn=skip_fn)
         dense_params = dense_tree(SHAPES, seed=1)
         params = cut(dense_params)
+        assert count_collectives(lambda: tx.init(params)) == 0, "building the state issued a collective"
         state, dense_state = tx.init(params), dense_tx.init(dense_params)
         for step in range(5):
             grads = _grads(step)

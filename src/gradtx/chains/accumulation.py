@@ -190,7 +190,10 @@ class MultiSteps:
         gradient_step = torch.zeros((), dtype=torch.int32, device=device)
         skip_state: Any = ()
         if self._should_skip is not None:
-            _, skip_state = self._skip_fn()(tree_lib.tree_map(torch.zeros_like, params), gradient_step, params)
+            # the skip state's structure, from this rank's pieces alone: building a state issues no
+            # collective (a spec is not passed, and DTensors are seen as their local shards)
+            zeros = tree_lib.tree_map(lambda p: torch.zeros_like(sharding.dtensor.local(p)), params)
+            _, skip_state = self._should_skip(zeros, gradient_step, params)
         return MultiStepsState(
             mini_step=torch.zeros_like(gradient_step),
             gradient_step=gradient_step,
