@@ -162,6 +162,8 @@ def broadcast_leaves(prefix: PyTree, tree: PyTree) -> list[Any]:
     builds, in parameter order) whatever order either was written in. Raises ``ValueError`` when
     ``prefix`` is not a prefix of ``tree``.
     """
+    if isinstance(prefix, (bool, int)):  # one value for every leaf (and no optree call for torch.compile to trace)
+        return [prefix] * len(leaves(tree))
     full = optree.tree_broadcast_prefix(prefix, tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
     # the broadcast keeps the prefix's containers (and their key order): read it in the tree's
     return structure(tree).flatten_up_to(full)

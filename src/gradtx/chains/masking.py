@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
+import torch
+
 from gradtx import tree as tree_lib
 from gradtx.base import (
     GradientTransformation,
@@ -44,7 +46,7 @@ class LeafSelector:
         self._cache: dict[Any, list[Any]] = {}
 
     def __call__(self, tree: PyTree) -> list[Any]:
-        if callable(self._spec):
+        if callable(self._spec) or torch.compiler.is_compiling():  # a compiled graph resolves it once anyway
             return self._resolve(self._spec, tree)
         treedef = tree_lib.structure(tree)
         found = self._cache.get(treedef)
