@@ -79,8 +79,9 @@ def apply_if_finite(
     def decide_and_run(updates, state, params, extra_args):
         """``(all finite, inner updates, inner state)``, the flag global under sharding."""
         device = state.notfinite_count.device
-        if torch.compiler.is_compiling() or not sharding.is_sharded(tree_lib.leaves(updates), spec):
-            isfinite = sharding.all_finite(updates, spec, device=device)
+        sharded = sharding.is_sharded(tree_lib.leaves(updates), spec)
+        if not sharded or torch.compiler.is_compiling():
+            isfinite = sharding.all_finite(updates, spec, device=device) if sharded else tree_lib.all_finite(updates, device=device)
             return (isfinite, *inner_update(updates, state.inner_state, params, inplace=False, **extra_args))
         with sharding.finiteness_probe(updates, spec) as probe:
             new_updates, new_inner_state = inner_update(updates, state.inner_state, params, inplace=False, **extra_args)

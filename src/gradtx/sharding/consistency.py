@@ -71,13 +71,6 @@ def _record(description: dict) -> list[int]:
     return values
 
 
-def _device(mesh: MeshAxes) -> torch.device:
-    kind = mesh.mesh.device_type
-    if kind == "cpu":
-        return torch.device("cpu")
-    return torch.device(kind, getattr(torch, kind).current_device())
-
-
 def check(mesh: MeshAxes, plan: Any, tree_leaves: Sequence[Any], *, op: str, mode: Any, spec: Any, error: Optional[Exception]) -> None:
     """Raises the same error on every rank of ``mesh`` when they disagree or any failed.
 
@@ -90,7 +83,7 @@ def check(mesh: MeshAxes, plan: Any, tree_leaves: Sequence[Any], *, op: str, mod
             raise error
         return
     description = _describe(mesh, plan, tree_leaves, op=op, mode=mode, spec=spec, error=error)
-    record = torch.tensor(_record(description), dtype=torch.int64, device=_device(mesh))
+    record = torch.tensor(_record(description), dtype=torch.int64, device=mesh.device())
     records = [torch.empty_like(record) for _ in range(dist.get_world_size(group))]
     try:
         dist.all_gather(records, record, group=group)

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding.plan import plan_for
 from gradtx.sharding.reductions import is_sharded
 from gradtx.sharding.spec import ShardingSpec
@@ -25,12 +24,8 @@ from gradtx.sharding.spec import ShardingSpec
 _FLAG_DTYPE = torch.float64
 
 
-def _present_locals(tree_leaves: list[Any], plan: Any, *, counted_only: bool = False) -> list[Tensor]:
-    return [
-        dtensor_lib.local(leaf)
-        for leaf, layout in zip(tree_leaves, plan.layouts)
-        if layout is not None and (layout.counted or not counted_only)
-    ]
+def _count_not_finite(tensors: list[Tensor]) -> Tensor:
+    return sum((~torch.isfinite(t)).sum() for t in tensors) if tensors else torch.zeros((), dtype=torch.int64)
 
 
 def _reduce(plan: Any, values: list[Tensor]) -> Tensor:
@@ -47,7 +42,7 @@ def all_finite(tree: Any, spec: Optional[ShardingSpec] = None, *, device: Option
     if not is_sharded(tree_leaves, spec):
         return tree_lib.all_finite(tree, device=device)
     plan, tree_leaves = plan_for(tree, spec, what="all_finite", op="all_finite")
-    local = tree_lib.all_finite(_present_locals(tree_leaves, plan), device=device)
+    local = tree_lib.all_finite(plan.pieces(tree_leaves), device=device)
     return (_reduce(plan, [~local])[0] == 0).to(local.device)
 
 
@@ -57,24 +52,22 @@ def count_not_finite(tree: Any, spec: Optional[ShardingSpec] = None) -> tuple[Te
     tree_leaves = tree_lib.leaves(tree)
     tensors = [leaf for leaf in tree_leaves if isinstance(leaf, Tensor)]
     if not is_sharded(tree_leaves, spec):
-        count = sum((~torch.isfinite(t)).sum() for t in tensors) if tensors else torch.zeros((), dtype=torch.int64)
-        return tree_lib.all_finite(tree), torch.as_tensor(count)
+        return tree_lib.all_finite(tensors), torch.as_tensor(_count_not_finite(tensors))
     plan, tree_leaves = plan_for(tree, spec, what="count_not_finite", op="count_not_finite")
-    present = _present_locals(tree_leaves, plan)
+    present = plan.pieces(tree_leaves)
     local = tree_lib.all_finite(present)
     # copies along axes outside the norm's group are counted by their first replica only
     first_replica = all(
         plan.mesh.coordinate[a] == 0 for a in plan.mesh.names if a not in plan.global_axes and plan.mesh.sizes[a] > 1
     )
-    owned = _present_locals(tree_leaves, plan, counted_only=True) if first_replica else []
-    count = sum((~torch.isfinite(t)).sum() for t in owned) if owned else torch.zeros((), dtype=torch.int64)
-    reduced = _reduce(plan, [~local, torch.as_tensor(count, device=local.device)])
+    owned = plan.pieces(tree_leaves, counted_only=True) if first_replica else []
+    reduced = _reduce(plan, [~local, torch.as_tensor(_count_not_finite(owned), device=local.device)])
     return (reduced[0] == 0).to(local.device), reduced[1].to(torch.int64).to(local.device)
 
 
 def any_rank(flag: Tensor, tree: Any, spec: Optional[ShardingSpec] = None) -> Tensor:
     """Whether ``flag`` (a 0-d bool computed by each rank from its pieces of ``tree``) holds on any
-    rank of the group the tree's plan spans; ``flag`` itself without sharding."""
+    rank of the mesh; ``flag`` itself without sharding."""
     tree_leaves = tree_lib.leaves(tree)
     if not is_sharded(tree_leaves, spec):
         return flag

@@ -53,6 +53,13 @@ class MeshAxes:
         }
         self._spans: dict[tuple[Any, int], tuple[str, ...]] = {}
 
+    def device(self) -> torch.device:
+        """The device this rank's collectives over the mesh use (the current CUDA device on a CUDA mesh)."""
+        kind = self.mesh.device_type
+        if kind == "cpu":
+            return torch.device("cpu")
+        return torch.device(kind, getattr(torch, kind).current_device())
+
     # ------------------------------------------------------------------ axes
 
     def ordered(self, axes: Sequence[str]) -> tuple[str, ...]:

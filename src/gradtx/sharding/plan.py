@@ -53,6 +53,15 @@ class Plan:
     def global_group(self) -> Optional[Any]:
         return self.mesh.group(self.global_axes)
 
+    def pieces(self, tree_leaves: Sequence[Any], *, counted_only: bool = False) -> list[Any]:
+        """This rank's local tensors of the present leaves (of those entering global sums only, with
+        ``counted_only``), DTensors seen as their local shards."""
+        return [
+            dtensor_lib.local(leaf)
+            for leaf, layout in zip(tree_leaves, self.layouts)
+            if layout is not None and (layout.counted or not counted_only)
+        ]
+
 
 # DTensor-only trees (no ShardingSpec): reference meshes and plans, per default process group.
 _DTENSOR_MESHES: dict[Any, MeshAxes] = {}
@@ -105,12 +114,23 @@ def plan_for(
             cache[key] = plan
     except (ValueError, TypeError) as exc:
         error = exc
+    if check:
+        _check_if_due(mesh or (plan.mesh if plan is not None else None), plan, tree_leaves, spec, op=op or what, error=error)
+    elif error is not None:
+        raise error
+    return plan, tree_leaves  # type: ignore[return-value]
+
+
+def ensure_checked(plan: Plan, tree_leaves: Sequence[Any], spec: Optional[ShardingSpec], *, op: str) -> None:
+    """The check :func:`plan_for` runs, for a plan it returned with ``check=False``."""
+    _check_if_due(plan.mesh, plan, tree_leaves, spec, op=op, error=None)
+
+
+def _check_if_due(
+    mesh: Optional[MeshAxes], plan: Optional[Plan], tree_leaves: Sequence[Any], spec: Optional[ShardingSpec], *, op: str, error: Optional[Exception]
+) -> None:
     mode: CheckMode = spec.check_consistency if spec is not None else "once"
-    if not check:
-        mode = False
-    op = op or what
     if mode is True or (mode == "once" and (plan is None or op not in plan.checked)):
-        mesh = mesh or (plan.mesh if plan is not None else None)
         if mesh is None:  # no mesh to check over (not even a DTensor's): nothing to fold the error into
             raise error  # type: ignore[misc]
         consistency.check(mesh, plan, tree_leaves, op=op, mode=mode, spec=spec, error=error)
@@ -118,7 +138,6 @@ def plan_for(
             plan.checked.add(op)
     elif error is not None:
         raise error
-    return plan, tree_leaves  # type: ignore[return-value]
 
 
 def _reference_mesh(tree_leaves: Sequence[Any]) -> MeshAxes:

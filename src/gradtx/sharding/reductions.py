@@ -22,7 +22,7 @@ from gradtx import tree as tree_lib
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding import probe as probe_lib
 from gradtx.sharding.mesh import MeshAxes
-from gradtx.sharding.plan import LeafLayout, Plan, plan_for
+from gradtx.sharding.plan import LeafLayout, Plan, ensure_checked, plan_for
 from gradtx.sharding.spec import ShardingSpec
 
 _REDUCE_DTYPE = torch.float64  # one scalar per leaf at most: exact enough, and equal on every rank
@@ -41,12 +41,7 @@ def _check_spec(spec: Any, owner: str) -> None:
 
 
 def _device_of(tensors: Sequence[Tensor], mesh: MeshAxes) -> torch.device:
-    if tensors:
-        return tensors[0].device
-    if mesh.mesh.device_type == "cpu":
-        return torch.device("cpu")
-    handle = getattr(torch, mesh.mesh.device_type)
-    return torch.device(mesh.mesh.device_type, handle.current_device())
+    return tensors[0].device if tensors else mesh.device()
 
 
 def _local_norms(tensors: Sequence[Tensor], p: float) -> list[Tensor]:
@@ -83,17 +78,21 @@ def global_norm(tree: Any, spec: Optional[ShardingSpec] = None, *, norm_type: fl
         return tree_lib.total_norm([tree_leaves[i] for i in present], float(norm_type))
     p = _check_norm_type(norm_type, "global_norm")
     probe = probe_lib.waiting_probe(tree_leaves, spec)
+    plan: Optional[Plan] = None
     if probe is not None:
         # the flag may ride in the norm's all-reduce only if that spans the whole mesh, as flags do
         try:
-            plan, _ = plan_for(tree, spec, what="global_norm", check=False)
+            plan, tree_leaves = plan_for(tree, spec, what="global_norm", check=False)
         except (ValueError, TypeError):
             probe = None  # the checked call below reports the error on every rank
         else:
             if not spans_mesh(plan):
                 probe = None
     op = f"global_norm(p={p})" + (" with a finiteness flag" if probe is not None else "")
-    plan, tree_leaves = plan_for(tree, spec, what="global_norm", op=op)
+    if plan is None:
+        plan, tree_leaves = plan_for(tree, spec, what="global_norm", op=op)
+    else:
+        ensure_checked(plan, tree_leaves, spec, op=op)
     norm, finite = norm_from_plan(plan, tree_leaves, p, with_finite=probe is not None)
     if probe is not None:
         probe.finite = finite
@@ -108,8 +107,8 @@ def spans_mesh(plan: Plan) -> bool:
 def norm_from_plan(plan: Plan, tree_leaves: Sequence[Any], p: float, *, with_finite: bool = False) -> tuple[Tensor, Optional[Tensor]]:
     """The logical norm, and with ``with_finite`` whether every rank's pieces are all finite, reduced
     in the same all-reduce (as a 0/1 flag: gloo's MIN/MAX would drop a NaN value)."""
-    present = [dtensor_lib.local(tree_leaves[i]) for i, l in enumerate(plan.layouts) if l is not None]
-    owned = [dtensor_lib.local(tree_leaves[i]) for i, l in enumerate(plan.layouts) if l is not None and l.counted]
+    present = plan.pieces(tree_leaves)
+    owned = plan.pieces(tree_leaves, counted_only=True)
     dtype = tree_lib.accumulation_dtype([t.dtype for t in present])
     device = _device_of(present, plan.mesh)
     group = plan.global_group()
