@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 
 import pytest
 import torch
 from torch.func import grad, jacrev, jvp, vmap
 
 import gradtx as gtx
+from optimizer_helpers import without_deprecation_warning
 from gradtx.chains import aliases
 
 DTYPE = torch.float64
@@ -97,7 +97,7 @@ CASES = {
     "adan": lambda: gtx.adan(0.05, weight_decay=0.1),
     "novograd": lambda: gtx.novograd(0.05, weight_decay=0.1),
     "optimistic_gradient_descent": lambda: gtx.optimistic_gradient_descent(0.1, alpha=0.7, beta=0.4),
-    "optimistic_adam": lambda: _deprecated(gtx.optimistic_adam)(0.05, optimism=0.5),
+    "optimistic_adam": lambda: without_deprecation_warning(gtx.optimistic_adam)(0.05, optimism=0.5),
     "optimistic_adam_v2": lambda: gtx.optimistic_adam_v2(0.05, alpha=0.7, beta=0.4),
     # eps_root > 0: the graph path must add it as the fast path does
     "yogi_eps_root": lambda: gtx.chain(gtx.scale_by_yogi(eps_root=1e-8), gtx.scale(-0.05)),
@@ -238,7 +238,7 @@ COMPONENTS = {
     "conditionally_mask": lambda: gtx.conditionally_mask(gtx.scale_by_adam(), lambda step: step % 2 == 0),
     "conditionally_transform": lambda: gtx.conditionally_transform(gtx.scale_by_adam(), lambda step: step % 2 == 0),
     "flatten": lambda: gtx.flatten(gtx.scale_by_adam()),
-    "inject_stateful_hyperparams": lambda: _deprecated(gtx.inject_stateful_hyperparams)(gtx.scale_by_adam)(b1=0.8),
+    "inject_stateful_hyperparams": lambda: without_deprecation_warning(gtx.inject_stateful_hyperparams)(gtx.scale_by_adam)(b1=0.8),
 }
 # Unrolled further: RAdam's rectified branch starts at the sixth step (rho_t >= 5).
 LONGER = {"scale_by_radam": 7}
@@ -258,17 +258,6 @@ COMPONENTS_NOT_COVERED = {
     "lookahead": "its params are a (fast, slow) pair: test_lookahead_meta_gradient_equals_finite_differences",
     "value_and_grad_from_state": "a helper returning the value and gradient a line search stored, no transformation",
 }
-
-
-def _deprecated(factory):
-    """``factory`` called without its DeprecationWarning (the deprecated name is what is under test)."""
-
-    def call(*args, **kwargs):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return factory(*args, **kwargs)
-
-    return call
 
 
 def _extra_args(tx, params, g):

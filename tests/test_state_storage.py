@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 
 import pytest
 import torch
 
 import gradtx as gtx
+from optimizer_helpers import without_deprecation_warning
 from combinator_helpers import running_sum
 
 SHAPES = {"layer.weight": (4, 3), "layer.bias": (4,), "head.weight": (2, 4)}
@@ -137,7 +137,7 @@ FACTORIES = {
     "conditionally_mask": lambda: gtx.conditionally_mask(adam(), lambda step: step % 2 == 0),
     "flatten": lambda: gtx.flatten(adam()),
     "lookahead": lambda: _on_fast_params(gtx.lookahead(adam(), sync_period=2, slow_step_size=0.5)),
-    "inject_stateful_hyperparams": lambda: _deprecated(gtx.inject_stateful_hyperparams)(gtx.adamw)(
+    "inject_stateful_hyperparams": lambda: without_deprecation_warning(gtx.inject_stateful_hyperparams)(gtx.adamw)(
         learning_rate=gtx.linear_schedule(1e-2, 1e-3, 3), weight_decay=0.1
     ),
     "with_extra_args_support": lambda: gtx.with_extra_args_support(adam()),
@@ -152,17 +152,6 @@ FACTORIES = {
     ),
     "lbfgs": lambda: gtx.lbfgs(memory_size=3),
 }
-
-
-def _deprecated(factory):
-    """``factory`` called without its DeprecationWarning (the wrapper is what is under test)."""
-
-    def call(*args, **kwargs):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return factory(*args, **kwargs)
-
-    return call
 
 
 def _on_fast_params(tx):
