@@ -313,12 +313,6 @@ def _keep_dtypes(tensors: Sequence[Tensor], results: Sequence[Tensor]) -> list[T
     return [r if r.dtype == t.dtype else r.to(t.dtype) for t, r in zip(tensors, results)]
 
 
-def needs_per_tensor(*args: Any) -> bool:
-    """Whether an op over ``args`` runs one out-of-place op per tensor instead of a foreach kernel:
-    when it must be differentiable (see :func:`needs_graph`)."""
-    return needs_graph(*args)
-
-
 def foreach(name: str, selves: Sequence[Tensor], *args: Any, inplace: bool, **kwargs: Any) -> list[Tensor]:
     """``torch._foreach_<name>[_](selves, *args, **kwargs)``, or one op per tensor where a graph is needed.
 

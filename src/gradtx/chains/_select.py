@@ -7,14 +7,13 @@ reaches the host: no synchronisation, and ``torch.compile`` traces one graph for
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.tree import all_finite  # noqa: F401 - the combinators' finiteness test
+from gradtx.numerics import safe_increment  # noqa: F401 - the combinators' saturating counter
 
 PyTree = Any
 
@@ -22,12 +21,6 @@ PyTree = Any
 def counter(tree: PyTree, dtype: torch.dtype = torch.int32) -> Tensor:
     """A 0-d zero counter on ``tree``'s device."""
     return torch.zeros((), dtype=dtype, device=tree_lib.first_device(tree))
-
-
-def safe_increment(count: Tensor) -> Tensor:
-    """``count + 1``, saturating at the dtype's largest value instead of wrapping around."""
-    limit = torch.iinfo(count.dtype).max if not count.dtype.is_floating_point else math.inf
-    return torch.where(count < limit, count + 1, count)
 
 
 class _OnDevice:
