@@ -20,7 +20,7 @@ from torch.func import grad, jacrev, jvp, vmap
 
 import gradtx as gtx
 from optimizer_helpers import without_deprecation_warning
-from gradtx.chains import aliases
+import gradtx.optimizers
 
 DTYPE = torch.float64
 STEPS = 3
@@ -303,12 +303,7 @@ def assert_matches(computed, expected):
 
 
 def _public_aliases():
-    return sorted(
-        name
-        for name, fn in vars(aliases).items()
-        if inspect.isfunction(fn) and fn.__module__ == aliases.__name__ and not name.startswith("_")
-        and getattr(gtx, name, None) is fn
-    )
+    return sorted(gradtx.optimizers.__all__)
 
 
 def test_every_optimizer_alias_is_covered():
@@ -318,11 +313,12 @@ def test_every_optimizer_alias_is_covered():
 
 def test_every_transformation_and_combinator_is_covered():
     import gradtx.chains
+    import gradtx.interop
     import gradtx.transforms
 
     public = [
         name
-        for module in (gradtx.transforms, gradtx.chains)
+        for module in (gradtx.transforms, gradtx.chains, gradtx.interop)
         for name in module.__all__
         if inspect.isfunction(getattr(module, name)) or name == "MultiSteps"
     ]
