@@ -47,7 +47,7 @@ from torch.optim import optimizer as torch_optimizer
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, with_inplace
+from gradtx.base import GradientTransformation, takes_extra_args, with_inplace
 from gradtx.chains.accumulation import MultiSteps
 from gradtx.chains.chain import _PARTS
 from gradtx.interop.checkpoint import STATE_KEY, called_by_checkpoint, from_plain, in_checkpoint_init_step, split_chain_state, to_plain
@@ -319,18 +319,18 @@ class ChainedOptimizer(torch.optim.Optimizer):
         )
 
     @torch.no_grad()
-    def _transform(self, *, allow_fold: bool) -> Optional[Tensor]:
+    def _transform(self, *, allow_fold: bool, extra_args: dict[str, Any]) -> Optional[Tensor]:
         """Runs the transformation on the gradients; returns a ``grad_scale`` for the kernel if folded."""
         self._sync_params()
         if self.tx is None:
             return None
-        return self._run_tx(allow_fold)
+        return self._run_tx(allow_fold, extra_args)
 
-    def _run_tx(self, allow_fold: bool) -> Optional[Tensor]:
+    def _run_tx(self, allow_fold: bool, extra_args: dict[str, Any]) -> Optional[Tensor]:
         grads = self._grad_tree()
         params = self._param_tree()
         present = [g for g in grads.values() if g is not None]
-        if allow_fold and self._can_fold(present):
+        if allow_fold and not extra_args and self._can_fold(present):
             head, factor_fn, is_chain = self._fold_plan
             states = list(self._tx_state) if is_chain else [self._tx_state]
             updates = grads
@@ -344,7 +344,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
             # The fused kernels take a float32 scale; apply a wider one as a separate pass instead.
             self._scale_grads(factor)
             return None
-        updates, new_state = self._tx_update(grads, self._tx_state, params, inplace=True)
+        updates, new_state = self._tx_update(grads, self._tx_state, params, inplace=True, **extra_args)
         self._store_state(new_state)
         self._write_back(updates)
         return None
@@ -419,10 +419,22 @@ class ChainedOptimizer(torch.optim.Optimizer):
         """
         self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
 
+    def _check_extra_args(self, extra_args: dict[str, Any]) -> None:
+        """Extra keyword arguments of ``step`` go to the transformation, which must take them."""
+        if extra_args and (self.tx is None or not takes_extra_args(self.tx)):
+            raise TypeError(
+                f"wrap: step() got {sorted(extra_args)}, but the transformation ({_describe(self.tx)}) takes no "
+                "extra arguments; only a GradientTransformationExtraArgs (a line search, lbfgs, polyak_sgd, or a "
+                "chain holding one) receives value=, grad=, value_fn=, ..."
+            )
+
     def _prepare_step(
-        self, closure: Optional[Callable[[], Any]] = None
+        self, closure: Optional[Callable[[], Any]] = None, **extra_args: Any
     ) -> Optional[tuple[tuple[Any, ...], dict[str, Tensor]]]:
         """Runs the transformation (or wraps ``closure`` to run it).
+
+        ``extra_args`` go to the transformation's update; with a ``closure`` and a transformation that
+        takes extra arguments, the loss the closure returns is also passed as ``value=`` (unless given).
 
         Returns the inner step's arguments and the amp attributes to set on it, or None when
         ``found_inf`` says to skip the step (with a transformation: see :meth:`step`).
@@ -437,25 +449,33 @@ class ChainedOptimizer(torch.optim.Optimizer):
             amp = {}
         if closure is not None:
 
+            forward_value = self.tx is not None and takes_extra_args(self.tx) and "value" not in extra_args
+
             def transformed_closure():
                 with torch.enable_grad():
                     loss = closure()
-                self._transform(allow_fold=False)
+                value = {"value": loss.detach() if isinstance(loss, Tensor) else loss} if forward_value else {}
+                self._transform(allow_fold=False, extra_args={**extra_args, **value})
                 return loss
 
             return (transformed_closure,), amp
-        grad_scale = self._transform(allow_fold=not amp)
+        grad_scale = self._transform(allow_fold=not amp, extra_args=extra_args)
         return (), ({"grad_scale": grad_scale} if grad_scale is not None else amp)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        """``step(closure=None)``: transforms the gradients, writes them back to ``.grad``, runs the inner step.
+        """``step(closure=None, **extra_args)``: transforms the gradients, writes them back to ``.grad``,
+        runs the inner step.
 
         With a ``closure`` the transformation runs after each evaluation the inner optimizer makes.
+        Keyword arguments other than ``closure`` (``value=``, ``value_fn=``, ...) go to a transformation
+        that takes extra arguments (a ``TypeError`` otherwise, before anything runs); with a closure,
+        such a transformation also gets the closure's loss as ``value=``. The inner step sees neither.
         ``grad_scale`` / ``found_inf`` set on the wrapper (``GradScaler``'s fused contract) go to the
         inner step; with a transformation, the wrapper first unscales the gradients by
         ``grad_scale`` and skips the whole step (transformation included) when ``found_inf`` is set.
         Step hooks, torch's process-wide ones included, run once, with the wrapper, as for any optimizer.
         """
+        self._check_extra_args({k: v for k, v in kwargs.items() if k != "closure"})
         if (args[0] if args else kwargs.get("closure")) is None and in_checkpoint_init_step():
             # torch.distributed.checkpoint steps an optimizer with no state once, with zero gradients
             # and a zero learning rate, so that the inner optimizer's state exists; the chain's state
