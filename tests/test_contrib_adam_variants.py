@@ -213,7 +213,7 @@ def test_none_leaves_pass_through():
         tx = make()
         state = tx.init(p)
         g = dict(grad_list(1)[0], b=None)
-        updates, new_state = tx.update(g, state, p)
+        updates, _ = tx.update(g, state, p)
         assert updates["b"] is None and updates["w"].shape == (4, 3)
 
 
@@ -236,3 +236,13 @@ def _dedent(code):
     import textwrap
 
     return textwrap.dedent(code)
+
+
+@pytest.mark.parametrize("factory", [contrib.adopt, contrib.ademamix, contrib.simplified_ademamix, contrib.acprop])
+def test_inject_hyperparams_gives_the_same_steps(factory):
+    # ADOPT's default clip_value_fn is a callable: inject_hyperparams reads it as a schedule and
+    # passes its value, which scale_by_adopt takes as the bound of that step
+    p, gs = params0(), grad_list()
+    got, _ = gradtx_trajectory(gtx.inject_hyperparams(factory)(learning_rate=0.05), p, gs)
+    expected, _ = gradtx_trajectory(factory(0.05), p, gs)
+    assert_trees_close(got, expected, rtol=1e-12, atol=1e-14)

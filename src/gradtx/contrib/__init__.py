@@ -39,4 +39,5 @@ __all__ = [
     "schedule_free_adamw",
     "schedule_free_eval_params",
     "schedule_free_sgd",
+    "simplified_ademamix",
 ]

@@ -64,7 +64,7 @@ def _clamp(xs: list[Tensor], bound: Tensor) -> list[Tensor]:
 
 def _adopt_clip_value(count: Tensor) -> Tensor:
     """ADOPT's default clipping bound ``count ** 0.25`` (in float64)."""
-    return count.to(torch.float64) ** 0.25
+    return torch.as_tensor(count).to(torch.float64) ** 0.25
 
 
 def scale_by_adopt(
@@ -84,7 +84,8 @@ def scale_by_adopt(
     ``nu``; ``mu = b1 * mu + (1 - b1) * u``; ``nu = b2 * nu + (1 - b2) * g^2``; the update is ``mu``
     (``b1 * mu + (1 - b1) * u`` with ``nesterov``). The first step only initialises ``nu = g^2``
     and its update is zero. ``c = clip_value_fn(count)`` (``count ** 0.25`` by default) bounds the
-    normalised gradient when ``use_clipping``. State: :class:`~gradtx.transforms.ScaleByAdamState`.
+    normalised gradient when ``use_clipping`` (a number is a fixed bound). State:
+    :class:`~gradtx.transforms.ScaleByAdamState`.
     """
     b1, b2, eps = float(b1), float(b2), float(eps)
 
@@ -101,7 +102,10 @@ def scale_by_adopt(
         later = (state.count > 0).to(torch.float64)
         b1_t = 1.0 - (1.0 - b1) * later  # 1 on the first step: mu stays 0
         b2_t = b2 * later  # 0 on the first step: nu = g^2
-        bound = fe.as_scalar_tensor(clip_value_fn(state.count), state.count) if use_clipping else None
+        bound = None
+        if use_clipping:  # (a number is taken as a fixed bound: inject_hyperparams passes the bound's value)
+            value = clip_value_fn(state.count) if callable(clip_value_fn) else clip_value_fn
+            bound = fe.as_scalar_tensor(value, state.count)
 
         def group(g, m, v):
             d = fe.clamp_min(fe.sqrt(fe.cast(v, g[0].dtype), inplace=False), eps, inplace=True)
