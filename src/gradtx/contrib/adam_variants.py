@@ -117,7 +117,7 @@ def scale_by_adopt(
             if nesterov:
                 out = fe.lerp(u, fe.cast(m, u[0].dtype), fe.on(b1_t, u), inplace=True)
             else:
-                out = fe.copy_into(u, m)
+                out = [x.to(dtype=g[0].dtype, copy=True) for x in m]  # updates never alias the state
             return fe.finish(out, g), m, v
 
         new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3)
@@ -228,8 +228,6 @@ def scale_by_ademamix(
             numer = fe.mul(fe.cast(a, g[0].dtype), fe.on(inv_bc1, g), inplace=False)
             numer = fe.add(numer, fe.cast(b, g[0].dtype), alpha=fe.on(alpha_t, g), inplace=True)
             out = fe.div(numer, _rms_denominator(v, inv_bc2, eps, eps_root, g[0].dtype), inplace=True)
-            if inplace:
-                out = fe.copy_into(g, out)
             return out, a, b, v
 
         new_updates, new_m1, new_m2, new_nu = fe.map_groups(group, leaves.tensors, m1, m2, nu, outputs=4)
@@ -328,8 +326,6 @@ def scale_by_simplified_ademamix(
             v = _second_moment(v, g, b2, inplace=inplace)
             numer = fe.add(fe.cast(a, g[0].dtype), g, alpha=fe.on(alpha_t, g), inplace=False)
             out = fe.div(numer, _rms_denominator(v, inv_bc2, eps, eps_root, g[0].dtype), inplace=True)
-            if inplace:
-                out = fe.copy_into(g, out)
             return out, a, v
 
         new_updates, new_m, new_n = fe.map_groups(group, leaves.tensors, m, n, outputs=3)
@@ -418,8 +414,6 @@ def scale_by_acprop(
             v = fe.addcmul(fe.mul(v, b2, inplace=inplace), error, error, 1.0 - b2, inplace=True)
             v = fe.add(v, eps_root, inplace=True)
             out = fe.div_into(g, d)
-            if inplace:
-                out = fe.copy_into(g, out)
             return out, m, v
 
         new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3)

@@ -60,8 +60,6 @@ def scale_by_madgrad(learning_rate: ScalarOrSchedule, momentum: float = 0.9, eps
             sigma = fe.add(tree_lib.foreach("pow", q, 1.0 / 3.0, inplace=False), eps, inplace=True)
             z = fe.add(fe.mul(fe.div_into(s, sigma), -1.0, inplace=True), fe.cast(start, g[0].dtype), inplace=True)  # x0 - s / sigma
             out = fe.mul(fe.add(z, fe.cast(p, z[0].dtype), alpha=-1.0, inplace=True), 1.0 - momentum, inplace=True)
-            if inplace:
-                out = fe.copy_into(g, out)
             return fe.finish(out, g), q, s
 
         new_updates, new_sums_sq, new_sums = fe.map_groups(group, leaves.tensors, sums_sq, sums, x0, param_values, outputs=3)

@@ -157,8 +157,6 @@ def schedule_free(
             x = fe.lerp(x, fe.cast(zs, work), fe.on(ck, x), inplace=True)  # the average after it
             y = fe.lerp(x, fe.cast(zs, work), 1.0 - b1, inplace=True)  # the new params
             out = fe.add(y, fe.cast(p, work), alpha=-1.0, inplace=True)
-            if inplace:
-                out = fe.copy_into(u, out)
             return fe.finish(out, u), zs
 
         new_updates, new_z = fe.map_groups(group, leaves.tensors, z, param_values, outputs=2)
