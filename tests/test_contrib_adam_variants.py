@@ -12,6 +12,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gradtx as gtx
 from gradtx import contrib
@@ -246,3 +248,24 @@ def test_inject_hyperparams_gives_the_same_steps(factory):
     got, _ = gradtx_trajectory(gtx.inject_hyperparams(factory)(learning_rate=0.05), p, gs)
     expected, _ = gradtx_trajectory(factory(0.05), p, gs)
     assert_trees_close(got, expected, rtol=1e-12, atol=1e-14)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    b1=st.floats(0.0, 0.99),
+    b2=st.floats(0.0, 0.9999),
+    nesterov=st.booleans(),
+    scales=st.lists(st.sampled_from([0.0, 1e-12, 1e-3, 1.0, 1e6]), min_size=2, max_size=6),
+)
+def test_adopt_direction_stays_within_the_clipping_bound(b1, b2, nesterov, scales):
+    # mu is a convex combination of 0 and normalised gradients clipped to s ** 0.25 (s <= t), so
+    # |update_t| <= t ** 0.25 whatever the gradients, zeros and huge ones included
+    tx = contrib.scale_by_adopt(b1=b1, b2=b2, nesterov=nesterov)
+    p = params0()
+    state = tx.init(p)
+    for t, scale in enumerate(scales):
+        g = {k: v * scale for k, v in tree(200 + t, shapes=SHAPES).items()}
+        updates, state = tx.update(g, state)
+        for u in updates.values():
+            assert bool(torch.isfinite(u).all())
+            assert float(u.abs().max()) <= t**0.25 * (1 + 1e-12)

@@ -18,6 +18,8 @@ import textwrap
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gradtx as gtx
 from gradtx import contrib
@@ -269,3 +271,28 @@ def test_example_in_docstring_runs(fn):
     namespace: dict = {}
     exec(compile(code, fn.__name__, "exec"), namespace)
     assert bool(torch.isfinite(namespace["eval_params"]["w"]).all())
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    b1=st.floats(0.05, 0.99),
+    lr=st.floats(1e-3, 1.0),
+    weight_lr_power=st.floats(0.0, 4.0),
+    steps=st.integers(1, 6),
+    adamw=st.booleans(),
+)
+def test_with_a_constant_rate_x_is_the_plain_average_of_the_z_iterates(b1, lr, weight_lr_power, steps, adamw):
+    # the paper's claim for a constant learning rate: c_{t+1} = 1 / t, so x_T = mean(z_1, ..., z_T)
+    make = contrib.schedule_free_adamw if adamw else contrib.schedule_free_sgd
+    tx = make(lr, b1=b1, weight_lr_power=weight_lr_power)
+    y = params0()
+    state = tx.init(y)
+    history = []
+    for t in range(steps):
+        updates, state = tx.update(grad_list(steps)[t], state, y)
+        y = gtx.apply_updates(y, updates)
+        history.append(state.z)
+    x = contrib.schedule_free_eval_params(state, y)
+    for k in x:
+        mean = sum(z[k] for z in history) / steps
+        torch.testing.assert_close(x[k], mean, rtol=1e-9, atol=1e-9 * (1 + float(mean.abs().max())) / b1)
