@@ -269,3 +269,18 @@ def test_adopt_direction_stays_within_the_clipping_bound(b1, b2, nesterov, scale
         for u in updates.values():
             assert bool(torch.isfinite(u).all())
             assert float(u.abs().max()) <= t**0.25 * (1 + 1e-12)
+
+
+def test_adopt_direction_is_taken_before_mu_is_rounded_to_mu_dtype():
+    p, gs = params0(), grad_list(3)
+    tx = contrib.scale_by_adopt(mu_dtype=torch.bfloat16)
+    state = tx.init(p)
+    for g in gs[:2]:
+        _, state = tx.update(g, state)
+    assert state.mu["w"].dtype == torch.bfloat16
+    # the third direction: b1 * mu (as stored, in bfloat16) + (1 - b1) * u, in float64
+    reference = contrib.scale_by_adopt()
+    ref_state = reference.init(p)._replace(count=state.count, mu=gtx.tree.tree_map(lambda m: m.double(), state.mu), nu=state.nu)
+    expected, _ = reference.update(gs[2], ref_state)
+    got, _ = tx.update(gs[2], state)
+    assert_trees_close(got, expected, rtol=1e-12, atol=1e-14)

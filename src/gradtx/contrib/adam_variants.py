@@ -113,12 +113,16 @@ def scale_by_adopt(
             if bound is not None:
                 u = _clamp(u, bound)
             v = _second_moment(v, g, b2_t, inplace=inplace)
+            # the momentum step in the wider of mu_dtype and the gradients' dtype (the direction is
+            # taken before mu is rounded to mu_dtype, as in optax)
+            stored = m[0].dtype
+            m = fe.cast(m, torch.promote_types(stored, u[0].dtype))
             m = fe.lerp(m, fe.cast(u, m[0].dtype), fe.on(1.0 - b1_t, m), inplace=inplace)
             if nesterov:
                 out = fe.lerp(u, fe.cast(m, u[0].dtype), fe.on(b1_t, u), inplace=True)
             else:
                 out = [x.to(dtype=g[0].dtype, copy=True) for x in m]  # updates never alias the state
-            return fe.finish(out, g), m, v
+            return fe.finish(out, g), fe.cast(m, stored), v
 
         new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3)
         count = fe.increment(state.count, inplace=inplace)
