@@ -12,15 +12,17 @@ weight_lr_power``, one step is::
     x' = (1 - c) * x + c * z'
     y' = b1 * x' + (1 - b1) * z'          # the update returned is y' - y
 
-exactly as optax.contrib.schedule_free computes it. This is the paper's weighted averaging
-(its Section 5 / Algorithm 1, ``c_{t+1} = gamma_t^2 / sum_{i<=t} gamma_i^2``, so the first
-average is ``x = z'``) and the update of Meta's ``AdamWScheduleFree`` (``weight_lr_power = 2``,
-``r = 0``). Two differences with Algorithm 1 of the paper, both optax's (and, for the first,
-Meta's current code): :func:`schedule_free_adamw` bias-corrects the second moment inside the
-denominator (``g / (sqrt(v / (1 - b2^t)) + eps)``) instead of scaling the learning rate by
-``sqrt(1 - b2^t)``, so the averaging weights do not see the bias correction; and under a warmup
-the averaging weights read the schedule at ``t`` (from 1) while the base optimizer's learning rate
-reads it at ``t - 1`` (its own counter, from 0), one step behind.
+exactly as optax.contrib.schedule_free computes it. This is the paper's weighted average
+(``c_{t+1} = gamma_t^2 / sum_{i<=t} gamma_i^2``; with a constant ``gamma``, ``x`` is the plain
+average of the ``z`` iterates after each step) and the step of Meta's current
+``AdamWScheduleFree`` (``weight_lr_power = 2``, ``r = 0``, constant learning rate). Two
+differences with the paper's Schedule-Free AdamW (Meta's ``AdamWScheduleFreePaper``), both
+optax's: :func:`schedule_free_adamw` bias-corrects the second moment inside the denominator
+(``g / (sqrt(v / (1 - b2^t)) + eps)``, as Meta's current code) instead of multiplying the
+learning rate by ``sqrt(1 - b2^t)``, so neither the averaging weights nor the decay see the
+bias correction; and under a warmup the averaging weights read the schedule at ``t`` (from 1)
+while the base optimizer's learning rate reads it at ``t - 1`` (its own counter, from 0), one
+step behind (Meta's code reads ``t`` for both).
 """
 
 from __future__ import annotations
