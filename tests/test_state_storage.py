@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import gradtx as gtx
+from gradtx import contrib
 from optimizer_helpers import without_deprecation_warning
 from combinator_helpers import running_sum
 
@@ -151,6 +152,20 @@ FACTORIES = {
         gtx.scale(-1.0), gtx.scale_by_zoom_linesearch(max_linesearch_steps=15)
     ),
     "lbfgs": lambda: gtx.lbfgs(memory_size=3),
+    # gradtx.contrib
+    "contrib.adopt": lambda: contrib.adopt(1e-2, nesterov=True),
+    "contrib.scale_by_adopt": contrib.scale_by_adopt,
+    "contrib.ademamix": lambda: contrib.ademamix(1e-2, weight_decay=0.1),
+    "contrib.scale_by_ademamix": lambda: contrib.scale_by_ademamix(b3=gtx.linear_schedule(0.9, 0.999, 3)),
+    "contrib.simplified_ademamix": lambda: contrib.simplified_ademamix(1e-2, alpha=1.0),
+    "contrib.scale_by_simplified_ademamix": contrib.scale_by_simplified_ademamix,
+    "contrib.acprop": lambda: contrib.acprop(1e-2, weight_decay=0.1),
+    "contrib.scale_by_acprop": contrib.scale_by_acprop,
+    "contrib.madgrad": lambda: contrib.madgrad(1e-2, weight_decay=0.1),
+    "contrib.scale_by_madgrad": lambda: contrib.scale_by_madgrad(1e-2),
+    "contrib.schedule_free": lambda: contrib.schedule_free(gtx.chain(running_sum(), gtx.scale(-1e-2)), 1e-2),
+    "contrib.schedule_free_sgd": lambda: contrib.schedule_free_sgd(1e-2, warmup_steps=2, weight_decay=0.1),
+    "contrib.schedule_free_adamw": lambda: contrib.schedule_free_adamw(1e-2, state_dtype=torch.float64),
 }
 
 
@@ -218,6 +233,12 @@ def public_factories() -> set[str]:
         if "GradientTransformation" in getattr(annotation, "__name__", str(annotation)):
             names.add(name)
     return names
+
+
+def test_every_contrib_factory_is_covered():
+    public = {name for name in contrib.__all__ if inspect.isfunction(getattr(contrib, name))}
+    missing = public - {name.removeprefix("contrib.") for name in FACTORIES} - {"schedule_free_eval_params"}
+    assert not missing, f"add these gradtx.contrib transformations to FACTORIES: {sorted(missing)}"
 
 
 def test_every_public_factory_is_covered():
