@@ -62,6 +62,40 @@ def contrib_optimizers_on_dtensor_leaves(world):
                 assert isinstance(x["fsdp.weight"], DTensor)
 
 
+MIXED = {
+    "adam": lambda: gtx.adam(0.05),
+    "adamw": lambda: gtx.adamw(0.05, weight_decay=0.1),
+    "lion": lambda: gtx.lion(0.05),
+    "sgd_momentum": lambda: gtx.sgd(0.1, momentum=0.9, nesterov=True),
+    "chain_clip_adamw": lambda: gtx.chain(gtx.clip_by_global_norm(0.5), gtx.adamw(0.05)),
+    "adopt": lambda: contrib.adopt(0.05),
+}
+
+
+@case(2)
+def optimizers_on_a_tree_mixing_dtensor_and_plain_leaves(world):
+    """A tree with DTensor leaves and a plain (replicated, un-wrapped) one, as hand-written tensor
+    parallelism or a partly wrapped model gives: each rank's result is its piece of the dense one."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = world.mesh((2,), ("dp",))
+    layout = {"fsdp.weight": [Shard(0)], "tp.weight": [Shard(1)]}  # "bias" stays a plain tensor
+
+    def distribute(tree):
+        return {k: distribute_tensor(v, mesh, layout[k]) if k in layout else v.clone() for k, v in tree.items()}
+
+    params, grads = _tree(0), [_tree(10 + i) for i in range(3)]
+    for name, make in MIXED.items():
+        expected, _ = _run(make(), params, grads, inplace=False)
+        for inplace in (False, True):
+            got, _ = _run(make(), distribute(params), [distribute(g) for g in grads], inplace=inplace)
+            for key, value in got.items():
+                assert isinstance(value, DTensor) == (key in layout), (name, key)
+                want = distribute_tensor(expected[key], mesh, layout[key]).to_local() if key in layout else expected[key]
+                local = value.to_local() if key in layout else value
+                close(local, want, f"{name} inplace={inplace} {key!r}", rtol=1e-12)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("size,name", _world.params_for(__name__))
 def test_contrib_dtensor(size, name):
