@@ -14,6 +14,15 @@ The catalogue's names (``CATALOGUE`` below) run only where the installed optax h
 they agree to about 1e-15 except: Adafactor (~2e-7), whose decay rate optax computes in float32;
 the one-cycle schedules (~4e-7), which gradtx evaluates in float32 for a tensor step count, as all
 its schedules. ``sm3`` runs on the leaves with a dimension (optax keeps no accumulator for a 0-d leaf).
+
+GaLore agrees to ~5e-7 in float64 (optax takes its SVD in float32 even under x64; gradtx in the
+gradient's dtype if wider) and ~2e-6 in float32, but only where both SVDs pick the same signs for
+the singular vectors: nothing fixes them, and the base optimizer's state carries over a refresh, so
+a sign flip at a refresh changes the trajectory. JAX's and torch's CPU SVDs of the same float32
+matrix choose opposite signs for some left singular vectors of tall matrices (for wide ones they
+agree): ``galore_left`` with ``update_proj_gap=2`` (refreshes at steps 0, 2, 4, 6) differs by 0.25,
+and is therefore run with one refresh, where the signs cancel (``P f(P^T G)`` is invariant under
+``P -> -P`` for an odd base optimizer such as Adam or Lion).
 """
 
 import argparse
@@ -34,6 +43,7 @@ import optax  # noqa: E402
 import torch  # noqa: E402
 
 import gradtx as gtx  # noqa: E402
+import gradtx.contrib  # noqa: E402,F401 - gtx.contrib for the catalogue's contrib names
 from gradtx.base import apply_updates  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
@@ -138,9 +148,24 @@ CATALOGUE = {
  "cond_mask": ("conditionally_mask", lambda m: m.conditionally_mask(m.adam(1e-2), lambda step: step % 3 != 1)),
  "flatten": ("flatten", lambda m: m.flatten(m.adam(1e-2))),
  "dog": ("scale_by_distance_over_gradients", lambda m: m.chain(m.scale_by_distance_over_gradients(reps_rel=1e-2, global_scale=-1.0))),
+ # "w" is 5 x 7: a right projector; the projector is refreshed (an SVD) at steps 0, gap, 2 gap, ...
+ "galore": ("contrib.galore", lambda m: m.contrib.galore(1e-2, rank=2, update_proj_gap=3)),
+ "galore_wd_scale": ("contrib.galore", lambda m: m.contrib.galore(1e-2, rank=3, update_proj_gap=4, scale=0.5, weight_decay=0.1)),
+ # a left projector (w seen as 7 x 5), refreshed once only: see the module docstring for why
+ "galore_left": ("contrib.galore", lambda m: m.contrib.galore(1e-2, rank=2, update_proj_gap=8, weight_dimension_numbers={"w": m.contrib.GaLoreDimensionNumbers(1, 0), "b": None, "s": None})),
+ "galore_lion": ("contrib.galore", lambda m: m.contrib.galore(1e-2, rank=2, update_proj_gap=5, base_optimizer=m.scale_by_lion())),
+ "galore_full_rank": ("contrib.galore", lambda m: m.chain(m.contrib.scale_by_galore(update_proj_gap=8, base_optimizer=m.scale_by_rms()), m.scale(-0.01))),
 }
+
+
+def _resolve(module, dotted):
+    for part in dotted.split("."):
+        module = getattr(module, part, None)
+    return module
+
+
 for _name, (_attr, _make) in CATALOGUE.items():
-    if hasattr(optax, _attr) and hasattr(gtx, _attr):
+    if _resolve(optax, _attr) is not None and _resolve(gtx, _attr) is not None:
         cases[_name] = (_make(optax), _make(gtx))
     else:
         print(f"{_name:16s} skipped: {_attr} missing from optax or gradtx")
