@@ -139,7 +139,8 @@ def factored_tp_x_fsdp_plain(world):
         "both.weight": Piece("both.weight", ((("tp",), 1), (("dp",), 0))),
         "b": Piece("b", ((("dp",), 0),)),
     }
-    _check_plain(world, mesh, shapes, pieces)
+    # row sums over one axis, column sums over the other, totals over both: three groups
+    _check_plain(world, mesh, shapes, pieces, collectives=3)
 
 
 @case(4)
@@ -300,6 +301,19 @@ def adafactor_fsdp_dtensors_match_dense(world):
         params, dense_params = gtx.apply_updates(params, updates), gtx.apply_updates(dense_params, dense_updates)
         for name, value in distribute(dense_params).items():
             close(params[name].to_local(), value.to_local(), f"step {step} param {name!r}", rtol=1e-5)
+
+
+@case(2)
+def galore_rejects_sharded_matrices(world):
+    """GaLore's SVD needs whole matrices: a DTensor matrix is a ValueError naming it, not local SVDs."""
+    from torch.distributed.tensor import Shard as S, distribute_tensor
+
+    from gradtx.contrib import galore
+
+    mesh = world.mesh((world.size,), ("dp",))
+    params = {"w": distribute_tensor(torch.ones(8, 4), mesh, [S(0)]), "b": torch.ones(4)}
+    with pytest.raises(ValueError, match=r"'w'.*DTensor"):
+        galore(0.1, rank=2).init(params)
 
 
 @pytest.mark.distributed

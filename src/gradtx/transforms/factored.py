@@ -7,8 +7,9 @@ as in optax, so the state has the same structure for every leaf.
 
 Sharded leaves (a ``spec``, or DTensor leaves) get the moments of the *logical* matrix: which dims
 are factored is decided on the logical shape, this rank's partial row and column sums are reduced
-over the mesh axes that split the summed dims only (batched, one collective per distinct axis set;
-one in all when every matrix is split along one dim, as under TP or FSDP alone), and each rank keeps
+over the mesh axes that split the summed dims only (batched, one collective per distinct axis set:
+one in all when every matrix is split along one dim, as under TP or FSDP alone; three when a
+matrix is split along both factored dims, as under TP x FSDP), and each rank keeps
 its slice of ``v_row`` / ``v_col`` and returns its slice of the dense update. Unfactored leaves are
 elementwise and never communicate. For DTensor leaves the factored moments are DTensors too, laid
 out as the leaf with the averaged dim replicated.
@@ -54,7 +55,6 @@ def _factored_dims(shape: tuple[int, ...], factored: bool, min_dim_size_to_facto
     if shape[order[-2]] < min_dim_size_to_factor:
         return None
     return order[-2], order[-1]
-
 
 
 def scale_by_factored_rms(
