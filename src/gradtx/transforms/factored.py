@@ -32,7 +32,8 @@ from gradtx.transforms import _foreach as fe
 
 class FactoredState(NamedTuple):
     """``count``: steps so far (0-d int32); ``v_row``, ``v_col``: the factored moments (or ``(1,)``
-    zeros); ``v``: the full moment of unfactored leaves (or a ``(1,)`` zero)."""
+    zeros); ``v``: the full moment of unfactored leaves (or a ``(1,)`` zero). Under sharding each
+    rank holds its slices (DTensors for DTensor leaves)."""
 
     count: Tensor
     v_row: Any
