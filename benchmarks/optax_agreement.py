@@ -22,6 +22,15 @@ AdEMAMix and ACProp (~1e-5) differ on elements near zero because optax forms ``1
 0.9999``) and ``b ** t`` in float32: against a float64 run from the same float32 inputs, gradtx's
 float32 result is within 4e-6 and optax's within 5e-4. ``--only TEXT`` runs the cases whose name
 contains TEXT.
+
+GaLore agrees to ~5e-7 in float64 (optax takes its SVD in float32 even under x64; gradtx in the
+gradient's dtype if wider) and ~2e-6 in float32, but only where both SVDs pick the same signs for
+the singular vectors: nothing fixes them, and the base optimizer's state carries over a refresh, so
+a sign flip at a refresh changes the trajectory. JAX's and torch's CPU SVDs of the same float32
+matrix choose opposite signs for some left singular vectors of tall matrices (for wide ones they
+agree): ``galore_left`` with ``update_proj_gap=2`` (refreshes at steps 0, 2, 4, 6) differs by 0.25,
+and is therefore run with one refresh, where the signs cancel (``P f(P^T G)`` is invariant under
+``P -> -P`` for an odd base optimizer such as Adam or Lion).
 """
 
 import argparse
@@ -164,6 +173,13 @@ CATALOGUE = {
  "madgrad_sched": ("contrib.madgrad", lambda m: m.contrib.madgrad(m.linear_schedule(1e-2, 1e-3, 5), momentum=0.5)),
  "acprop": ("contrib.acprop", lambda m: m.contrib.acprop(1e-2, weight_decay=0.1)),
  "acprop_sched": ("contrib.acprop", lambda m: m.contrib.acprop(m.linear_schedule(1e-2, 1e-3, 5), b2=0.9, eps=1e-8)),
+ # "w" is 5 x 7: a right projector; the projector is refreshed (an SVD) at steps 0, gap, 2 gap, ...
+ "galore": ("contrib.galore", lambda m: m.contrib.galore(1e-2, rank=2, update_proj_gap=3)),
+ "galore_wd_scale": ("contrib.galore", lambda m: m.contrib.galore(1e-2, rank=3, update_proj_gap=4, scale=0.5, weight_decay=0.1)),
+ # a left projector (w seen as 7 x 5), refreshed once only: see the module docstring for why
+ "galore_left": ("contrib.galore", lambda m: m.contrib.galore(1e-2, rank=2, update_proj_gap=8, weight_dimension_numbers={"w": m.contrib.GaLoreDimensionNumbers(1, 0), "b": None, "s": None})),
+ "galore_lion": ("contrib.galore", lambda m: m.contrib.galore(1e-2, rank=2, update_proj_gap=5, base_optimizer=m.scale_by_lion())),
+ "galore_full_rank": ("contrib.galore", lambda m: m.chain(m.contrib.scale_by_galore(update_proj_gap=8, base_optimizer=m.scale_by_rms()), m.scale(-0.01))),
 }
 
 

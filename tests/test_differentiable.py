@@ -20,6 +20,7 @@ from torch.func import grad, jacrev, jvp, vmap
 
 import gradtx as gtx
 from gradtx import contrib
+from gradtx.contrib import galore
 from optimizer_helpers import without_deprecation_warning
 import gradtx.optimizers
 
@@ -113,6 +114,8 @@ CASES = {
     "adafactor": lambda: gtx.adafactor(
         0.05, clipping_threshold=0.5, momentum=0.5, dtype_momentum=DTYPE, weight_decay_rate=0.1
     ),
+    # GaLore on a vector and a scalar projects nothing (Adam); its matrix path: MATRIX_CASES
+    "contrib.galore": lambda: galore(0.05, rank=2, update_proj_gap=2, weight_decay=0.1),
     # the objective's value= goes in with its graph: d step / d value is part of the meta-gradient
     "polyak_sgd": lambda: gtx.polyak_sgd(max_learning_rate=10.0, scaling=0.5, f_min=-1.0),
     "with_extra_args_support": lambda: gtx.with_extra_args_support(gtx.sgd(0.1, momentum=0.5)),
@@ -254,6 +257,7 @@ COMPONENTS = {
     "contrib.scale_by_simplified_ademamix": lambda: contrib.scale_by_simplified_ademamix(alpha=1.0),
     "contrib.scale_by_acprop": lambda: contrib.scale_by_acprop(),
     "contrib.scale_by_madgrad": lambda: contrib.scale_by_madgrad(gtx.linear_schedule(0.1, 0.05, 3)),
+    "contrib.scale_by_galore": lambda: contrib.scale_by_galore(rank=2, update_proj_gap=2),
     "contrib.schedule_free": lambda: contrib.schedule_free(gtx.adam(0.5, b1=0.0), 0.5),
 }
 # Unrolled further: RAdam's rectified branch starts at the sixth step (rho_t >= 5).
@@ -390,6 +394,9 @@ MATRIX_CASES = {
         0.05, min_dim_size_to_factor=2, clipping_threshold=0.5, momentum=0.5, dtype_momentum=DTYPE, weight_decay_rate=0.1
     ),
     "sm3": lambda: gtx.sm3(0.05, momentum=0.5),
+    # a rank-2 projection of the (4, 3) matrix from the SVD of its gradient, refreshed at the third
+    # step: differentiated through the SVD (the singular values are well apart on this data)
+    "contrib.galore": lambda: galore(0.05, rank=2, update_proj_gap=2, weight_decay=0.1),
 }
 
 

@@ -16,6 +16,7 @@ import torch
 
 import gradtx as gtx
 from gradtx import contrib
+from gradtx.contrib import galore
 from optimizer_helpers import without_deprecation_warning
 from combinator_helpers import running_sum
 
@@ -133,6 +134,9 @@ FACTORIES = {
     "fromage": lambda: gtx.fromage(1e-2),
     "sm3": lambda: gtx.sm3(1e-2),
     "adafactor": lambda: gtx.adafactor(1e-2, min_dim_size_to_factor=2, momentum=0.9, weight_decay_rate=1e-3),
+    # rank 2 of the (4, 3) and (2, 4) matrices, refreshed every other step; the bias unprojected
+    "contrib.galore": lambda: galore(1e-2, rank=2, update_proj_gap=2, weight_decay=0.1),
+    "contrib.scale_by_galore": lambda: contrib.scale_by_galore(rank=2, update_proj_gap=2),
     "apply_every": lambda: gtx.apply_every(2),
     "conditionally_transform": lambda: gtx.conditionally_transform(adam(), lambda step: step % 2 == 0),
     "conditionally_mask": lambda: gtx.conditionally_mask(adam(), lambda step: step % 2 == 0),

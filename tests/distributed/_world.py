@@ -33,6 +33,7 @@ CASE_MODULES = (
     "test_sharding_decisions",
     "test_sharding_disagreement",
     "test_contrib_dtensor",
+    "test_sharding_factored",
 )
 
 _CASES: dict[int, dict[str, Callable[["World"], None]]] = {}

@@ -121,10 +121,10 @@ def adafactor(
     and a negligible ``eps``, up to where torch floors its variance estimate (at ``eps1^2``) and its
     parameter RMS (at ``eps2``, which is ``scale_by_param_block_rms``'s ``1e-3``); torch factors the
     last two dimensions of every tensor, optax the two largest when both reach
-    ``min_dim_size_to_factor``. ``spec`` makes the block RMS of the clipping and of the parameter
-    scale those of the logical leaves.
+    ``min_dim_size_to_factor``. ``spec`` (or DTensor leaves) makes the factored moments, the block
+    RMS of the clipping and the parameter scale those of the logical leaves.
     """
-    txs = [scale_by_factored_rms(factored, decay_rate, decay_offset, min_dim_size_to_factor, eps)]
+    txs = [scale_by_factored_rms(factored, decay_rate, decay_offset, min_dim_size_to_factor, eps, spec=spec)]
     if clipping_threshold is not None:
         txs.append(clip_by_block_rms(clipping_threshold, spec))
     if learning_rate is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
+import torch
 from torch import Tensor
 
 from gradtx.tree import dtensor_type
@@ -102,3 +103,34 @@ def placement_layout(mesh: Any, placements: Sequence[Any], axes_of_dim: Callable
         else:
             raise ValueError(f"leaf {path!r}: unsupported DTensor placement {placement!r} on mesh axis {axis!r}")
     return tuple(axes), tuple(dims)
+
+
+def reduced_like(tensor: Any, local_result: Tensor, dim: int) -> Any:
+    """``local_result`` as this rank's piece of ``tensor`` reduced along tensor ``dim`` (keepdim off).
+
+    Placements splitting ``dim`` become ``Replicate`` (the reduced result is whole along the axes
+    that split it), those of later dims move down by one. A plain ``tensor`` gives ``local_result``.
+    """
+    if not is_dtensor(tensor):
+        return local_result
+    from torch.distributed.tensor import DTensor, Replicate
+
+    dim = dim % tensor.ndim
+    placements = []
+    for placement in tensor.placements:
+        if _is_shard(placement) and placement.dim == dim:
+            placements.append(Replicate())
+        elif _is_shard(placement) and placement.dim > dim:
+            if placement.is_shard():
+                placements.append(type(placement)(placement.dim - 1))
+            else:  # _StridedShard keeps its split factor
+                placements.append(type(placement)(placement.dim - 1, split_factor=placement.split_factor))
+        else:
+            placements.append(placement)
+    shape = [s for i, s in enumerate(tensor.shape) if i != dim]
+    stride, running = [0] * len(shape), 1
+    for i in range(len(shape) - 1, -1, -1):
+        stride[i], running = running, running * max(shape[i], 1)
+    return DTensor.from_local(
+        local_result, tensor.device_mesh, placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
+    )

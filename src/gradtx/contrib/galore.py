@@ -1,0 +1,301 @@
+"""GaLore: gradient low-rank projection (Zhao et al., 2024), with optax.contrib's definition.
+
+Each weight matrix ``G`` (``m x n``) is projected to a rank-``r`` subspace before the base
+optimizer sees it: with ``m >= n`` onto its top-``r`` left singular vectors (``P^T G``, ``r x n``),
+otherwise onto its top-``r`` right ones (``G P``, ``m x r``). The base optimizer (Adam by default)
+keeps its state at that low-rank shape, and its update is projected back (``P U`` or ``U P^T``).
+The projector ``P`` is recomputed from an SVD of the current gradient every ``update_proj_gap``
+steps, starting at the first; the base optimizer's state carries over unchanged when it is.
+Leaves that are not matrices (or that ``weight_dimension_numbers`` skips) go to the base
+optimizer whole.
+
+The SVD runs in float32 or the gradient's dtype if wider (optax always uses float32), and the
+projector is kept in the gradient's dtype. In eager mode whether a step refreshes the projector is
+read from the step counter on the host (one scalar read per step); under ``torch.compile`` or a
+``torch.func`` transform it cannot be, so every step computes the SVD and keeps the old projector
+where it is not due, which gives the same numbers.
+
+Sharded leaves (a ``ShardingSpec``, DTensors) are not supported: the SVD needs whole matrices.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from gradtx import tree as tree_lib
+from gradtx.base import GradientTransformation
+from gradtx.chains import chain
+from gradtx.sharding import dtensor as dtensor_lib
+from gradtx.transforms import _foreach as fe
+from gradtx.transforms.adam import scale_by_adam
+from gradtx.transforms.scaling import scale_by_learning_rate
+from gradtx.transforms.weight_decay import add_decayed_weights
+
+
+class GaLoreDimensionNumbers(NamedTuple):
+    """Which axes of a weight form the projected matrix: ``reduction_axis`` (the input side, the
+    matrix's rows) and ``output_axis`` (its columns); several axes are flattened together, in the
+    order given. Every axis must be named in one of them (an attention weight
+    ``(embed, heads, head_dim)`` is ``GaLoreDimensionNumbers(0, (1, 2))``)."""
+
+    reduction_axis: Union[Sequence[int], int] = 0
+    output_axis: Union[Sequence[int], int] = 1
+
+
+class GaLoreState(NamedTuple):
+    """``count``: steps taken (0-d int32); ``base_optimizer_state``: the base optimizer's state, at
+    the low-rank shape for projected leaves; ``projector``: per leaf the ``(m, r)`` or ``(n, r)``
+    projector, or a ``(0, 0)`` tensor for a leaf that is not projected."""
+
+    count: Tensor
+    base_optimizer_state: Any
+    projector: Any
+
+
+WeightDimNumOrFn = Union[GaLoreDimensionNumbers, Any, Callable[[Any], Any]]
+
+
+def _axes(value: Union[Sequence[int], int], ndim: int) -> tuple[int, ...]:
+    return (value % ndim,) if isinstance(value, int) else tuple(int(a) % ndim for a in value)
+
+
+class _Matrix(NamedTuple):
+    """How one leaf is seen as a matrix: its permutation, the permuted shape, and ``(m, n)``."""
+
+    permutation: tuple[int, ...]
+    permuted_shape: tuple[int, ...]
+    m: int
+    n: int
+
+    def to_matrix(self, x: Tensor) -> Tensor:
+        return x.permute(self.permutation).reshape(self.m, self.n)
+
+    def from_matrix(self, x: Tensor) -> Tensor:
+        inverse = sorted(range(len(self.permutation)), key=lambda i: self.permutation[i])
+        return x.reshape(self.permuted_shape).permute(inverse)
+
+
+class _LazyPath:
+    """A leaf's path, computed only when an error message shows it."""
+
+    def __init__(self, tree: Any, index: int):
+        self.tree, self.index = tree, index
+
+    def __repr__(self) -> str:
+        return repr(tree_lib.path_at(self.tree, self.index))
+
+
+def _matrix_of(path: Any, shape: Sequence[int], dim_nums: GaLoreDimensionNumbers, owner: str) -> _Matrix:
+    ndim = len(shape)
+    if ndim < 2:
+        raise ValueError(f"{owner}: leaf {path!r} has shape {tuple(shape)}; GaLore projects tensors of rank >= 2")
+    rows, cols = _axes(dim_nums.reduction_axis, ndim), _axes(dim_nums.output_axis, ndim)
+    if set(rows) & set(cols):
+        raise ValueError(f"{owner}: leaf {path!r}: reduction axes {rows} and output axes {cols} overlap ({dim_nums})")
+    if len(set(rows) | set(cols)) != ndim or len(rows) + len(cols) != ndim:
+        raise ValueError(
+            f"{owner}: leaf {path!r} of shape {tuple(shape)}: every axis must be named once, got reduction "
+            f"axes {rows} and output axes {cols}"
+        )
+    permutation = rows + cols
+    m = n = 1
+    for a in rows:
+        m *= shape[a]
+    for a in cols:
+        n *= shape[a]
+    return _Matrix(permutation, tuple(shape[a] for a in permutation), m, n)
+
+
+def _dim_nums_leaves(weight_dimension_numbers: Optional[WeightDimNumOrFn], tree: Any, tree_leaves: list) -> list:
+    """One ``GaLoreDimensionNumbers`` or ``None`` per leaf of ``tree``, as optax resolves them."""
+    if weight_dimension_numbers is None:
+        return [GaLoreDimensionNumbers() if x is not None and x.ndim == 2 else None for x in tree_leaves]
+    if isinstance(weight_dimension_numbers, GaLoreDimensionNumbers):
+        return [weight_dimension_numbers if x is not None and x.ndim >= 2 else None for x in tree_leaves]
+    given = weight_dimension_numbers(tree) if callable(weight_dimension_numbers) else weight_dimension_numbers
+    try:
+        values = tree_lib.structure(tree).flatten_up_to(given)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"scale_by_galore: weight_dimension_numbers do not fit the params: {exc}") from None
+    for index, value in enumerate(values):
+        if value is not None and not isinstance(value, GaLoreDimensionNumbers):
+            raise TypeError(
+                f"scale_by_galore: weight_dimension_numbers at {_LazyPath(tree, index)!r} is {value!r}, expected a "
+                "GaLoreDimensionNumbers or None"
+            )
+    return list(values)
+
+
+def _projector_from_svd(matrix: Tensor, rank: int, left: bool) -> Tensor:
+    dtype = torch.promote_types(matrix.dtype, torch.float32)
+    u, _, vh = torch.linalg.svd(matrix.to(dtype), full_matrices=False)
+    projector = u[:, :rank] if left else vh[:rank, :].mT
+    return projector.to(matrix.dtype)
+
+
+def _refresh_on_host(count: Tensor, gap: int) -> Optional[bool]:
+    """Whether this step refreshes the projectors, read on the host; ``None`` where it cannot be
+    (under ``torch.compile`` or a ``torch.func`` transform)."""
+    if torch.compiler.is_compiling() or tree_lib.uses_functorch([count]):
+        return None
+    return int(count) % gap == 0
+
+
+def scale_by_galore(
+    rank: int = 128,
+    update_proj_gap: int = 200,
+    scale: float = 1.0,
+    base_optimizer: Optional[GradientTransformation] = None,
+    weight_dimension_numbers: Optional[WeightDimNumOrFn] = None,
+) -> GradientTransformation:
+    """Runs ``base_optimizer`` (default ``scale_by_adam()``) on low-rank projections of the gradient
+    matrices and projects its updates back, times ``scale`` (leaves that are not projected get the
+    base optimizer's update as it is, unscaled, as in optax).
+
+    ``rank`` is capped at ``min(m, n)`` per matrix; the projector is the top singular vectors of the
+    gradient at steps ``0, update_proj_gap, 2 update_proj_gap, ...``. ``weight_dimension_numbers``:
+    ``None`` projects the 2-D leaves; one :class:`GaLoreDimensionNumbers` applies to every leaf of
+    rank >= 2; a tree of them (``None`` to skip a leaf), or a callable ``params -> tree``.
+    The base optimizer is called without params: it must be a pure gradient scaling
+    (``scale_by_adam``, ``scale_by_lion``, ...), not ``adamw`` (use ``galore``'s ``weight_decay``).
+    """
+    owner = "scale_by_galore"
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        raise TypeError(f"{owner}: rank must be an int, got {type(rank).__name__}")
+    if rank <= 0:
+        raise ValueError(f"{owner}: rank must be positive, got {rank}")
+    if not isinstance(update_proj_gap, int) or update_proj_gap <= 0:
+        raise ValueError(f"{owner}: update_proj_gap must be a positive int, got {update_proj_gap!r}")
+    base = base_optimizer if base_optimizer is not None else scale_by_adam()
+
+    def matrices_of(tree: Any) -> tuple[list, Any, list[Optional[_Matrix]]]:
+        tree_leaves, treedef = tree_lib.flatten(tree)
+        dim_nums = _dim_nums_leaves(weight_dimension_numbers, tree, tree_leaves)
+        out: list[Optional[_Matrix]] = []
+        for index, (x, d) in enumerate(zip(tree_leaves, dim_nums)):
+            if x is None or d is None:
+                out.append(None)
+                continue
+            path = _LazyPath(tree, index)
+            if dtensor_lib.is_dtensor(x):
+                raise ValueError(f"{owner}: leaf {path!r} is a DTensor; GaLore's SVD needs whole matrices (not supported)")
+            out.append(_matrix_of(path, tuple(x.shape), d, owner))
+        return tree_leaves, treedef, out
+
+    def init_fn(params: Any) -> GaLoreState:
+        tree_leaves, treedef, matrices = matrices_of(params)
+        projectors, proxies = [], []
+        for p, mat in zip(tree_leaves, matrices):
+            if p is None:
+                projectors.append(None), proxies.append(None)
+            elif mat is None:
+                projectors.append(torch.zeros((0, 0), dtype=p.dtype, device=p.device))
+                proxies.append(torch.zeros_like(p))
+            else:
+                r = min(rank, mat.m, mat.n)
+                left = mat.m >= mat.n
+                projectors.append(torch.zeros((mat.m if left else mat.n, r), dtype=p.dtype, device=p.device))
+                proxies.append(torch.zeros((r, mat.n) if left else (mat.m, r), dtype=p.dtype, device=p.device))
+        return GaLoreState(
+            count=fe.zero_count(params),
+            base_optimizer_state=base.init(tree_lib.unflatten(treedef, proxies)),
+            projector=tree_lib.unflatten(treedef, projectors),
+        )
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        del params
+        tree_leaves, treedef, matrices = matrices_of(updates)
+        projector_leaves = tree_lib.flatten_like(state.projector, treedef, updates, what=f"{owner}: state.projector")
+        refresh = _refresh_on_host(state.count, update_proj_gap)
+        due = None if refresh is not None else (state.count % update_proj_gap) == 0
+        graph = tree_lib.needs_graph([x for x in tree_leaves if x is not None], list(projector_leaves))
+
+        low_rank, new_projectors = [], []
+        for g, projector, mat in zip(tree_leaves, projector_leaves, matrices):
+            if g is None or mat is None:
+                low_rank.append(g)
+                keep = projector if (projector is None or inplace) else projector.clone()
+                new_projectors.append(keep)
+                continue
+            matrix = mat.to_matrix(g)
+            r, left = min(rank, mat.m, mat.n), mat.m >= mat.n
+            if refresh is False:
+                new = projector if inplace else projector.clone()
+            else:
+                fresh = _projector_from_svd(matrix, r, left)
+                new = fresh if refresh else torch.where(due.to(fresh.device), fresh, projector)
+                if inplace and not graph:
+                    new = projector.copy_(new)
+            low_rank.append(new.mT @ matrix if left else matrix @ new)
+            new_projectors.append(new)
+
+        # low-rank gradients are fresh tensors; unprojected leaves are donated only when the caller does
+        base_updates, base_state = base.update(
+            tree_lib.unflatten(treedef, low_rank), state.base_optimizer_state, None, inplace=inplace
+        )
+        base_leaves = tree_lib.flatten_like(base_updates, treedef, updates, what=f"{owner}: base optimizer updates")
+        outs = []
+        for g, u, projector, mat in zip(tree_leaves, base_leaves, new_projectors, matrices):
+            if g is None or mat is None:
+                outs.append(u)
+                continue
+            left = mat.m >= mat.n
+            full = mat.from_matrix(projector @ u if left else u @ projector.mT)
+            full = (scale * full).to(g.dtype)
+            outs.append(g.copy_(full) if inplace and not graph else full)
+        return tree_lib.unflatten(treedef, outs), GaLoreState(
+            count=fe.increment(state.count, inplace=inplace),
+            base_optimizer_state=base_state,
+            projector=tree_lib.unflatten(treedef, new_projectors),
+        )
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def galore(
+    learning_rate: Any,
+    rank: int = 128,
+    update_proj_gap: int = 200,
+    scale: float = 1.0,
+    base_optimizer: Optional[GradientTransformation] = None,
+    weight_decay: Any = 0.0,
+    mask: Optional[Any] = None,
+    weight_dimension_numbers: Optional[WeightDimNumOrFn] = None,
+) -> GradientTransformation:
+    """GaLore (Zhao et al., 2024, "GaLore: Memory-Efficient LLM Training by Gradient Low-Rank
+    Projection", https://arxiv.org/abs/2403.03507): ``scale_by_galore`` (Adam on rank-``rank``
+    projections of the gradient matrices by default), then decoupled weight decay
+    ``add_decayed_weights(weight_decay, mask)`` in the full parameter space, then
+    ``scale_by_learning_rate(learning_rate)``, as optax.contrib's ``galore``.
+
+    The base optimizer's state is ``rank x n`` (or ``m x rank``) per ``m x n`` matrix instead of
+    ``m x n``. Give weight decay here, never through the base optimizer (it sees no params).
+
+    ```python
+    import torch
+    from gradtx.contrib import galore
+    import gradtx as gtx
+
+    params = {"w": torch.ones(100, 100), "b": torch.ones(100)}
+    tx = galore(learning_rate=0.01, rank=16, weight_decay=0.01)
+    state = tx.init(params)
+    for _ in range(5):
+        grads = {k: 2 * v for k, v in params.items()}  # d/dp of sum(p^2)
+        updates, state = tx.update(grads, state, params)
+        params = gtx.apply_updates(params, updates)
+    ```
+    """
+    return chain(
+        scale_by_galore(
+            rank=rank,
+            update_proj_gap=update_proj_gap,
+            scale=scale,
+            base_optimizer=base_optimizer,
+            weight_dimension_numbers=weight_dimension_numbers,
+        ),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(learning_rate),
+    )
