@@ -139,6 +139,24 @@ CATALOGUE = {
  "flatten": ("flatten", lambda m: m.flatten(m.adam(1e-2))),
  "dog": ("scale_by_distance_over_gradients", lambda m: m.chain(m.scale_by_distance_over_gradients(reps_rel=1e-2, global_scale=-1.0))),
 }
+# optax.contrib's names (gradtx.contrib), each run only where both have it.
+CONTRIB = {
+ "muon": ("muon", lambda c: c.muon(1e-2)),
+ "muon_plain": ("muon", lambda c: c.muon(1e-2, nesterov=False, beta=0.8, weight_decay=0.1)),
+ "muon_adaptive": ("muon", lambda c: c.muon(1e-2, adaptive=True, consistent_rms=0.2, adam_learning_rate=3e-3)),
+ "muon_dion": ("muon", lambda c: c.muon(1e-2, ns_coeffs="dion")),
+ "muon_spectral": ("muon", lambda c: c.muon(1e-2, preconditioning="spectral", ns_steps=3)),
+ "muon_aol": ("muon", lambda c: c.muon(1e-2, preconditioning="aol")),
+ "muon_schatten": ("muon", lambda c: c.muon(1e-2, preconditioning="schatten")),
+}
+import gradtx.contrib as _gtx_contrib  # noqa: E402
+import optax.contrib as _optax_contrib  # noqa: E402
+
+for _name, (_attr, _make) in CONTRIB.items():
+    if hasattr(_optax_contrib, _attr) and hasattr(_gtx_contrib, _attr):
+        cases[_name] = (_make(_optax_contrib), _make(_gtx_contrib))
+    else:
+        print(f"{_name:16s} skipped: {_attr} missing from optax.contrib or gradtx.contrib")
 for _name, (_attr, _make) in CATALOGUE.items():
     if hasattr(optax, _attr) and hasattr(gtx, _attr):
         cases[_name] = (_make(optax), _make(gtx))
