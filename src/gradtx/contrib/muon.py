@@ -324,31 +324,29 @@ def scale_by_muon(
             estimates.append(est.to(dtype))
 
         coeffs = state.ns_coeffs
-        mats = [dim_nums[i] for i in leaves.present]
+        for i in leaves.present:
+            if dim_nums[i] is None:
+                raise ValueError(f"{owner}: leaf {tree_lib.path_at(updates, i)!r} has an update but no dimension numbers (None)")
 
         def fn(index: int, x: Tensor) -> Tensor:
-            out = _orthogonalize_leaf(x, mats[index], coeffs, ns_steps, preconditioning, eps)
+            out = _orthogonalize_leaf(x, dim_nums[index], coeffs, ns_steps, preconditioning, eps)
             if adaptive:
                 out = torch.sum(x.conj() * out) * out
             return out
 
         def validate(index: int, path: str, shape: tuple[int, ...]) -> None:
-            if mats[index] is None:
-                raise ValueError(f"{owner}: leaf {path!r} has an update but no dimension numbers (None)")
-            _check_matrix(path, shape, mats[index], owner)
+            _check_matrix(path, shape, dim_nums[index], owner)
 
         def separable(index: int, shape: tuple[int, ...]) -> Sequence[int]:
-            return () if adaptive else _matrix_view(shape, mats[index])[3]
+            return () if adaptive else _matrix_view(shape, dim_nums[index])[3]
 
-        if mats and any(m is None for m in mats):
-            missing = leaves.present[mats.index(None)]
-            raise ValueError(f"{owner}: leaf {tree_lib.path_at(updates, missing)!r} has an update but no dimension numbers (None)")
+        # the estimates in the updates' tree, so that a spec's path rules apply to them
         directions = matrices.map_logical(
-            grads_rewrap(estimates), fn, spec, what=owner, separable=separable, validate=validate
+            leaves.rebuild(grads_rewrap(estimates)), fn, spec, what=owner, separable=separable, validate=validate
         )
         if mu_dtype is not None:
             new_mu = [m if m.dtype == mu_dtype else m.to(mu_dtype) for m in new_mu]
-        return leaves.rebuild(directions), MuonState(
+        return directions, MuonState(
             count=count, mu=leaves.rebuild(moms_rewrap(new_mu), like=state.mu), ns_coeffs=coeffs
         )
 

@@ -11,7 +11,7 @@ the function gives the whole tensor:
 - every other leaf is gathered over the group of its ``Shard`` axes, rebuilt as the whole logical
   tensor, passed to the function, and this rank's slice of the result is kept.
 
-**Collectives per call**: one ``all_gather_into_tensor`` per distinct (shard group, dtype, device)
+**Collectives per call**: one all-gather (``all_gather_into_tensor``) per distinct (shard group, dtype, device)
 among the gathered leaves -- a tensor-parallel model whose matrices all split over ``"tp"`` issues
 one, a TP x FSDP model with leaves over ``("dp",)``, ``("tp",)`` and ``("dp", "tp")`` three -- in a
 fixed order on every rank. Pieces of all leaves of a bucket are flattened into one buffer per rank,
@@ -278,6 +278,12 @@ def map_logical(
     return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, rewrap(results)))
 
 
+def _all_gather_flat(received: Tensor, send: Tensor, group: Any) -> None:
+    """One all-gather of equal-length 1-D buffers into ``received`` (rank-ordered)."""
+    gather = getattr(dist, "all_gather_single", None)  # the newer name of all_gather_into_tensor
+    (gather or dist.all_gather_into_tensor)(received, send, group=group)
+
+
 def _gather(plan: Plan, pieces: Sequence[Any], jobs: Sequence[Optional[_Gather]]) -> dict[int, Tensor]:
     """The whole tensors of the gathered leaves: one ``all_gather`` per (group, dtype, device)."""
     mesh = plan.mesh
@@ -297,7 +303,7 @@ def _gather(plan: Plan, pieces: Sequence[Any], jobs: Sequence[Optional[_Gather]]
         send = torch.zeros(length, dtype=first.dtype, device=first.device)
         torch.cat([pieces[job.index].detach().reshape(-1) for job in bucket], out=send[: totals[bucket[0].me]])
         received = torch.empty(group_size * length, dtype=first.dtype, device=first.device)
-        dist.all_gather_into_tensor(received, send, group=mesh.group(key[0]))
+        _all_gather_flat(received, send, mesh.group(key[0]))
         cursors = [r * length for r in range(group_size)]
         for job in bucket:
             whole = torch.empty(job.shape, dtype=first.dtype, device=first.device)
