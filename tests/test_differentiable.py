@@ -19,6 +19,7 @@ import torch
 from torch.func import grad, jacrev, jvp, vmap
 
 import gradtx as gtx
+from gradtx import contrib
 from optimizer_helpers import without_deprecation_warning
 from gradtx.chains import aliases
 
@@ -365,6 +366,11 @@ MATRIX_CASES = {
         0.05, min_dim_size_to_factor=2, clipping_threshold=0.5, momentum=0.5, dtype_momentum=DTYPE, weight_decay_rate=0.1
     ),
     "sm3": lambda: gtx.sm3(0.05, momentum=0.5),
+    # Muon on W (Newton-Schulz through the graph), AdamW on the bias
+    "muon": lambda: contrib.muon(0.05, weight_decay=0.1, consistent_rms=0.2),
+    "scale_by_muon": lambda: gtx.chain(
+        gtx.masked(contrib.scale_by_muon(adaptive=True, preconditioning="aol"), {"W": True, "bias": False}), gtx.scale(-0.05)
+    ),
 }
 
 

@@ -292,7 +292,7 @@ def scale_by_muon(
         return MuonState(
             count=fe.zero_count(params),
             mu=fe.zeros_like_tree(params, mu_dtype),
-            ns_coeffs=coeffs0.to(tree_lib.first_device(params)),
+            ns_coeffs=coeffs0.to(tree_lib.first_device(params), copy=True),
         )
 
     def update_fn(updates, state, params=None, *, inplace=False):
@@ -347,7 +347,9 @@ def scale_by_muon(
         if mu_dtype is not None:
             new_mu = [m if m.dtype == mu_dtype else m.to(mu_dtype) for m in new_mu]
         return directions, MuonState(
-            count=count, mu=leaves.rebuild(moms_rewrap(new_mu), like=state.mu), ns_coeffs=coeffs
+            count=count,
+            mu=leaves.rebuild(moms_rewrap(new_mu), like=state.mu),
+            ns_coeffs=coeffs if inplace else coeffs.clone(),  # a new state shares no storage with the old
         )
 
     return GradientTransformation(init_fn, update_fn)
