@@ -96,6 +96,9 @@ def muon_tp_column_and_row_parallel(world):
     to_local, from_local = _plain(world, mesh, layout)
     # one all_gather per step: every sharded matrix splits over "tp" and is float32
     _run(lambda s: muon(0.02, weight_decay=0.1, spec=spec if s else None), shapes, to_local, from_local, collectives=1)
+    # one owner per matrix: two all_to_alls
+    make = lambda s: muon(0.02, weight_decay=0.1, spec=spec if s else None, strategy="owner")  # noqa: E731
+    _run(make, shapes, to_local, from_local, collectives=2)
     _run(
         lambda s: scale_by_muon(adaptive=True, nesterov=False, preconditioning="aol", spec=spec if s else None),
         {k: v for k, v in shapes.items() if k != "proj.bias"},
@@ -114,6 +117,7 @@ def muon_fsdp2_dtensor_uneven_shards(world):
     shapes = {"a.weight": (5, 3), "b.weight": (7, 9), "c.weight": (3, 10), "b.bias": (7,)}
     to_local, from_local = _dtensors(mesh, {k: [S(0)] for k in shapes})
     _run(lambda s: muon(0.02, consistent_rms=0.2), shapes, to_local, from_local, collectives=1)
+    _run(lambda s: muon(0.02, strategy="owner"), shapes, to_local, from_local, collectives=2)
 
 
 @case(4)
@@ -130,6 +134,7 @@ def muon_hsdp_and_tp_by_fsdp(world):
     to_local, from_local = _dtensors(mesh, placements)
     # every matrix over both axes (whatever the dims): one group, one all_gather
     _run(lambda s: muon(0.02, preconditioning="schatten"), shapes, to_local, from_local, collectives=1)
+    _run(lambda s: muon(0.02, strategy="owner"), shapes, to_local, from_local, collectives=2)
 
     # the same on plain tensors under a spec: rows over dp, columns over tp; another leaf over tp only
     layout = {"a.weight": ((("dp",), 0), (("tp",), 1)), "b.weight": ((("tp",), 0),)}

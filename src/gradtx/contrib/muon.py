@@ -252,6 +252,7 @@ def scale_by_muon(
     preconditioning: str = "frobenius",
     weight_dimension_numbers: Optional[WeightDimNumOrFn] = None,
     spec: Optional[ShardingSpec] = None,
+    strategy: str = "gather",
 ) -> GradientTransformation:
     """Muon's direction: the momentum, orthogonalized by Newton-Schulz iterations (optax's
     ``scale_by_muon``).
@@ -276,11 +277,17 @@ def scale_by_muon(
         returning one. ``None``: every leaf is a matrix.
       spec: the sharding of plain-tensor leaves (DTensor leaves describe themselves): each rank's
         result is then its slice of the result for the whole logical matrix.
+      strategy: how sharded matrices are orthogonalized (the numbers are the same): ``"gather"``,
+        every rank of a shard group rebuilds every matrix (one all-gather per group and dtype), or
+        ``"owner"``, one rank per matrix, which sends the slices back (two all-to-alls, a ``1/k``
+        share of the Newton-Schulz work). See :func:`gradtx.sharding.matrices.map_logical`.
 
     References: Jordan, `modded-nanogpt <https://github.com/KellerJordan/modded-nanogpt>`_, 2024;
     Bernstein & Newhouse, `Old Optimizer, New Norm <https://arxiv.org/abs/2409.20325>`_, 2024.
     """
     owner = "scale_by_muon"
+    if strategy not in ("gather", "owner"):
+        raise ValueError(f"{owner}: strategy must be 'gather' or 'owner', got {strategy!r}")
     if preconditioning not in _PRECONDITIONINGS:
         raise ValueError(f"{owner}: unknown preconditioning {preconditioning!r}; expected one of {_PRECONDITIONINGS}")
     ns_steps = int(ns_steps)
@@ -342,7 +349,13 @@ def scale_by_muon(
 
         # the estimates in the updates' tree, so that a spec's path rules apply to them
         directions = matrices.map_logical(
-            leaves.rebuild(grads_rewrap(estimates)), fn, spec, what=owner, separable=separable, validate=validate
+            leaves.rebuild(grads_rewrap(estimates)),
+            fn,
+            spec,
+            what=owner,
+            separable=separable,
+            validate=validate,
+            strategy=strategy,
         )
         if mu_dtype is not None:
             new_mu = [m if m.dtype == mu_dtype else m.to(mu_dtype) for m in new_mu]
@@ -415,6 +428,7 @@ def muon(
     muon_weight_dimension_numbers: Optional[WeightDimNumOrFn] = None,
     consistent_rms: Optional[float] = None,
     spec: Optional[ShardingSpec] = None,
+    strategy: str = "gather",
 ) -> GradientTransformation:
     """Muon: MomentUm Orthogonalized by Newton-Schulz (Jordan, 2024), as optax.contrib's ``muon``.
 
@@ -427,7 +441,7 @@ def muon(
     ``ns_coeffs`` may name a preset: ``"standard"`` or ``"dion"`` (five per-step rows, Ahn et al.
     2025). ``consistent_rms=0.2`` matches AdamW's update RMS (Liu et al., 2025). With ``spec`` (or
     DTensor leaves) every matrix is orthogonalized as a whole logical matrix, exactly, whatever the
-    sharding; see :func:`scale_by_muon`.
+    sharding; see :func:`scale_by_muon` (and its ``strategy``).
 
     References: Jordan, `modded-nanogpt <https://github.com/KellerJordan/modded-nanogpt>`_, 2024;
     Liu et al., `Muon is Scalable for LLM Training <https://arxiv.org/abs/2502.16982>`_, 2025.
@@ -476,6 +490,7 @@ def muon(
                     preconditioning=preconditioning,
                     weight_dimension_numbers=dims_fn,
                     spec=spec,
+                    strategy=strategy,
                 ),
                 scale_by_shape(weight_dimension_numbers=dims_fn, consistent_rms=consistent_rms, spec=spec),
                 gradtx.add_decayed_weights(weight_decay, weight_decay_mask),

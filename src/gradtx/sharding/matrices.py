@@ -62,8 +62,9 @@ class _Gather:
     index: int
     axes: tuple[str, ...]
     shape: tuple[int, ...]
-    boxes: list[Box]  # per rank of the group, in group-rank order
-    me: int  # this rank's position in the group
+    ranks: list[int]  # the group's ranks, ascending
+    boxes: list[Box]  # per rank of ``ranks``
+    me: int  # this rank's position in ``ranks``
 
 
 def _chunk(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -206,7 +207,7 @@ def _jobs(
                 f"leaf {layout.path!r}: this rank holds a {tuple(local.shape)} piece, but its layout gives "
                 f"{boxes[position][0]} of the whole {shape} tensor"
             )
-        jobs[index] = _Gather(index, axes, shape, boxes, position)
+        jobs[index] = _Gather(index, axes, shape, ranks, boxes, position)
     return jobs
 
 
@@ -227,6 +228,7 @@ def map_logical(
     what: str,
     separable: Optional[Callable[[int, tuple[int, ...]], Sequence[int]]] = None,
     validate: Optional[Callable[[int, str, tuple[int, ...]], None]] = None,
+    strategy: str = "gather",
 ) -> Any:
     """``fn`` applied to every leaf of ``tree`` as a whole logical tensor; each rank gets its slice.
 
@@ -240,9 +242,15 @@ def map_logical(
         independently; a leaf split along those dims only runs locally.
       validate: ``(leaf index, path, logical shape)``, raising ``ValueError`` for a leaf ``fn``
         cannot take; under sharding it runs before any collective, and its error reaches every rank.
+      strategy: ``"gather"`` (every rank of a shard group rebuilds every whole tensor: one
+        all-gather per bucket) or ``"owner"`` (one rank per whole tensor applies ``fn`` and sends
+        the slices back: two all-to-alls per bucket, ``1/k`` of the work and about ``2/k`` of the
+        bytes per rank on a group of ``k``; ``fn`` must then keep the dtype).
 
     Results keep each input's dtype, device and (for DTensors) layout.
     """
+    if strategy not in ("gather", "owner"):
+        raise ValueError(f"{what}: strategy must be 'gather' or 'owner', got {strategy!r}")
     tree_leaves, treedef = tree_lib.flatten(tree)
     if spec is None and not dtensor_lib.has_dtensor(tree_leaves):
         if validate is not None:
@@ -265,53 +273,125 @@ def map_logical(
     present = [i for i, x in enumerate(tree_leaves) if x is not None]
     for i, local in zip(present, locals_):
         pieces[i] = local
-    wholes = _gather(plan, pieces, jobs)
-    results = []
-    for i in present:
-        job = jobs[i]
-        if job is None:
-            results.append(fn(i, pieces[i]))
-            continue
-        whole = fn(i, wholes[i])
-        shape, offset = job.boxes[job.me]
-        results.append(whole[tuple(slice(o, o + s) for s, o in zip(shape, offset))].clone())
+    apply = _apply_owned if strategy == "owner" else _apply_gathered
+    done = apply(plan, pieces, jobs, fn)
+    results = [done[i] if jobs[i] is not None else fn(i, pieces[i]) for i in present]
     return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, rewrap(results)))
 
 
-def _all_gather_flat(received: Tensor, send: Tensor, group: Any) -> None:
-    """One all-gather of equal-length 1-D buffers into ``received`` (rank-ordered)."""
-    gather = getattr(dist, "all_gather_single", None)  # the newer name of all_gather_into_tensor
-    (gather or dist.all_gather_into_tensor)(received, send, group=group)
-
-
-def _gather(plan: Plan, pieces: Sequence[Any], jobs: Sequence[Optional[_Gather]]) -> dict[int, Tensor]:
-    """The whole tensors of the gathered leaves: one ``all_gather`` per (group, dtype, device)."""
-    mesh = plan.mesh
+def _buckets(plan: Plan, pieces: Sequence[Any], jobs: Sequence[Optional[_Gather]]) -> list[tuple[Any, list[_Gather]]]:
+    """Gathered leaves by (group axes, dtype, device), in the same order on every rank."""
     buckets: dict[tuple[Any, ...], list[_Gather]] = {}
     for job in jobs:
         if job is not None:
             local = pieces[job.index]
             buckets.setdefault((job.axes, str(local.dtype), str(local.device)), []).append(job)
-    order = {name: i for i, name in enumerate(mesh.names)}
-    wholes: dict[int, Tensor] = {}
-    for key in sorted(buckets, key=lambda k: (tuple(order[a] for a in k[0]), k[1], k[2])):
-        bucket = buckets[key]
+    order = {name: i for i, name in enumerate(plan.mesh.names)}
+    keys = sorted(buckets, key=lambda k: (tuple(order[a] for a in k[0]), k[1], k[2]))
+    return [(key, buckets[key]) for key in keys]
+
+
+def _group_order(group: Any, ranks: Sequence[int]) -> list[int]:
+    """Positions in ``ranks`` (ascending) of the group's ranks, in the group's own rank order."""
+    return [list(ranks).index(r) for r in dist.get_process_group_ranks(group)]
+
+
+def _region(box: Box) -> tuple[slice, ...]:
+    shape, offset = box
+    return tuple(slice(o, o + s) for s, o in zip(shape, offset))
+
+
+def _all_gather_flat(received: Tensor, send: Tensor, group: Any) -> None:
+    """One all-gather of equal-length 1-D buffers into ``received`` (in group-rank order)."""
+    gather = getattr(dist, "all_gather_single", None)  # the newer name of all_gather_into_tensor
+    (gather or dist.all_gather_into_tensor)(received, send, group=group)
+
+
+def _apply_gathered(plan: Plan, pieces: Sequence[Any], jobs: Sequence[Optional[_Gather]], fn: Callable) -> dict[int, Tensor]:
+    """Every rank rebuilds every whole tensor (one all-gather per bucket) and applies ``fn``."""
+    out: dict[int, Tensor] = {}
+    for (axes, _, _), bucket in _buckets(plan, pieces, jobs):
+        group = plan.mesh.group(axes)
         first = pieces[bucket[0].index]
-        group_size = len(bucket[0].boxes)
-        totals = [sum(math.prod(job.boxes[r][0]) for job in bucket) for r in range(group_size)]
+        order = _group_order(group, bucket[0].ranks)  # group rank j is position order[j]
+        totals = [sum(math.prod(job.boxes[p][0]) for job in bucket) for p in order]
         length = max(totals)
         send = torch.zeros(length, dtype=first.dtype, device=first.device)
-        torch.cat([pieces[job.index].detach().reshape(-1) for job in bucket], out=send[: totals[bucket[0].me]])
-        received = torch.empty(group_size * length, dtype=first.dtype, device=first.device)
-        _all_gather_flat(received, send, mesh.group(key[0]))
-        cursors = [r * length for r in range(group_size)]
+        torch.cat([pieces[job.index].detach().reshape(-1) for job in bucket], out=send[: totals[order.index(bucket[0].me)]])
+        received = torch.empty(len(order) * length, dtype=first.dtype, device=first.device)
+        _all_gather_flat(received, send, group)
+        cursors = [j * length for j in range(len(order))]
         for job in bucket:
             whole = torch.empty(job.shape, dtype=first.dtype, device=first.device)
-            for r, (shape, offset) in enumerate(job.boxes):
-                n = math.prod(shape)
+            for j, p in enumerate(order):
+                n = math.prod(job.boxes[p][0])
                 if n:
-                    region = tuple(slice(o, o + s) for s, o in zip(shape, offset))
-                    whole[region] = received[cursors[r] : cursors[r] + n].view(shape)
-                cursors[r] += n
-            wholes[job.index] = whole
-    return wholes
+                    whole[_region(job.boxes[p])] = received[cursors[j] : cursors[j] + n].view(job.boxes[p][0])
+                cursors[j] += n
+            out[job.index] = fn(job.index, whole)[_region(job.boxes[job.me])].clone()
+    return out
+
+
+def _owners(bucket: Sequence[_Gather], size: int) -> list[int]:
+    """A group position per leaf, balancing the work (largest first, to the least loaded rank)."""
+    load = [0.0] * size
+    owner = [0] * len(bucket)
+    for i in sorted(range(len(bucket)), key=lambda i: (-math.prod(bucket[i].shape), i)):
+        position = min(range(size), key=lambda p: (load[p], p))
+        owner[i] = position
+        load[position] += float(math.prod(bucket[i].shape)) ** 1.5
+    return owner
+
+
+def _apply_owned(plan: Plan, pieces: Sequence[Any], jobs: Sequence[Optional[_Gather]], fn: Callable) -> dict[int, Tensor]:
+    """One owner rank per whole tensor: pieces go to it (``all_to_all``), it applies ``fn``, and
+    each rank's slice of the result comes back (a second ``all_to_all``). ``fn`` must keep the dtype."""
+    out: dict[int, Tensor] = {}
+    for (axes, _, _), bucket in _buckets(plan, pieces, jobs):
+        group = plan.mesh.group(axes)
+        first = pieces[bucket[0].index]
+        dtype, device = first.dtype, first.device
+        order = _group_order(group, bucket[0].ranks)
+        size, me = len(order), order.index(bucket[0].me)  # group-rank indices from here on
+        owner = [order.index(o) for o in _owners(bucket, size)]  # owner as a group rank
+        numel = lambda job, j: math.prod(job.boxes[order[j]][0])  # noqa: E731
+
+        # there: my pieces to each owner; from every rank, its pieces of what I own
+        send_sizes = [sum(numel(job, me) for job, o in zip(bucket, owner) if o == j) for j in range(size)]
+        recv_sizes = [sum(numel(job, j) for job, o in zip(bucket, owner) if o == me) for j in range(size)]
+        by_owner = sorted(range(len(bucket)), key=lambda i: owner[i])  # stable: leaf order per owner
+        send = torch.cat([pieces[bucket[i].index].detach().reshape(-1) for i in by_owner] or [torch.zeros(0, dtype=dtype, device=device)])
+        received = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+        dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=group)
+        starts = [sum(recv_sizes[:j]) for j in range(size)]
+        results: dict[int, Tensor] = {}
+        for i, job in enumerate(bucket):
+            if owner[i] != me:
+                continue
+            whole = torch.empty(job.shape, dtype=dtype, device=device)
+            for j in range(size):
+                n = numel(job, j)
+                if n:
+                    whole[_region(job.boxes[order[j]])] = received[starts[j] : starts[j] + n].view(job.boxes[order[j]][0])
+                starts[j] += n
+            results[i] = fn(job.index, whole).to(dtype)
+
+        # back: to every rank its slices of what I own; from each owner, my slices of its leaves
+        back_send = [
+            results[i][_region(bucket[i].boxes[order[j]])].reshape(-1)
+            for j in range(size)
+            for i in range(len(bucket))
+            if owner[i] == me
+        ]
+        back_send_sizes = recv_sizes
+        back_recv_sizes = send_sizes
+        payload = torch.cat(back_send) if back_send else torch.zeros(0, dtype=dtype, device=device)
+        back = torch.empty(sum(back_recv_sizes), dtype=dtype, device=device)
+        dist.all_to_all_single(back, payload, back_recv_sizes, back_send_sizes, group=group)
+        cursor = 0
+        for i in by_owner:
+            job = bucket[i]
+            n = numel(job, me)
+            out[job.index] = back[cursor : cursor + n].view(job.boxes[job.me][0]).clone()
+            cursor += n
+    return out
