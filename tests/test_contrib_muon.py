@@ -322,6 +322,11 @@ def test_errors():
         scale_by_muon(ns_coeffs=(1.0, 2.0))
     with pytest.raises(ValueError, match="preset"):
         muon(0.1, ns_coeffs="nope")
+    with pytest.raises(ValueError, match=r"'w'.*no dimension numbers"):
+        tx = scale_by_muon(weight_dimension_numbers={"w": None})
+        tx.update({"w": torch.ones(3, 2)}, tx.init({"w": torch.ones(3, 2)}))
+    with pytest.raises(ValueError, match="strategy"):
+        scale_by_muon(strategy="scatter")
     with pytest.raises(ValueError, match="do not fit"):
         tx = scale_by_muon(weight_dimension_numbers={"x": MuonDimensionNumbers()})
         tx.update({"w": torch.ones(3, 2)}, tx.init({"w": torch.ones(3, 2)}))

@@ -94,17 +94,17 @@ def muon_tp_column_and_row_parallel(world):
         [("qkv.weight", Shard("tp", dim=0)), ("proj.weight", Shard("tp", dim=1)), ("wide.weight", Shard("tp", dim=1)), ("*", Replicate())],
     )
     to_local, from_local = _plain(world, mesh, layout)
-    # one all_gather per step: every sharded matrix splits over "tp" and is float32
-    _run(lambda s: muon(0.02, weight_decay=0.1, spec=spec if s else None), shapes, to_local, from_local, collectives=1)
-    # one owner per matrix: two all_to_alls
-    make = lambda s: muon(0.02, weight_decay=0.1, spec=spec if s else None, strategy="owner")  # noqa: E731
-    _run(make, shapes, to_local, from_local, collectives=2)
+    # every sharded matrix splits over "tp" and is float32: one bucket, one owner per matrix, two all_to_alls
+    _run(lambda s: muon(0.02, weight_decay=0.1, spec=spec if s else None), shapes, to_local, from_local, collectives=2)
+    # every rank orthogonalizes every matrix: one all_gather
+    make = lambda s: muon(0.02, weight_decay=0.1, spec=spec if s else None, strategy="gather")  # noqa: E731
+    _run(make, shapes, to_local, from_local, collectives=1)
     _run(
         lambda s: scale_by_muon(adaptive=True, nesterov=False, preconditioning="aol", spec=spec if s else None),
         {k: v for k, v in shapes.items() if k != "proj.bias"},
         to_local,
         from_local,
-        collectives=1,
+        collectives=2,
     )
 
 
@@ -116,8 +116,8 @@ def muon_fsdp2_dtensor_uneven_shards(world):
     # 5 rows over 2 ranks: 3 + 2; over 4: 2 + 2 + 1 + 0 (torch.chunk, as FSDP2 splits)
     shapes = {"a.weight": (5, 3), "b.weight": (7, 9), "c.weight": (3, 10), "b.bias": (7,)}
     to_local, from_local = _dtensors(mesh, {k: [S(0)] for k in shapes})
-    _run(lambda s: muon(0.02, consistent_rms=0.2), shapes, to_local, from_local, collectives=1)
-    _run(lambda s: muon(0.02, strategy="owner"), shapes, to_local, from_local, collectives=2)
+    _run(lambda s: muon(0.02, consistent_rms=0.2), shapes, to_local, from_local, collectives=2)
+    _run(lambda s: muon(0.02, strategy="gather"), shapes, to_local, from_local, collectives=1)
 
 
 @case(4)
@@ -127,14 +127,14 @@ def muon_hsdp_and_tp_by_fsdp(world):
     shapes = {"a.weight": (5, 6), "b.weight": (8, 6), "c.weight": (6, 4), "n.bias": (6,)}
     hsdp = world.mesh((2, 2), ("rep", "shard"))
     to_local, from_local = _dtensors(hsdp, {k: [R(), S(0)] for k in shapes})
-    _run(lambda s: muon(0.02), shapes, to_local, from_local, collectives=1)
+    _run(lambda s: muon(0.02), shapes, to_local, from_local, collectives=2)
 
     mesh = world.mesh((2, 2), ("dp", "tp"))
     placements = {"a.weight": [S(0), S(0)], "b.weight": [S(0), S(1)], "c.weight": [S(1), S(0)], "n.bias": [S(0), R()]}
     to_local, from_local = _dtensors(mesh, placements)
-    # every matrix over both axes (whatever the dims): one group, one all_gather
-    _run(lambda s: muon(0.02, preconditioning="schatten"), shapes, to_local, from_local, collectives=1)
-    _run(lambda s: muon(0.02, strategy="owner"), shapes, to_local, from_local, collectives=2)
+    # every matrix over both axes (whatever the dims): one group, two all_to_alls, or one all_gather
+    _run(lambda s: muon(0.02, preconditioning="schatten"), shapes, to_local, from_local, collectives=2)
+    _run(lambda s: muon(0.02, strategy="gather"), shapes, to_local, from_local, collectives=1)
 
     # the same on plain tensors under a spec: rows over dp, columns over tp; another leaf over tp only
     layout = {"a.weight": ((("dp",), 0), (("tp",), 1)), "b.weight": ((("tp",), 0),)}
@@ -142,9 +142,11 @@ def muon_hsdp_and_tp_by_fsdp(world):
         mesh, [("a.weight", Shard("dp", "tp", dim=(0, 1))), ("b.weight", Shard("tp", dim=0)), ("*", Replicate())]
     )
     to_local, from_local = _plain(world, mesh, layout)
-    # two groups ((dp, tp) and (tp,)): two all_gathers (plain shards are equal: 6 rows, not 5)
+    # two groups ((dp, tp) and (tp,)): two all_to_alls each, or one all_gather each (plain shards are
+    # equal: 6 rows, not 5)
     shapes = {**shapes, "a.weight": (6, 6)}
-    _run(lambda s: muon(0.02, spec=spec if s else None), shapes, to_local, from_local, collectives=2)
+    _run(lambda s: muon(0.02, spec=spec if s else None), shapes, to_local, from_local, collectives=4)
+    _run(lambda s: muon(0.02, spec=spec if s else None, strategy="gather"), shapes, to_local, from_local, collectives=2)
 
 
 @case(2, 4)
@@ -160,9 +162,9 @@ def muon_stacked_experts_over_ep(world):
     to_local, from_local = _plain(world, mesh, layout)
     # each expert is its own matrix: the expert dim is a batch dim, nothing to gather
     _run(lambda s: muon(0.02, muon_weight_dimension_numbers=dims, spec=spec if s else None), shapes, to_local, from_local, collectives=0)
-    # adaptive scales by a sum over the whole leaf: gathered (one all_gather)
+    # adaptive scales by a sum over the whole leaf: each leaf goes whole to its owner
     make = lambda s: scale_by_muon(adaptive=True, weight_dimension_numbers=dims, spec=spec if s else None)  # noqa: E731
-    _run(make, shapes, to_local, from_local, collectives=1)
+    _run(make, shapes, to_local, from_local, collectives=2)
     # the same as DTensors, with uneven experts (5 over the ranks)
     shapes = {"experts.w1": (5, 6, 4)}
     to_local, from_local = _dtensors(mesh, {"experts.w1": [S(0)]})

@@ -7,9 +7,11 @@ AdamW on the leaves that are not matrices, as optax does.
 
 Matrix-aware under sharding: with ``spec=`` (plain local shards) or DTensor leaves, each rank's
 update is its slice of the update of the whole logical matrix. The momentum is elementwise and runs
-on the local shards; the orthogonalization gathers each sharded matrix over its shard group with
-:func:`gradtx.sharding.matrices.map_logical` (one ``all_gather`` per distinct shard group and
-dtype per step, none for unsharded leaves or for leaves split only along their batch dims).
+on the local shards; each sharded matrix is orthogonalized whole by one owner rank of its shard
+group, which sends the slices back (:func:`gradtx.sharding.matrices.map_logical`): two
+``all_to_all`` per distinct shard group and dtype per step (one ``all_gather`` with
+``strategy="gather"``), none for unsharded leaves or for leaves split only along their batch dims
+(stacked experts sharded over ``ep`` with each expert its own matrix) unless ``adaptive``.
 """
 
 from __future__ import annotations
@@ -252,7 +254,7 @@ def scale_by_muon(
     preconditioning: str = "frobenius",
     weight_dimension_numbers: Optional[WeightDimNumOrFn] = None,
     spec: Optional[ShardingSpec] = None,
-    strategy: str = "gather",
+    strategy: str = "owner",
 ) -> GradientTransformation:
     """Muon's direction: the momentum, orthogonalized by Newton-Schulz iterations (optax's
     ``scale_by_muon``).
@@ -273,14 +275,16 @@ def scale_by_muon(
       nesterov: Nesterov's estimate. adaptive: scale by the dual norm.
       preconditioning: ``"frobenius"`` (default), ``"spectral"``, ``"aol"`` or ``"schatten"``.
       weight_dimension_numbers: ``MuonDimensionNumbers`` for every leaf, a tree of them (a prefix of
-        the params; ``None`` entries are skipped: left as they come), or a callable on the updates
-        returning one. ``None``: every leaf is a matrix.
+        the params; ``None`` only where the update is ``None``, as ``muon`` masks its AdamW leaves),
+        or a callable on the updates returning one. ``None``: every leaf is a matrix.
       spec: the sharding of plain-tensor leaves (DTensor leaves describe themselves): each rank's
         result is then its slice of the result for the whole logical matrix.
-      strategy: how sharded matrices are orthogonalized (the numbers are the same): ``"gather"``,
-        every rank of a shard group rebuilds every matrix (one all-gather per group and dtype), or
-        ``"owner"``, one rank per matrix, which sends the slices back (two all-to-alls, a ``1/k``
-        share of the Newton-Schulz work). See :func:`gradtx.sharding.matrices.map_logical`.
+      strategy: how sharded matrices are orthogonalized (the numbers are the same): ``"owner"``
+        (default), one rank of each shard group per matrix, which sends every rank its slice back
+        (two all-to-alls per group and dtype per step, a ``1/k`` share of the Newton-Schulz work,
+        about ``2/k`` of the matrix bytes received per rank), or ``"gather"``, every rank rebuilds
+        every matrix (one all-gather, ``(k - 1)/k`` of the bytes). See
+        :func:`gradtx.sharding.matrices.map_logical`.
 
     References: Jordan, `modded-nanogpt <https://github.com/KellerJordan/modded-nanogpt>`_, 2024;
     Bernstein & Newhouse, `Old Optimizer, New Norm <https://arxiv.org/abs/2409.20325>`_, 2024.
@@ -331,9 +335,6 @@ def scale_by_muon(
             estimates.append(est.to(dtype))
 
         coeffs = state.ns_coeffs
-        for i in leaves.present:
-            if dim_nums[i] is None:
-                raise ValueError(f"{owner}: leaf {tree_lib.path_at(updates, i)!r} has an update but no dimension numbers (None)")
 
         def fn(index: int, x: Tensor) -> Tensor:
             out = _orthogonalize_leaf(x, dim_nums[index], coeffs, ns_steps, preconditioning, eps)
@@ -342,6 +343,9 @@ def scale_by_muon(
             return out
 
         def validate(index: int, path: str, shape: tuple[int, ...]) -> None:
+            # under sharding this runs before any collective, and every rank gets the error
+            if dim_nums[index] is None:
+                raise ValueError(f"{owner}: leaf {path!r} has an update but no dimension numbers (None)")
             _check_matrix(path, shape, dim_nums[index], owner)
 
         def separable(index: int, shape: tuple[int, ...]) -> Sequence[int]:
@@ -398,7 +402,7 @@ def scale_by_shape(
             local = dtensor_lib.local(u)
             scaled = local.mul_(factor) if inplace and not tree_lib.needs_graph(local, factor) else local * factor
             outs.append(scaled)
-        locals_, rewrap = dtensor_lib.locals_of(leaves.tensors)
+        _, rewrap = dtensor_lib.locals_of(leaves.tensors)
         return leaves.rebuild(rewrap(outs)), state
 
     return GradientTransformation(init_empty_state, update_fn)
@@ -428,7 +432,7 @@ def muon(
     muon_weight_dimension_numbers: Optional[WeightDimNumOrFn] = None,
     consistent_rms: Optional[float] = None,
     spec: Optional[ShardingSpec] = None,
-    strategy: str = "gather",
+    strategy: str = "owner",
 ) -> GradientTransformation:
     """Muon: MomentUm Orthogonalized by Newton-Schulz (Jordan, 2024), as optax.contrib's ``muon``.
 

@@ -11,16 +11,30 @@ the function gives the whole tensor:
 - every other leaf is gathered over the group of its ``Shard`` axes, rebuilt as the whole logical
   tensor, passed to the function, and this rank's slice of the result is kept.
 
-**Collectives per call**: one all-gather (``all_gather_into_tensor``) per distinct (shard group, dtype, device)
-among the gathered leaves -- a tensor-parallel model whose matrices all split over ``"tp"`` issues
-one, a TP x FSDP model with leaves over ``("dp",)``, ``("tp",)`` and ``("dp", "tp")`` three -- in a
-fixed order on every rank. Pieces of all leaves of a bucket are flattened into one buffer per rank,
-padded to the longest rank's total, so uneven shards (FSDP2's ``Shard(0)`` of 5 rows over 2 ranks)
-need no extra size exchange: every rank computes every other rank's piece from the layout alone.
+Two strategies give the same numbers (``strategy=``):
+
+- ``"gather"``: every rank of a shard group rebuilds every whole tensor of the group and applies the
+  function (replicated copies compute identically);
+- ``"owner"``: each whole tensor gets one owner rank in its group (largest first, to the least
+  loaded rank); pieces travel to the owner, which applies the function and sends every rank its
+  slice back. The function runs once per tensor per group instead of ``k`` times, and each rank
+  receives about ``2/k`` of the bytes instead of ``(k - 1)/k``.
+
+**Collectives per call**, among the gathered leaves, per distinct (shard group, dtype, device)
+"bucket": one all-gather (``all_gather_into_tensor``) with ``"gather"``, two ``all_to_all_single``
+with ``"owner"``; buckets run in a fixed order on every rank. A tensor-parallel model whose
+matrices all split over ``"tp"`` has one bucket; a TP x FSDP model with leaves over ``("dp",)``,
+``("tp",)`` and ``("dp", "tp")`` three. Unsharded (or batch-split only) leaves add nothing. Pieces of
+all leaves of a bucket share one buffer, so uneven shards (FSDP2's ``Shard(0)`` of 5 rows over 2
+ranks) need no size exchange: every rank computes every other rank's piece from the layout alone.
 On a new plan (or every call with ``check_consistency=True``) the cross-rank check of
 :mod:`gradtx.sharding.consistency` adds its one ``all_gather`` first, so ranks that disagree, or
 find an error (a ``Partial`` DTensor, a leaf the function cannot take), raise the same error
-before any gather.
+before any data moves.
+
+Measured (``benchmarks/muon.py``: Muon on the 8 block matrices of a 2-layer GPT-style model, 4 gloo
+ranks on CPU), the owner strategy took a third or less of the gather strategy's time per step, and
+half its bytes; Muon uses it by default.
 
 Layouts. A DTensor's pieces follow its placements (``Shard(d)`` in mesh-dim order, chunked as
 ``torch.chunk`` does, which is how DTensor and FSDP2 split); ``_StridedShard`` is not supported. A
@@ -29,11 +43,6 @@ plain tensor under a :class:`~gradtx.sharding.ShardingSpec` must name its split 
 (the first axis outermost). Plain shards of unequal size are not supported (use DTensors): the
 local shapes enter the cross-rank check when the spec has no stage axis, so ranks that differ get
 an error instead of a wrong gather.
-
-Why gather-everywhere rather than one owner rank per matrix plus a scatter: the owner scheme moves
-fewer bytes and splits the function's compute across the group, but needs two collectives
-(``all_to_all`` there and back) and a balanced assignment; for the fixed, small number of
-collectives per step asked of the matrix-aware transforms, the gather is the simpler exact choice.
 """
 
 from __future__ import annotations
