@@ -146,8 +146,8 @@ def worker(rank: int, store_path: str, width: int, layers: int, rounds: int) -> 
         gather_state, owner_state = gather_tx.init(tree), owner_tx.init(tree)
         candidates = {
             "naive (gather each leaf, dense Muon)": naive,
-            "gradtx strategy='gather'": lambda: gather_tx.update(tree, gather_state)[0],
-            "gradtx strategy='owner'": lambda: owner_tx.update(tree, owner_state)[0],
+            "gradtx strategy='gather'": lambda tx=gather_tx, t=tree, st=gather_state: tx.update(t, st)[0],
+            "gradtx strategy='owner'": lambda tx=owner_tx, t=tree, st=owner_state: tx.update(t, st)[0],
         }
         # the same numbers
         reference = naive()

@@ -186,6 +186,8 @@ def _jobs(
     mesh = plan.mesh
     me = dist.get_rank()
     jobs: list[Optional[_Gather]] = [None] * len(tree_leaves)
+    # every rank's piece of a leaf depends on the plan and the shapes only: found once per plan
+    cache: dict[Any, Any] = plan.__dict__.setdefault("_matrix_pieces", {})
     for index, (leaf, layout) in enumerate(zip(tree_leaves, plan.layouts)):
         if layout is None:
             continue
@@ -205,11 +207,16 @@ def _jobs(
             continue
         if separable is not None and set(dims) <= {d % len(shape) for d in separable(index, shape)}:
             continue
-        ranks = mesh.group_ranks(axes)
-        if dtensor_lib.is_dtensor(leaf):
-            boxes = _dtensor_boxes(leaf, ranks, layout.path)
-        else:
-            boxes = [_box(shape, _plain_splits(plan, index, leaf, r)) for r in ranks]
+        key = (index, shape, tuple(local.shape))
+        found = cache.get(key)
+        if found is None:
+            ranks = mesh.group_ranks(axes)
+            if dtensor_lib.is_dtensor(leaf):
+                boxes = _dtensor_boxes(leaf, ranks, layout.path)
+            else:
+                boxes = [_box(shape, _plain_splits(plan, index, leaf, r)) for r in ranks]
+            found = cache[key] = (ranks, boxes)
+        ranks, boxes = found
         position = ranks.index(me)
         if boxes[position][0] != tuple(local.shape):
             raise ValueError(
