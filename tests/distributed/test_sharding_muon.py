@@ -27,15 +27,16 @@ def _grads(shapes, step):
     return dense_tree(shapes, seed=100 + step)
 
 
-def _run(make, shapes, to_local, from_local, *, steps=STEPS, params_needed=True, collectives=None):
-    """Dense and sharded runs side by side; every step's local update equals the dense one's slice.
+def _run(make, shapes, to_local, from_local, *, steps=STEPS, collectives=None):
+    """Dense and sharded runs side by side; every step's local update equals the dense one's slice,
+    the pure update mutates nothing and the donated (in-place) one gives the same numbers.
 
     ``collectives``: the gloo collectives expected in each step after the first (plan and check built).
     """
     dense_tx, tx = make(None), make(True)
     dense_params = dense_tree(shapes, seed=1)
     params = to_local(dense_params)
-    dense_state, state = dense_tx.init(dense_params), tx.init(params)
+    dense_state, state, donated_state = dense_tx.init(dense_params), tx.init(params), tx.init(params)
     for step in range(steps):
         grads = _grads(shapes, step)
         dense_updates, dense_state = dense_tx.update(grads, dense_state, dense_params)
@@ -44,10 +45,14 @@ def _run(make, shapes, to_local, from_local, *, steps=STEPS, params_needed=True,
             copy = {k: v for k, v in local_grads.items()}
             found = count_collectives(lambda: tx.update(copy, state, params))
             assert found == collectives, f"step {step}: {found} collectives, expected {collectives}"
+        before = {k: from_local(v).clone() for k, v in local_grads.items()}
         updates, state = tx.update(local_grads, state, params)
+        donated, donated_state = tx.update(to_local(grads), donated_state, params, inplace=True)
         expected = to_local(dense_updates)
         for name in shapes:
             close(from_local(updates[name]), from_local(expected[name]), f"step {step} update {name!r}", rtol=1e-5, atol=1e-6)
+            assert torch.equal(from_local(local_grads[name]), before[name]), f"the pure update mutated {name!r}"
+            assert torch.equal(from_local(donated[name]), from_local(updates[name])), f"in-place differs for {name!r}"
         dense_params = {k: dense_params[k] + dense_updates[k] for k in shapes}
         params = to_local(dense_params)
 
