@@ -14,6 +14,9 @@ The catalogue's names (``CATALOGUE`` below) run only where the installed optax h
 they agree to about 1e-15 except: Adafactor (~2e-7), whose decay rate optax computes in float32;
 the one-cycle schedules (~4e-7), which gradtx evaluates in float32 for a tensor step count, as all
 its schedules. ``sm3`` runs on the leaves with a dimension (optax keeps no accumulator for a 0-d leaf).
+optax.contrib's names (``CONTRIB``) compare ``gradtx.contrib`` with ``optax.contrib``: Muon (every
+preconditioning, the "dion" preset, adaptive, consistent RMS) agrees to ~2e-15 in float64 and
+~1.6e-6 in float32.
 """
 
 import argparse
