@@ -122,7 +122,7 @@ def muon_fsdp2_dtensor_uneven_shards(world):
     shapes = {"a.weight": (5, 3), "b.weight": (7, 9), "c.weight": (3, 10), "b.bias": (7,)}
     to_local, from_local = _dtensors(mesh, {k: [S(0)] for k in shapes})
     _run(lambda s: muon(0.02, consistent_rms=0.2), shapes, to_local, from_local, collectives=2)
-    _run(lambda s: muon(0.02, strategy="gather"), shapes, to_local, from_local, collectives=1)
+    _run(lambda s: muon(0.02, strategy="gather"), shapes, to_local, from_local, steps=2, collectives=1)
 
 
 @case(4)
@@ -139,7 +139,7 @@ def muon_hsdp_and_tp_by_fsdp(world):
     to_local, from_local = _dtensors(mesh, placements)
     # every matrix over both axes (whatever the dims): one group, two all_to_alls, or one all_gather
     _run(lambda s: muon(0.02, preconditioning="schatten"), shapes, to_local, from_local, collectives=2)
-    _run(lambda s: muon(0.02, strategy="gather"), shapes, to_local, from_local, collectives=1)
+    _run(lambda s: muon(0.02, strategy="gather"), shapes, to_local, from_local, steps=2, collectives=1)
 
     # the same on plain tensors under a spec: rows over dp, columns over tp; another leaf over tp only
     layout = {"a.weight": ((("dp",), 0), (("tp",), 1)), "b.weight": ((("tp",), 0),)}
@@ -151,7 +151,7 @@ def muon_hsdp_and_tp_by_fsdp(world):
     # equal: 6 rows, not 5)
     shapes = {**shapes, "a.weight": (6, 6)}
     _run(lambda s: muon(0.02, spec=spec if s else None), shapes, to_local, from_local, collectives=4)
-    _run(lambda s: muon(0.02, spec=spec if s else None, strategy="gather"), shapes, to_local, from_local, collectives=2)
+    _run(lambda s: muon(0.02, spec=spec if s else None, strategy="gather"), shapes, to_local, from_local, steps=2, collectives=2)
 
 
 @case(2, 4)
@@ -173,7 +173,11 @@ def muon_stacked_experts_over_ep(world):
     # the same as DTensors, with uneven experts (5 over the ranks)
     shapes = {"experts.w1": (5, 6, 4)}
     to_local, from_local = _dtensors(mesh, {"experts.w1": [S(0)]})
-    _run(lambda s: muon(0.02, muon_weight_dimension_numbers={"experts.w1": MuonDimensionNumbers(1, 2)}), shapes, to_local, from_local, collectives=0)
+    dims = {"experts.w1": MuonDimensionNumbers(1, 2)}
+    _run(lambda s: muon(0.02, muon_weight_dimension_numbers=dims), shapes, to_local, from_local, collectives=0)
+    for strategy, collectives in (("owner", 2), ("gather", 1)):  # uneven 3-D pieces, gathered whole
+        make = lambda s, strategy=strategy: scale_by_muon(adaptive=True, weight_dimension_numbers=dims, strategy=strategy)  # noqa: E731
+        _run(make, shapes, to_local, from_local, steps=2, collectives=collectives)
 
 
 @case(2, 4)
