@@ -31,6 +31,10 @@ matrix choose opposite signs for some left singular vectors of tall matrices (fo
 agree): ``galore_left`` with ``update_proj_gap=2`` (refreshes at steps 0, 2, 4, 6) differs by 0.25,
 and is therefore run with one refresh, where the signs cancel (``P f(P^T G)`` is invariant under
 ``P -> -P`` for an odd base optimizer such as Adam or Lion).
+
+optax.contrib's names (``CONTRIB``) compare ``gradtx.contrib`` with ``optax.contrib``: Muon (every
+preconditioning, the "dion" preset, adaptive, consistent RMS) agrees to ~2e-15 in float64 and
+~1.6e-6 in float32.
 """
 
 import argparse
@@ -180,6 +184,13 @@ CATALOGUE = {
  "galore_left": ("contrib.galore", lambda m: m.contrib.galore(1e-2, rank=2, update_proj_gap=8, weight_dimension_numbers={"w": m.contrib.GaLoreDimensionNumbers(1, 0), "b": None, "s": None})),
  "galore_lion": ("contrib.galore", lambda m: m.contrib.galore(1e-2, rank=2, update_proj_gap=5, base_optimizer=m.scale_by_lion())),
  "galore_full_rank": ("contrib.galore", lambda m: m.chain(m.contrib.scale_by_galore(update_proj_gap=8, base_optimizer=m.scale_by_rms()), m.scale(-0.01))),
+ "muon": ("contrib.muon", lambda m: m.contrib.muon(1e-2)),
+ "muon_plain": ("contrib.muon", lambda m: m.contrib.muon(1e-2, nesterov=False, beta=0.8, weight_decay=0.1)),
+ "muon_adaptive": ("contrib.muon", lambda m: m.contrib.muon(1e-2, adaptive=True, consistent_rms=0.2, adam_learning_rate=3e-3)),
+ "muon_dion": ("contrib.muon", lambda m: m.contrib.muon(1e-2, ns_coeffs="dion")),
+ "muon_spectral": ("contrib.muon", lambda m: m.contrib.muon(1e-2, preconditioning="spectral", ns_steps=3)),
+ "muon_aol": ("contrib.muon", lambda m: m.contrib.muon(1e-2, preconditioning="aol")),
+ "muon_schatten": ("contrib.muon", lambda m: m.contrib.muon(1e-2, preconditioning="schatten")),
 }
 
 

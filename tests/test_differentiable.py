@@ -355,7 +355,9 @@ CONTRIB_NOT_COVERED = {
 
 def test_every_contrib_name_is_covered():
     public = [name for name in contrib.__all__ if inspect.isfunction(getattr(contrib, name))]
-    covered = {name.split("/")[0] for name in (*CASES, *COMPONENTS)} | {f"contrib.{n}" for n in CONTRIB_NOT_COVERED}
+    covered = {name.split("/")[0] for name in (*CASES, *COMPONENTS, *MATRIX_CASES)} | {
+        f"contrib.{n}" for n in CONTRIB_NOT_COVERED
+    }
     missing = [name for name in public if f"contrib.{name}" not in covered]
     assert not missing, f"gradtx.contrib names with no differentiability test: {missing}"
 
@@ -397,6 +399,11 @@ MATRIX_CASES = {
     # a rank-2 projection of the (4, 3) matrix from the SVD of its gradient, refreshed at the third
     # step: differentiated through the SVD (the singular values are well apart on this data)
     "contrib.galore": lambda: galore(0.05, rank=2, update_proj_gap=2, weight_decay=0.1),
+    # Muon on W (Newton-Schulz through the graph), AdamW on the bias
+    "contrib.muon": lambda: contrib.muon(0.05, weight_decay=0.1, consistent_rms=0.2),
+    "contrib.scale_by_muon": lambda: gtx.chain(
+        gtx.masked(contrib.scale_by_muon(adaptive=True, preconditioning="aol"), {"W": True, "bias": False}), gtx.scale(-0.05)
+    ),
 }
 
 

@@ -45,6 +45,8 @@ LABELS = {"layer.weight": "a", "layer.bias": "b", "head.weight": "a"}
 MASK = {"layer.weight": True, "layer.bias": False, "head.weight": True}
 # How to build each public factory cheaply; a stateful inner (running_sum, Adam) where one nests.
 FACTORIES = {
+    "muon": lambda: contrib.muon(1e-2, weight_decay=0.1),
+    "scale_by_muon": lambda: gtx.masked(contrib.scale_by_muon(), MASK),
     "adabelief": lambda: gtx.adabelief(1e-2),
     "adagrad": lambda: gtx.adagrad(1e-2),
     "adam": lambda: gtx.adam(1e-2),

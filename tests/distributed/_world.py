@@ -34,6 +34,7 @@ CASE_MODULES = (
     "test_sharding_disagreement",
     "test_contrib_dtensor",
     "test_sharding_factored",
+    "test_sharding_muon",
 )
 
 _CASES: dict[int, dict[str, Callable[["World"], None]]] = {}

@@ -15,6 +15,7 @@ from gradtx.contrib.adam_variants import (
 )
 from gradtx.contrib.galore import galore, GaLoreDimensionNumbers, GaLoreState, scale_by_galore
 from gradtx.contrib.madgrad import madgrad, MadgradState, scale_by_madgrad
+from gradtx.contrib.muon import muon, MuonDimensionNumbers, MuonState, scale_by_muon
 from gradtx.contrib.schedule_free import (
     schedule_free,
     schedule_free_adamw,
@@ -32,11 +33,15 @@ __all__ = [
     "GaLoreState",
     "madgrad",
     "MadgradState",
+    "muon",
+    "MuonDimensionNumbers",
+    "MuonState",
     "scale_by_acprop",
     "scale_by_ademamix",
     "scale_by_adopt",
     "scale_by_galore",
     "scale_by_madgrad",
+    "scale_by_muon",
     "scale_by_simplified_ademamix",
     "ScaleByAdemamixState",
     "ScaleBySimplifiedAdEMAMixState",

@@ -4,10 +4,13 @@
 ``Replicate`` leaf specs); DTensors describe themselves. ``global_norm`` counts every logical
 element once with one collective; ``leaf_norms`` / ``leaf_rms`` / ``unitwise_norms`` give per-leaf
 quantities of the logical tensors, batched into one collective per distinct group.
+``map_logical`` applies a function to every leaf as a whole logical tensor (Muon's
+orthogonalization) and gives each rank its slice, with a fixed number of collectives per call.
 """
 
 from gradtx.sharding.decisions import all_finite, any_rank, count_not_finite
 from gradtx.sharding.dtensor import has_dtensor, locals_of
+from gradtx.sharding.matrices import logical_shapes, map_logical
 from gradtx.sharding.probe import finiteness_probe
 from gradtx.sharding.placements import LeafSpec, Replicate, Shard
 from gradtx.sharding.reductions import global_norm, is_sharded, leaf_norms, leaf_rms, unitwise_norms
@@ -28,5 +31,7 @@ __all__ = [
     "leaf_norms",
     "leaf_rms",
     "locals_of",
+    "logical_shapes",
+    "map_logical",
     "unitwise_norms",
 ]

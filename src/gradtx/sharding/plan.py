@@ -9,7 +9,7 @@ spec fails on every rank before any collective.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 from gradtx import tree as tree_lib
 from gradtx.sharding import consistency
@@ -77,14 +77,22 @@ def _layout_key(tree_leaves: Sequence[Any]) -> tuple[Any, ...]:
 
 
 def plan_for(
-    tree: Any, spec: Optional[ShardingSpec], *, what: str, op: Optional[str] = None, check: bool = True
+    tree: Any,
+    spec: Optional[ShardingSpec],
+    *,
+    what: str,
+    op: Optional[str] = None,
+    check: bool = True,
+    validate: Optional[Callable[[Plan, list[Any]], None]] = None,
 ) -> tuple[Plan, list[Any]]:
     """The (cached) plan of ``tree`` under ``spec`` and the tree's leaves (``None`` included).
 
     ``op`` names the reduction about to run (``"global_norm(p=2.0)"``); ranks are checked to agree
     on it, the plan and the mesh before it runs: on a new plan (``check_consistency="once"``, the
     default), at every call (``True``) or never (``False``); ``check=False`` only looks the plan up
-    (an error then raises here, on this rank). A plan that cannot be built (no rule
+    (an error then raises here, on this rank). ``validate(plan, leaves)``, when given, runs on every
+    call after the plan is found and may raise a ``ValueError`` / ``TypeError`` that is reported
+    like a plan's own error (on every rank, when the check runs). A plan that cannot be built (no rule
     for a leaf, a ``Partial`` DTensor, an axis the mesh lacks) is an error on every rank when the
     check runs, raised by all of them alike, so no rank is left waiting in a collective.
     """
@@ -112,6 +120,8 @@ def plan_for(
             if len(cache) >= _MAX_CACHED_PLANS:
                 cache.clear()
             cache[key] = plan
+        if validate is not None:
+            validate(plan, tree_leaves)
     except (ValueError, TypeError) as exc:
         error = exc
     if check:
