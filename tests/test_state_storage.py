@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import gradtx as gtx
+import gradtx.contrib
 from optimizer_helpers import without_deprecation_warning
 from combinator_helpers import running_sum
 
@@ -151,6 +152,18 @@ FACTORIES = {
         gtx.scale(-1.0), gtx.scale_by_zoom_linesearch(max_linesearch_steps=15)
     ),
     "lbfgs": lambda: gtx.lbfgs(memory_size=3),
+    # gradtx.contrib
+    "sophia": lambda: gtx.contrib.sophia(1e-2, update_interval=2),
+    "hutchinson_estimator_diag_hessian": lambda: gtx.chain(
+        gtx.contrib.hutchinson_estimator_diag_hessian(random_seed=0), gtx.scale(-1e-2)
+    ),
+    "reduce_on_plateau": lambda: gtx.chain(adam(), gtx.contrib.reduce_on_plateau(patience=1)),
+    "sam": lambda: gtx.contrib.sam(adam(), gtx.chain(gtx.contrib.normalize(), gtx.sgd(0.1, momentum=0.9)), 3),
+    "sam(keep_state)": lambda: gtx.contrib.sam(
+        adam(), gtx.chain(gtx.contrib.normalize(), gtx.sgd(0.1, momentum=0.9)), 2, reset_state=False
+    ),
+    "normalize": gtx.contrib.normalize,
+    "split_real_and_imaginary": lambda: gtx.contrib.split_real_and_imaginary(adam()),
 }
 
 
@@ -182,7 +195,10 @@ MULTISTEPS = {
 CASES = {**FACTORIES, **MULTISTEPS}
 
 # Cases whose update takes the objective: their gradients are the objective's, not random ones.
-EXTRA_ARGS = {"scale_by_polyak", "polyak_sgd", "scale_by_backtracking_linesearch", "scale_by_zoom_linesearch", "lbfgs"}
+EXTRA_ARGS = {
+    "scale_by_polyak", "polyak_sgd", "scale_by_backtracking_linesearch", "scale_by_zoom_linesearch", "lbfgs",
+    "sophia", "hutchinson_estimator_diag_hessian", "reduce_on_plateau",
+}
 # Cases whose state keeps the value and gradient at the accepted point: the next step reads them
 # back (gtx.value_and_grad_from_state) and hands them in, as a training loop does.
 FROM_STATE = {"scale_by_backtracking_linesearch", "scale_by_zoom_linesearch", "lbfgs"}
@@ -207,10 +223,10 @@ def extra_args(name, params, state):
 
 
 def public_factories() -> set[str]:
-    """Every public gradtx function whose declared result is a ``GradientTransformation``."""
+    """Every public gradtx (and gradtx.contrib) function whose declared result is a ``GradientTransformation``."""
     names = set()
-    for name in dir(gtx):
-        obj = getattr(gtx, name)
+    for module, name in [(gtx, n) for n in dir(gtx)] + [(gtx.contrib, n) for n in gtx.contrib.__all__]:
+        obj = getattr(module, name)
         if name.startswith("_") or not inspect.isfunction(obj):
             continue
         target = obj.__wrapped__ if isinstance(obj, functools.partial) else obj

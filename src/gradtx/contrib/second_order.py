@@ -220,8 +220,9 @@ def scale_by_sophia(
             outs = [g.copy_(u) for g, u in zip(grads, outs)]
             new_mus = [m.copy_(v) for m, v in zip(mus, new_mus)]
             new_nus = [n.copy_(v) if n is not v else n for n, v in zip(nus, new_nus)]
-        elif not run_hessian:
-            new_nus = [n.clone() for n in nus]  # a pure update returns a state of its own
+        elif not run_hessian:  # a pure update returns a state of its own
+            new_nus = [n.clone() for n in nus]
+            hessian_state = tree_lib.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, hessian_state)
         return leaves.rebuild(outs), SophiaState(
             count=count,
             mu=leaves.rebuild(new_mus, like=state.mu),
