@@ -272,3 +272,19 @@ def test_sophia_needs_params_and_the_objective():
         tx.update(gradient(PARAMS), tx.init(PARAMS), None, obj_fn=objective)
     with pytest.raises(ValueError, match="obj_fn"):
         tx.update(gradient(PARAMS), tx.init(PARAMS), PARAMS)
+
+
+def test_hutchinson_pure_equals_donated_and_mutates_nothing():
+    tx = hutchinson_estimator_diag_hessian(random_seed=9)
+    pure_state, donated_state = tx.init(PARAMS), tx.init(PARAMS)
+    for step in range(3):
+        before = (clone_tree(pure_state), clone_tree(PARAMS))
+        pure, new_state = tx.update(None, pure_state, PARAMS, obj_fn=objective)
+        assert_trees_equal((pure_state, PARAMS), before, f"step {step}: the pure update mutated its inputs")
+        assert new_state.key.untyped_storage().data_ptr() != pure_state.key.untyped_storage().data_ptr()
+        key = donated_state.key
+        donated, donated_state = tx.update(None, donated_state, PARAMS, inplace=True, obj_fn=objective)
+        assert donated_state.key is key  # the donated generator state is reused
+        assert_trees_equal(donated, pure, f"step {step}")
+        assert_trees_equal(donated_state, new_state, f"step {step}")
+        pure_state = new_state
