@@ -49,8 +49,12 @@ def _generator_state(seed: Seed, device: torch.device, owner: str) -> Tensor:
 
 
 def _generator(key: Tensor, device: torch.device) -> torch.Generator:
+    # Under a torch.func transform every op's result is wrapped (a state cloned or selected there,
+    # even .cpu() of a CPU tensor), and set_state needs the plain bytes: the key has no derivative,
+    # so the wrappers are dropped. A CPU state tensor is used as it is.
+    while torch._C._functorch.is_functorch_wrapped_tensor(key):
+        key = torch._C._functorch.get_unwrapped(key)
     generator = torch.Generator(device=device)
-    # a CPU state tensor as it is (under torch.func even .cpu() returns a wrapper set_state refuses)
     generator.set_state(key if key.device.type == "cpu" else key.cpu())
     return generator
 
