@@ -154,3 +154,22 @@ def test_errors():
     tx = reduce_on_plateau()
     with pytest.raises(ValueError, match="value"):
         tx.update({"a": torch.ones(2)}, tx.init({"a": torch.ones(2)}))
+
+
+def test_a_step_compiles_to_one_graph():
+    """The decisions are tensor ops: no host read, no graph break."""
+    torch._dynamo.reset()
+    tx = gtx.chain(gtx.sgd(0.1), reduce_on_plateau(factor=0.5, patience=1, accumulation_size=2))
+
+    def step(grads, state, value):
+        return tx.update(grads, state, PARAMS, value=value)
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    eager_state = compiled_state = tx.init(PARAMS)
+    g = {k: torch.ones_like(v) for k, v in PARAMS.items()}
+    for v in [2.0, 1.0, 3.0, 3.0, 3.0, 3.0]:
+        eager, eager_state = step(g, eager_state, torch.tensor(v, dtype=DTYPE))
+        got, compiled_state = compiled(g, compiled_state, torch.tensor(v, dtype=DTYPE))
+        assert_trees_equal(got, eager)
+        assert_trees_equal(compiled_state, eager_state)
+    assert float(eager_state[1].scale) == 0.25  # averages 1.5, 3, 3: two reductions

@@ -193,3 +193,11 @@ def test_normalize_pure_equals_donated_and_mutates_nothing():
     assert_trees_equal(donated, pure)
     assert all(pure[k].dtype == g[k].dtype for k in g)
 
+
+
+def test_normalize_compiles_to_one_graph():
+    torch._dynamo.reset()
+    tx = normalize()
+    compiled = torch.compile(lambda g: tx.update(g, NormalizeState())[0], fullgraph=True, backend="eager")
+    g = gradient(PARAMS)
+    assert_trees_equal(compiled(g), tx.update(g, NormalizeState())[0])
