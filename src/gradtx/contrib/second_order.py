@@ -21,7 +21,11 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, with_extra_args_support
+from gradtx.base import (
+    GradientTransformation,
+    GradientTransformationExtraArgs,
+    with_extra_args_support,
+)
 from gradtx.chains import chain
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms import add_decayed_weights, scale_by_learning_rate
@@ -138,6 +142,10 @@ def hutchinson_estimator_diag_hessian(random_seed: Seed = None) -> GradientTrans
     return GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+# The default estimator (Sophia-H); it holds no state of its own, so one instance serves every call.
+_HUTCHINSON = hutchinson_estimator_diag_hessian()
+
+
 def _weight(value: Any, dtype: torch.dtype) -> Any:
     return value.to(dtype) if isinstance(value, Tensor) else value
 
@@ -159,7 +167,7 @@ def scale_by_sophia(
     gamma: float = 0.01,
     clip_threshold: Optional[float] = 1.0,
     update_interval: int = 10,
-    hessian_diagonal_fn: GradientTransformation = hutchinson_estimator_diag_hessian(),
+    hessian_diagonal_fn: GradientTransformation = _HUTCHINSON,
     mu_dtype: Optional[torch.dtype] = None,
     verbose: bool = False,
     print_win_rate_every_n_steps: int = 0,
@@ -247,7 +255,7 @@ def sophia(
     gamma: float = 0.01,
     clip_threshold: Optional[float] = 1.0,
     update_interval: int = 10,
-    hessian_diagonal_fn: GradientTransformation = hutchinson_estimator_diag_hessian(),
+    hessian_diagonal_fn: GradientTransformation = _HUTCHINSON,
     mu_dtype: Optional[torch.dtype] = None,
     verbose: bool = False,
     print_win_rate_every_n_steps: int = 0,
