@@ -178,7 +178,8 @@ SOPHIA_CASES = {
     # clipping active on the first steps (nu = 0), then some elements inside the threshold
     "default_clip": dict(lr=0.05, b1=0.9, b2=0.8, eps=1e-8, weight_decay=1e-2, gamma=0.5, clip=1.0, interval=2),
     "no_clip": dict(lr=0.01, b1=0.965, b2=0.5, eps=1e-3, weight_decay=0.0, gamma=2.0, clip=None, interval=1),
-    "sparse_hessian": dict(lr=0.02, b1=0.5, b2=0.9, eps=1e-8, weight_decay=0.1, gamma=0.01, clip=0.5, interval=3),
+    # gamma * nu stays below the momentum: every update is clipped (a sign-like step)
+    "all_clipped": dict(lr=0.02, b1=0.5, b2=0.9, eps=1e-8, weight_decay=0.1, gamma=0.01, clip=0.5, interval=3),
 }
 
 

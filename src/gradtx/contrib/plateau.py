@@ -49,6 +49,9 @@ def reduce_on_plateau(
 ) -> GradientTransformationExtraArgs:
     """Multiplies the updates by a scale that drops by ``factor`` when the value plateaus.
 
+    The schedule of Keras' and torch's ``ReduceLROnPlateau`` callbacks, as an optax-style
+    transformation (chain it after the optimizer) with optax.contrib's state and decisions.
+
     The ``update`` needs ``value=`` (a loss, a validation metric). Values are averaged over
     ``accumulation_size`` calls; at the end of each accumulation the average improves on the best
     one when ``avg < (1 - rtol) * best - atol``. After ``patience`` accumulations in a row without

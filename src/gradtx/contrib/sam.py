@@ -32,7 +32,8 @@ NormalizeState = EmptyState
 
 
 def normalize(*, spec: Optional[ShardingSpec] = None) -> GradientTransformation:
-    """Divides every update by the global L2 norm of all of them (optax.contrib's ``normalize``).
+    """Divides every update by the global L2 norm of all of them (optax.contrib's ``normalize``), as
+    SAM's adversarial step does (Foret et al., 2021, https://arxiv.org/abs/2010.01412).
 
     No epsilon, as in optax: an all-zero gradient gives NaNs. The norm is
     :func:`gradtx.sharding.global_norm`'s, accumulated in float32 or wider and exact under
@@ -94,7 +95,8 @@ def sam(
     opaque_mode: bool = False,
     batch_axis_name: Optional[str] = None,
 ) -> GradientTransformationExtraArgs:
-    """SAM as optax.contrib's combinator: ``sync_period - 1`` adversarial steps, then an outer step.
+    """Sharpness-aware minimization (Foret et al., 2021, https://arxiv.org/abs/2010.01412) as
+    optax.contrib's combinator: ``sync_period - 1`` adversarial steps, then an outer step.
 
     In the default *transparent* mode every ``update`` is one step the caller applies: the
     adversarial ones move the params uphill with ``adv_optimizer`` (its update negated), and every
