@@ -21,6 +21,7 @@ from torch.func import grad, jacrev, jvp, vmap
 import gradtx as gtx
 from gradtx import contrib
 from gradtx.contrib import galore
+import gradtx.contrib
 from optimizer_helpers import without_deprecation_warning
 import gradtx.optimizers
 
@@ -135,6 +136,15 @@ CASES = {
     # here): the host's decisions do not move within a finite-difference step
     "scale_by_backtracking_linesearch": lambda: gtx.chain(
         gtx.scale(-1.0), gtx.scale_by_backtracking_linesearch(max_backtracking_steps=15)
+    ),
+    # the Hessian diagonal comes from Hutchinson's estimator on value_fn (the probes from a fixed
+    # seed): differentiated through the Hessian-vector product; the first update (nu = 0) is clipped
+    "contrib.sophia": lambda: gtx.contrib.sophia(
+        0.05, b2=0.5, gamma=1.0, clip_threshold=10.0, update_interval=2, weight_decay=0.1
+    ),
+    # an adversarial step, an outer step from the cached params, an adversarial step
+    "contrib.sam": lambda: gtx.contrib.sam(
+        gtx.sgd(0.1, momentum=0.5), gtx.chain(gtx.contrib.normalize(), gtx.sgd(0.05)), sync_period=2
     ),
 }
 GRADIENTS = {"dpsgd": per_example_gradients}
@@ -251,6 +261,13 @@ COMPONENTS = {
     "conditionally_mask": lambda: gtx.conditionally_mask(gtx.scale_by_adam(), lambda step: step % 2 == 0),
     "conditionally_transform": lambda: gtx.conditionally_transform(gtx.scale_by_adam(), lambda step: step % 2 == 0),
     "flatten": lambda: gtx.flatten(gtx.scale_by_adam()),
+    "contrib.normalize": lambda: gtx.contrib.normalize(),
+    # updates = -0.1 * z * (H z): the estimate itself, differentiated through the Hessian-vector product
+    "contrib.hutchinson_estimator_diag_hessian": lambda: gtx.contrib.hutchinson_estimator_diag_hessian(random_seed=2),
+    # the scale is piecewise constant in the values: the meta-gradient flows through the updates
+    "contrib.reduce_on_plateau": lambda: gtx.chain(gtx.scale_by_adam(), gtx.contrib.reduce_on_plateau(patience=1)),
+    # real params pass through (complex ones: tests/test_contrib_complex.py)
+    "contrib.split_real_and_imaginary": lambda: gtx.contrib.split_real_and_imaginary(gtx.scale_by_adam()),
     "inject_stateful_hyperparams": lambda: without_deprecation_warning(gtx.inject_stateful_hyperparams)(gtx.scale_by_adam)(b1=0.8),
     "contrib.scale_by_adopt": lambda: contrib.scale_by_adopt(use_clipping=False),
     "contrib.scale_by_ademamix": lambda: contrib.scale_by_ademamix(b3=gtx.linear_schedule(0.9, 0.99, 3), alpha=2.0),
@@ -349,6 +366,8 @@ def test_every_transformation_and_combinator_is_covered():
 
 # Public names of gradtx.contrib that are not covered above, and why.
 CONTRIB_NOT_COVERED = {
+    "dpsgd": "the same object as gradtx.dpsgd: covered by the dpsgd case",
+    "differentially_private_aggregate": "the same object as gradtx's: covered by the dpsgd case",
     "schedule_free_eval_params": "a function of a state and params (an affine map of y and z), not a transformation",
 }
 

@@ -35,6 +35,7 @@ CASE_MODULES = (
     "test_contrib_dtensor",
     "test_sharding_factored",
     "test_sharding_muon",
+    "test_contrib_sharding",
 )
 
 _CASES: dict[int, dict[str, Callable[["World"], None]]] = {}

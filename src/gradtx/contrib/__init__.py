@@ -13,9 +13,12 @@ from gradtx.contrib.adam_variants import (
     ScaleBySimplifiedAdEMAMixState,
     simplified_ademamix,
 )
+from gradtx.contrib.complex import split_real_and_imaginary, SplitRealAndImaginaryState
 from gradtx.contrib.galore import galore, GaLoreDimensionNumbers, GaLoreState, scale_by_galore
 from gradtx.contrib.madgrad import madgrad, MadgradState, scale_by_madgrad
 from gradtx.contrib.muon import muon, MuonDimensionNumbers, MuonState, scale_by_muon
+from gradtx.contrib.plateau import reduce_on_plateau, ReduceLROnPlateauState
+from gradtx.contrib.sam import normalize, NormalizeState, sam, SAMState
 from gradtx.contrib.schedule_free import (
     schedule_free,
     schedule_free_adamw,
@@ -23,19 +26,38 @@ from gradtx.contrib.schedule_free import (
     schedule_free_sgd,
     ScheduleFreeState,
 )
+from gradtx.contrib.second_order import (
+    hutchinson_estimator_diag_hessian,
+    HutchinsonState,
+    sophia,
+    SophiaState,
+)
+from gradtx.optimizers.sgd_like import dpsgd
+from gradtx.transforms.noise import differentially_private_aggregate, DifferentiallyPrivateAggregateState
 
 __all__ = [
     "acprop",
     "ademamix",
     "adopt",
+    "differentially_private_aggregate",
+    "DifferentiallyPrivateAggregateState",
+    "dpsgd",
     "galore",
     "GaLoreDimensionNumbers",
     "GaLoreState",
+    "hutchinson_estimator_diag_hessian",
+    "HutchinsonState",
     "madgrad",
     "MadgradState",
     "muon",
     "MuonDimensionNumbers",
     "MuonState",
+    "normalize",
+    "NormalizeState",
+    "reduce_on_plateau",
+    "ReduceLROnPlateauState",
+    "sam",
+    "SAMState",
     "scale_by_acprop",
     "scale_by_ademamix",
     "scale_by_adopt",
@@ -51,4 +73,8 @@ __all__ = [
     "schedule_free_sgd",
     "ScheduleFreeState",
     "simplified_ademamix",
+    "sophia",
+    "SophiaState",
+    "split_real_and_imaginary",
+    "SplitRealAndImaginaryState",
 ]
