@@ -3,7 +3,8 @@
 ``ShardingSpec(mesh, leaves, stage_axis=...)`` declares the layout of plain tensors (``Shard`` /
 ``Replicate`` leaf specs); DTensors describe themselves. ``global_norm`` counts every logical
 element once with one collective; ``leaf_norms`` / ``leaf_rms`` / ``unitwise_norms`` give per-leaf
-quantities of the logical tensors, batched into one collective per distinct group.
+quantities of the logical tensors, batched into one collective per distinct group;
+``global_sums`` gives exact inner products and other sums over the logical tree.
 """
 
 from gradtx.sharding.decisions import all_finite, any_rank, count_not_finite
@@ -12,6 +13,7 @@ from gradtx.sharding.probe import finiteness_probe
 from gradtx.sharding.placements import LeafSpec, Replicate, Shard
 from gradtx.sharding.reductions import global_norm, is_sharded, leaf_norms, leaf_rms, unitwise_norms
 from gradtx.sharding.spec import ShardingSpec
+from gradtx.sharding.sums import global_sums
 
 __all__ = [
     "LeafSpec",
@@ -23,6 +25,7 @@ __all__ = [
     "count_not_finite",
     "finiteness_probe",
     "global_norm",
+    "global_sums",
     "has_dtensor",
     "is_sharded",
     "leaf_norms",
