@@ -19,6 +19,7 @@ import torch
 from torch.func import grad, jacrev, jvp, vmap
 
 import gradtx as gtx
+from gradtx import contrib
 from optimizer_helpers import without_deprecation_warning
 from gradtx.chains import aliases
 
@@ -123,6 +124,20 @@ CASES = {
     "scale_by_backtracking_linesearch": lambda: gtx.chain(
         gtx.scale(-1.0), gtx.scale_by_backtracking_linesearch(max_backtracking_steps=15)
     ),
+    # optax.contrib's learning-rate-free optimizers: the step-size estimates are differentiated too
+    # (their maxima are not tied over these steps); estimates start large enough to move the params
+    "contrib.prodigy": lambda: contrib.prodigy(0.5, estim_lr0=1e-2, weight_decay=0.1),
+    "contrib.dadapt_adamw": lambda: contrib.dadapt_adamw(0.5, estim_lr0=1e-2, weight_decay=0.1),
+    "contrib.dog": lambda: contrib.dog(0.5, init_step=("heuristic", 1e-2), weight_decay=0.1),
+    "contrib.dog/learning_rate": lambda: contrib.dog(init_step=("learning_rate", 0.1)),
+    "contrib.dowg": lambda: contrib.dowg(0.5, init_estim_sq_dist=1e-2, weight_decay=0.1),
+    "contrib.cocob": lambda: contrib.cocob(0.5, weight_decay=0.1),
+    "contrib.mechanize": lambda: contrib.mechanize(gtx.adam(0.1), s_init=1e-2),
+    # value= goes in with its graph (the loss at the params)
+    "contrib.momo": lambda: contrib.momo(0.5, weight_decay=0.1),
+    "contrib.momo/adapt_lower_bound": lambda: contrib.momo(0.5, lower_bound=-1.0, adapt_lower_bound=True),
+    "contrib.momo_adam": lambda: contrib.momo_adam(0.1, weight_decay=0.1),
+    "contrib.momo_adam/adapt_lower_bound": lambda: contrib.momo_adam(0.1, lower_bound=-1.0, adapt_lower_bound=True),
 }
 GRADIENTS = {"dpsgd": per_example_gradients}
 # Every public optimizer alias must be covered here (or listed with the reason it is not).
@@ -239,6 +254,9 @@ COMPONENTS = {
     "conditionally_transform": lambda: gtx.conditionally_transform(gtx.scale_by_adam(), lambda step: step % 2 == 0),
     "flatten": lambda: gtx.flatten(gtx.scale_by_adam()),
     "inject_stateful_hyperparams": lambda: without_deprecation_warning(gtx.inject_stateful_hyperparams)(gtx.scale_by_adam)(b1=0.8),
+    "contrib.scale_by_dog": lambda: contrib.scale_by_dog(("distance", 0.1)),
+    "contrib.scale_by_dowg": lambda: contrib.scale_by_dowg(1e-2),
+    "contrib.scale_by_cocob": lambda: contrib.scale_by_cocob(),
 }
 # Unrolled further: RAdam's rectified branch starts at the sixth step (rho_t >= 5).
 LONGER = {"scale_by_radam": 7}
@@ -314,6 +332,13 @@ def _public_aliases():
 def test_every_optimizer_alias_is_covered():
     missing = [name for name in _public_aliases() if name not in CASES and name not in NOT_COVERED]
     assert not missing, f"optimizer aliases with no differentiability test: {missing}"
+
+
+def test_every_contrib_factory_is_covered():
+    names = [name for name in contrib.__all__ if inspect.isfunction(getattr(contrib, name))]
+    covered = {name.split("/")[0] for name in (*CASES, *COMPONENTS, *AUTOGRAD_ONLY)}
+    missing = [name for name in names if f"contrib.{name}" not in covered]
+    assert not missing, f"gradtx.contrib factories with no differentiability test: {missing}"
 
 
 def test_every_transformation_and_combinator_is_covered():

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import gradtx as gtx
+from gradtx import contrib
 from optimizer_helpers import without_deprecation_warning
 from combinator_helpers import running_sum
 
@@ -151,6 +152,18 @@ FACTORIES = {
         gtx.scale(-1.0), gtx.scale_by_zoom_linesearch(max_linesearch_steps=15)
     ),
     "lbfgs": lambda: gtx.lbfgs(memory_size=3),
+    # optax.contrib
+    "contrib.prodigy": lambda: contrib.prodigy(weight_decay=0.1),
+    "contrib.dadapt_adamw": lambda: contrib.dadapt_adamw(weight_decay=0.1),
+    "contrib.dog": lambda: contrib.dog(weight_decay=0.1),
+    "contrib.scale_by_dog": lambda: contrib.scale_by_dog(("learning_rate", 0.1)),
+    "contrib.dowg": lambda: contrib.dowg(weight_decay=0.1),
+    "contrib.scale_by_dowg": contrib.scale_by_dowg,
+    "contrib.cocob": lambda: contrib.cocob(weight_decay=0.1),
+    "contrib.scale_by_cocob": contrib.scale_by_cocob,
+    "contrib.mechanize": lambda: contrib.mechanize(adam()),
+    "contrib.momo": lambda: contrib.momo(adapt_lower_bound=True),
+    "contrib.momo_adam": lambda: contrib.momo_adam(adapt_lower_bound=True),
 }
 
 
@@ -182,7 +195,10 @@ MULTISTEPS = {
 CASES = {**FACTORIES, **MULTISTEPS}
 
 # Cases whose update takes the objective: their gradients are the objective's, not random ones.
-EXTRA_ARGS = {"scale_by_polyak", "polyak_sgd", "scale_by_backtracking_linesearch", "scale_by_zoom_linesearch", "lbfgs"}
+EXTRA_ARGS = {
+    "scale_by_polyak", "polyak_sgd", "scale_by_backtracking_linesearch", "scale_by_zoom_linesearch", "lbfgs",
+    "contrib.momo", "contrib.momo_adam",
+}
 # Cases whose state keeps the value and gradient at the accepted point: the next step reads them
 # back (gtx.value_and_grad_from_state) and hands them in, as a training loop does.
 FROM_STATE = {"scale_by_backtracking_linesearch", "scale_by_zoom_linesearch", "lbfgs"}
@@ -223,6 +239,12 @@ def public_factories() -> set[str]:
 def test_every_public_factory_is_covered():
     missing = public_factories() - set(FACTORIES)
     assert not missing, f"add these public transformations to FACTORIES: {sorted(missing)}"
+
+
+def test_every_contrib_factory_is_covered():
+    names = {name for name in contrib.__all__ if inspect.isfunction(getattr(contrib, name))}
+    missing = {f"contrib.{name}" for name in names} - set(FACTORIES)
+    assert not missing, f"add these gradtx.contrib transformations to FACTORIES: {sorted(missing)}"
 
 
 def storages(tree) -> dict[int, str]:
