@@ -32,6 +32,7 @@ CASE_MODULES = (
     "test_sharding_collectives",
     "test_sharding_decisions",
     "test_sharding_disagreement",
+    "test_contrib_sharded",
 )
 
 _CASES: dict[int, dict[str, Callable[["World"], None]]] = {}
