@@ -14,6 +14,11 @@ The catalogue's names (``CATALOGUE`` below) run only where the installed optax h
 they agree to about 1e-15 except: Adafactor (~2e-7), whose decay rate optax computes in float32;
 the one-cycle schedules (~4e-7), which gradtx evaluates in float32 for a tensor step count, as all
 its schedules. ``sm3`` runs on the leaves with a dimension (optax keeps no accumulator for a 0-d leaf).
+optax.contrib's names (``contrib.prodigy``, ...) are looked up in ``optax.contrib`` / ``gradtx.contrib``;
+MoMo's cases are given ``value=`` (a fixed sequence of losses). In float64 they agree to ~1e-14; in
+float32 D-Adaptation AdamW (~1e-5) and Mechanic over Adam (~2e-5) differ most, because optax computes
+``1 - b2^t`` in float32, where it loses digits to cancellation (gradtx uses float64: computing it in
+float32 brings D-Adaptation to ~2e-6).
 """
 
 import argparse
@@ -34,6 +39,7 @@ import optax  # noqa: E402
 import torch  # noqa: E402
 
 import gradtx as gtx  # noqa: E402
+import gradtx.contrib  # noqa: E402,F401  (gtx.contrib)
 from gradtx.base import apply_updates  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
@@ -48,20 +54,25 @@ params0 = {k: rng.standard_normal(s).astype(DTYPE) for k, s in shapes.items()}
 grads = [{k: rng.standard_normal(s).astype(DTYPE) for k, s in shapes.items()} for _ in range(8)]
 
 
-def run_optax(tx):
+values = np.random.default_rng(1).uniform(1.0, 2.0, len(grads)).astype(DTYPE)  # losses, for value=
+
+
+def run_optax(tx, with_value=False):
     p = {k: jnp.asarray(v) for k, v in params0.items()}
     state = tx.init(p)
-    for g in grads:
-        updates, state = tx.update({k: jnp.asarray(v) for k, v in g.items()}, state, p)
+    for g, value in zip(grads, values):
+        extra = {"value": jnp.asarray(value)} if with_value else {}
+        updates, state = tx.update({k: jnp.asarray(v) for k, v in g.items()}, state, p, **extra)
         p = optax.apply_updates(p, updates)
     return {k: np.asarray(v) for k, v in p.items()}
 
 
-def run_gtx(tx, inplace):
+def run_gtx(tx, inplace, with_value=False):
     p = {k: torch.tensor(v) for k, v in params0.items()}
     state = tx.init(p)
-    for g in grads:
-        updates, state = tx.update({k: torch.tensor(v) for k, v in g.items()}, state, p, inplace=inplace)
+    for g, value in zip(grads, values):
+        extra = {"value": torch.tensor(value)} if with_value else {}
+        updates, state = tx.update({k: torch.tensor(v) for k, v in g.items()}, state, p, inplace=inplace, **extra)
         p = apply_updates(p, updates)
     return {k: v.numpy() for k, v in p.items()}
 
@@ -138,18 +149,44 @@ CATALOGUE = {
  "cond_mask": ("conditionally_mask", lambda m: m.conditionally_mask(m.adam(1e-2), lambda step: step % 3 != 1)),
  "flatten": ("flatten", lambda m: m.flatten(m.adam(1e-2))),
  "dog": ("scale_by_distance_over_gradients", lambda m: m.chain(m.scale_by_distance_over_gradients(reps_rel=1e-2, global_scale=-1.0))),
+ # optax.contrib: learning-rate free
+ "prodigy": ("contrib.prodigy", lambda m: m.contrib.prodigy(1.0, estim_lr0=1e-2, weight_decay=0.1)),
+ "prodigy_safeguard": ("contrib.prodigy", lambda m: m.contrib.prodigy(0.5, beta3=0.9, estim_lr0=1e-2, safeguard_warmup=True)),
+ "dadapt_adamw": ("contrib.dadapt_adamw", lambda m: m.contrib.dadapt_adamw(1.0, estim_lr0=1e-2, weight_decay=0.1)),
+ "contrib_dog": ("contrib.dog", lambda m: m.contrib.dog(init_step=("heuristic", 1e-2), weight_decay=0.1)),
+ "contrib_dog_lr": ("contrib.dog", lambda m: m.contrib.dog(0.5, init_step=("learning_rate", 0.1))),
+ "dowg": ("contrib.dowg", lambda m: m.contrib.dowg(init_estim_sq_dist=1e-2, weight_decay=0.1)),
+ "cocob": ("contrib.cocob", lambda m: m.contrib.cocob(weight_decay=0.1)),
+ "mechanize": ("contrib.mechanize", lambda m: m.contrib.mechanize(m.adam(1.0), s_init=1e-2)),
+ # optax.contrib: MoMo (given value=, the loss)
+ "momo": ("contrib.momo", lambda m: m.contrib.momo(0.5, weight_decay=0.1)),
+ "momo_adapt_lb": ("contrib.momo", lambda m: m.contrib.momo(0.5, lower_bound=0.5, adapt_lower_bound=True)),
+ "momo_adam": ("contrib.momo_adam", lambda m: m.contrib.momo_adam(0.1, weight_decay=0.1)),
+ "momo_adam_adapt_lb": ("contrib.momo_adam", lambda m: m.contrib.momo_adam(0.1, lower_bound=0.5, adapt_lower_bound=True)),
 }
+WITH_VALUE = {"momo", "momo_adapt_lb", "momo_adam", "momo_adam_adapt_lb"}  # cases whose update takes value=
+
+
+def _has(module, dotted):
+    for part in dotted.split("."):
+        if not hasattr(module, part):
+            return False
+        module = getattr(module, part)
+    return True
+
+
+
 for _name, (_attr, _make) in CATALOGUE.items():
-    if hasattr(optax, _attr) and hasattr(gtx, _attr):
+    if _has(optax, _attr) and _has(gtx, _attr):
         cases[_name] = (_make(optax), _make(gtx))
     else:
         print(f"{_name:16s} skipped: {_attr} missing from optax or gradtx")
 worst = 0
 for name, (o, t) in cases.items():
-    ref = run_optax(o)
+    ref = run_optax(o, name in WITH_VALUE)
     for inplace in (False, True):
         try:
-            got = run_gtx(t, inplace)
+            got = run_gtx(t, inplace, name in WITH_VALUE)
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"{name:16s} inplace={inplace!s:5s} ERROR {e!r}")
             continue
