@@ -331,3 +331,18 @@ def test_float32_runs_and_keeps_dtypes():
 @pytest.mark.parametrize("name", ["prodigy", "dadapt_adamw", "dog", "dowg", "cocob", "mechanize"])
 def test_docstring_cites_the_paper_and_its_example_runs(name):
     run_docstring_example(getattr(contrib, name))
+
+
+@pytest.mark.parametrize(
+    "name,kwargs",
+    [
+        ("prodigy", {"learning_rate": 0.5, "weight_decay": 0.1, "estim_lr0": 1e-2}),
+        ("dog", {"learning_rate": 0.5}),
+        ("dadapt_adamw", {"learning_rate": 0.5, "estim_lr0": 1e-2}),
+    ],
+)
+def test_injected_hyperparameters_give_the_same_numbers(name, kwargs):
+    factory = getattr(contrib, name)
+    got, _, _ = run(gtx.inject_hyperparams(factory)(**kwargs), 4)
+    expected, _, _ = run(factory(**kwargs), 4)
+    assert_close_history(got, expected, rtol=1e-12)

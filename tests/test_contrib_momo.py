@@ -188,3 +188,12 @@ def test_float32_and_a_value_given_as_a_number():
 @pytest.mark.parametrize("name", ["momo", "momo_adam"])
 def test_docstring_cites_the_paper_and_its_example_runs(name):
     run_docstring_example(getattr(contrib, name))
+
+
+@pytest.mark.parametrize("name", ["momo", "momo_adam"])
+def test_injected_hyperparameters_give_the_same_numbers(name):
+    factory = getattr(contrib, name)
+    kwargs = {"learning_rate": 0.3, "weight_decay": 0.1}
+    got, _, _ = run(gtx.inject_hyperparams(factory)(**kwargs), 4, with_value=True)
+    expected, _, _ = run(factory(**kwargs), 4, with_value=True)
+    assert_close_history(got, expected, rtol=1e-12)
