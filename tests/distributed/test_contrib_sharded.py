@@ -1,7 +1,8 @@
 """The contrib optimizers whose step sizes come from global sums (Prodigy, D-Adaptation, DoG, DoWG,
 Mechanic, MoMo) are exact under sharding: with a ``spec``, each rank's params are its slice of the
 dense run's, step after step, and the scalar states (step-size estimates) equal the dense ones on
-every rank. Without the spec, the same pieces give different numbers (the sums would be local)."""
+every rank; likewise with DTensor params and gradients and no spec. Without the spec, the same
+plain pieces give different numbers (the sums would be local)."""
 
 from __future__ import annotations
 
@@ -104,3 +105,44 @@ def contrib_without_the_spec_the_sums_are_local(world):
 @pytest.mark.parametrize("size,name", _world.params_for(__name__))
 def test_contrib_sharded(size, name):
     _world.check(size, name)
+
+
+def _dtensor_tools(world):
+    from torch.distributed.tensor import DTensor, Replicate as R, Shard as S, distribute_tensor
+
+    mesh = world.mesh((world.size,), ("tp",))
+    layout = {"w": [S(0)], "b": [R()]}
+
+    def distribute(tree):
+        return {k: distribute_tensor(v, mesh, layout[k]) if k in layout else v.clone() for k, v in tree.items()}
+
+    def local(tree):
+        return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in tree.items()}
+
+    return distribute, local
+
+
+@case(2)
+def contrib_dtensor_runs_equal_the_dense_run(world):
+    """DTensor params and gradients describe their own layout: no spec needed. (The gradients are
+    the dense run's, distributed: each rank's slice.)"""
+    distribute, local = _dtensor_tools(world)
+    _, cut = _spec_and_cut(world)
+    weights = {k: 0.5 + v.abs() for k, v in dense_tree(SHAPES, seed=2, dtype=torch.float64).items()}
+    targets = dense_tree(SHAPES, seed=3, dtype=torch.float64)
+    for name, (make, field) in OPTIMIZERS.items():
+        tx, dense_tx = make(None), make(None)
+        dense_params = dense_tree(SHAPES, seed=1, dtype=torch.float64)
+        params = distribute(dense_params)
+        state, dense_state = tx.init(params), dense_tx.init(dense_params)
+        for step in range(STEPS):
+            grads = {k: weights[k] * (dense_params[k] - targets[k]) for k in SHAPES}
+            value = sum((weights[k] * (dense_params[k] - targets[k]) ** 2).sum() / 2 for k in SHAPES)
+            extra = {"value": value} if name in WITH_VALUE else {}
+            updates, state = tx.update(distribute(grads), state, params, **extra)
+            dense_updates, dense_state = dense_tx.update(grads, dense_state, dense_params, **extra)
+            params, dense_params = gtx.apply_updates(params, updates), gtx.apply_updates(dense_params, dense_updates)
+            for leaf, value in cut(dense_params).items():
+                close(local(params)[leaf], value, f"{name} step {step} param {leaf!r}", rtol=1e-10, atol=1e-12)
+            scalar = _scalar_state(state, field)
+            close(scalar, _scalar_state(dense_state, field), f"{name} step {step} scalar", rtol=1e-10, atol=1e-14)
