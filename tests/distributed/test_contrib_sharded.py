@@ -101,12 +101,6 @@ def contrib_without_the_spec_the_sums_are_local(world):
         assert not torch.allclose(scalar, dense_scalar, rtol=1e-6, atol=0), f"{name}: local sums matched the global ones"
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("size,name", _world.params_for(__name__))
-def test_contrib_sharded(size, name):
-    _world.check(size, name)
-
-
 def _dtensor_tools(world):
     from torch.distributed.tensor import DTensor, Replicate as R, Shard as S, distribute_tensor
 
@@ -146,3 +140,10 @@ def contrib_dtensor_runs_equal_the_dense_run(world):
                 close(local(params)[leaf], value, f"{name} step {step} param {leaf!r}", rtol=1e-10, atol=1e-12)
             scalar = _scalar_state(state, field)
             close(scalar, _scalar_state(dense_state, field), f"{name} step {step} scalar", rtol=1e-10, atol=1e-14)
+
+
+# after every case above: the parameters are read when this is defined
+@pytest.mark.distributed
+@pytest.mark.parametrize("size,name", _world.params_for(__name__))
+def test_contrib_sharded(size, name):
+    _world.check(size, name)
