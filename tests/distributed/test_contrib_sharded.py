@@ -142,6 +142,26 @@ def contrib_dtensor_runs_equal_the_dense_run(world):
             close(scalar, _scalar_state(dense_state, field), f"{name} step {step} scalar", rtol=1e-10, atol=1e-14)
 
 
+@case(2)
+def global_sums_count_every_logical_element_once(world):
+    """Sharded leaves add up, copies count once, a duplicate (a tied weight's second copy) not at all."""
+    mesh = world.mesh((world.size,), ("tp",))
+    spec = ShardingSpec(
+        mesh, [("w", Shard("tp", dim=0)), ("b", Replicate()), ("tied", Shard("tp", dim=0, duplicate=True))]
+    )
+    shapes = {"w": (8, 3), "b": (5,), "tied": (8, 3)}
+    x, y = dense_tree(shapes, seed=4, dtype=torch.float64), dense_tree(shapes, seed=5, dtype=torch.float64)
+    x["tied"], y["tied"] = x["w"].clone(), y["w"].clone()
+
+    def cut(tree):
+        return {k: torch.tensor_split(v, world.size, 0)[world.rank].clone() if k != "b" else v.clone() for k, v in tree.items()}
+
+    fn = lambda a, b: torch.stack([(a * b).sum(), a.abs().sum(), (a * a).sum()])  # noqa: E731
+    got = gtx.sharding.global_sums(fn, cut(x), cut(y), spec=spec)
+    expected = gtx.sharding.global_sums(fn, {k: x[k] for k in ("w", "b")}, {k: y[k] for k in ("w", "b")})
+    close(got, expected, "global sums", rtol=1e-12, atol=1e-12)
+    _same_on_every_rank(got, "global sums")
+
 # after every case above: the parameters are read when this is defined
 @pytest.mark.distributed
 @pytest.mark.parametrize("size,name", _world.params_for(__name__))

@@ -41,7 +41,7 @@ def global_sums(fn: Callable[..., Tensor], *trees: Any, spec: Optional[ShardingS
         parts = [fn(first[i], *(o[i] for o in others)) for i in present]
         if not parts:
             raise ValueError(f"{what}: the tree has no tensor leaf")
-        return torch.stack(parts).sum(0)
+        return _add_up(parts)
     k_op = f"{what}({len(trees)} trees)"
     plan, first = plan_for(trees[0], spec, what=what, op=k_op)
     parts = []
@@ -54,9 +54,15 @@ def global_sums(fn: Callable[..., Tensor], *trees: Any, spec: Optional[ShardingS
         index = next(i for i, layout in enumerate(plan.layouts) if layout is not None)
         locals_ = [dtensor_lib.local(first[index])] + [dtensor_lib.local(o[index]) for o in others]
         parts.append(torch.zeros_like(fn(*locals_)))
-    local = torch.stack(parts).sum(0)
+    local = _add_up(parts)
     buffer = local.detach().to(torch.float64)
     group = plan.global_group()
     if group is not None:
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
     return buffer.to(local.dtype)
+
+
+def _add_up(parts: list[Tensor]) -> Tensor:
+    """The sum of per-leaf partial sums, on the first one's device (leaves may live on several)."""
+    device = parts[0].device
+    return torch.stack([p if p.device == device else p.to(device) for p in parts]).sum(0)
