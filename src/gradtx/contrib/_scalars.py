@@ -3,11 +3,12 @@ dtype of optax's scalar state, copies of parameter trees, and donated buffers.""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
+from gradtx import sharding
 from gradtx import tree as tree_lib
 from gradtx.transforms import _foreach as fe
 
@@ -70,3 +71,14 @@ def safe_sqrt(x: Tensor) -> Tensor:
     through a quantity that is exactly zero (the first step's distance) stays finite."""
     positive = x > 0
     return torch.where(positive, torch.sqrt(torch.where(positive, x, torch.ones_like(x))), torch.zeros_like(x))
+
+
+def sums(fn: Callable[..., list[Tensor]], *trees: Any, spec: Any, dtype: torch.dtype, what: str) -> Tensor:
+    """Exact global sums of ``fn``'s per-leaf scalars (:func:`gradtx.sharding.global_sums`), as a
+    1-D tensor of ``dtype``, accumulated in float32 at least."""
+    acc = torch.promote_types(dtype, torch.float32)
+    return sharding.global_sums(lambda *x: torch.stack([s.to(acc) for s in fn(*x)]), *trees, spec=spec, what=what).to(dtype)
+
+
+def vdot(x: Tensor, y: Tensor) -> Tensor:
+    return (x * y).sum()

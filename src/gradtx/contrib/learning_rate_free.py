@@ -30,16 +30,6 @@ from gradtx.transforms import add_decayed_weights, scale_by_learning_rate
 ScalarOrSchedule = Union[float, Tensor, Callable[[Tensor], Any]]
 
 
-def _sums(fn: Callable[..., list[Tensor]], *trees: Any, spec: Any, dtype: torch.dtype, what: str) -> Tensor:
-    """Exact global sums of ``fn``'s per-leaf scalars, as a 1-D tensor of ``dtype``."""
-    acc = torch.promote_types(dtype, torch.float32)
-    return sharding.global_sums(lambda *x: torch.stack([s.to(acc) for s in fn(*x)]), *trees, spec=spec, what=what).to(dtype)
-
-
-def _vdot(x: Tensor, y: Tensor) -> Tensor:
-    return (x * y).sum()
-
-
 # --------------------------------------------------------------------------- Prodigy
 
 
@@ -132,8 +122,8 @@ def prodigy(
             new_ea.append(beta1 * eai + (1.0 - beta1) * dg)
             new_eas.append(beta2 * easi + (1.0 - beta2) * dg * dg)
             new_gs.append(beta3 * gsi + sc.on(weight, gi) * dg / estim_lr0)
-        sums = _sums(
-            lambda gi, pi, p0i, gsi: [_vdot(gi, p0i - pi), gsi.abs().sum()],
+        sums = sc.sums(
+            lambda gi, pi, p0i, gsi: [sc.vdot(gi, p0i - pi), gsi.abs().sum()],
             leaves.rebuild(g), leaves.rebuild(p), leaves.rebuild(p0), leaves.rebuild(new_gs),
             spec=spec, dtype=dtype, what=owner,
         )
@@ -241,8 +231,8 @@ def dadapt_adamw(
             new_ea.append(beta1 * eai + (1.0 - beta1) * step * gi)
             new_eas.append(beta2 * easi + (1.0 - beta2) * gi * gi)
             new_gs.append(sb2 * gsi + (1.0 - sb2) * step * gi)
-        sums = _sums(
-            lambda gi, gsi, easi, new_gsi: [_vdot(gi, gsi / (torch.sqrt(easi) + eps)), new_gsi.abs().sum()],
+        sums = sc.sums(
+            lambda gi, gsi, easi, new_gsi: [sc.vdot(gi, gsi / (torch.sqrt(easi) + eps)), new_gsi.abs().sum()],
             leaves.rebuild(g), leaves.rebuild(gs), leaves.rebuild(eas), leaves.rebuild(new_gs),
             spec=spec, dtype=dtype, what=owner,
         )
@@ -414,8 +404,8 @@ def scale_by_dowg(
         g = leaves.tensors
         dtype = state.estim_sq_dist.dtype
         donate = inplace and not tree_lib.needs_graph(g, p, p0, state.estim_sq_dist, state.weighted_sq_norm_grads)
-        sums = _sums(
-            lambda gi, pi, p0i: [_vdot(p0i - pi, p0i - pi), _vdot(gi, gi)],
+        sums = sc.sums(
+            lambda gi, pi, p0i: [sc.vdot(p0i - pi, p0i - pi), sc.vdot(gi, gi)],
             leaves.rebuild(g), leaves.rebuild(p), leaves.rebuild(p0), spec=spec, dtype=dtype, what=owner,
         )
         estim_sq_dist = torch.maximum(state.estim_sq_dist, sums[0])
@@ -640,8 +630,8 @@ def mechanize(
         s_sum = state.s.sum()
         delta_prev = [(x0i - pi) / sc.on(s_sum + eps, pi) for pi, x0i in zip(p, x0)]
         # everything h needs from g, before the base optimizer may overwrite donated updates
-        sums = _sums(
-            lambda gi, pi, di: [_vdot(gi, gi), _vdot(pi, pi), _vdot(gi, di), _vdot(pi, di)],
+        sums = sc.sums(
+            lambda gi, pi, di: [sc.vdot(gi, gi), sc.vdot(pi, pi), sc.vdot(gi, di), sc.vdot(pi, di)],
             leaves.rebuild(g), leaves.rebuild(p), leaves.rebuild(delta_prev), spec=spec, dtype=dtype, what=owner,
         )
         grad_norm, param_norm = sc.safe_sqrt(sums[0]), sc.safe_sqrt(sums[1])

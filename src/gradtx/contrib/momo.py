@@ -23,15 +23,6 @@ from gradtx.transforms import _foreach as fe
 ScalarOrSchedule = Union[float, Tensor, Callable[[Tensor], Any]]
 
 
-def _sums(fn: Callable[..., list[Tensor]], *trees: Any, spec: Any, dtype: torch.dtype, what: str) -> Tensor:
-    acc = torch.promote_types(dtype, torch.float32)
-    return sharding.global_sums(lambda *x: torch.stack([s.to(acc) for s in fn(*x)]), *trees, spec=spec, what=what).to(dtype)
-
-
-def _vdot(x: Tensor, y: Tensor) -> Tensor:
-    return (x * y).sum()
-
-
 def _check_value(value: Any, owner: str) -> None:
     if value is None:
         raise ValueError(f"{owner}: pass the latest loss value to update as value= (the objective at params)")
@@ -108,8 +99,8 @@ def momo(
         bt = torch.where(state.count == 0, sc.scalar(0.0, dtype, device), sc.scalar(beta, dtype, device))
         barf = bt * state.barf + (1 - bt) * value
         new_ea = [sc.on(bt, gi) * eai + (1 - sc.on(bt, gi)) * gi for gi, eai in zip(g, ea)]
-        sums = _sums(
-            lambda gi, pi, eai: [_vdot(gi, pi), _vdot(eai, eai), _vdot(eai, pi)],
+        sums = sc.sums(
+            lambda gi, pi, eai: [sc.vdot(gi, pi), sc.vdot(eai, eai), sc.vdot(eai, pi)],
             leaves.rebuild(g), leaves.rebuild(p), leaves.rebuild(new_ea), spec=spec, dtype=dtype, what=owner,
         )
         gamma = bt * state.gamma + (1 - bt) * sums[0]
@@ -226,8 +217,8 @@ def momo_adam(
         new_ea = [b1 * eai + (1 - b1) * gi for gi, eai in zip(g, ea)]
         new_eas = [b2 * easi + (1 - b2) * gi * gi for gi, easi in zip(g, eas)]
         precond = [eps + torch.sqrt(easi / sc.on(bc2, easi)) for easi in new_eas]
-        sums = _sums(
-            lambda gi, pi, eai, di: [_vdot(eai, eai / di), _vdot(gi, pi), _vdot(eai, pi)],
+        sums = sc.sums(
+            lambda gi, pi, eai, di: [sc.vdot(eai, eai / di), sc.vdot(gi, pi), sc.vdot(eai, pi)],
             leaves.rebuild(g), leaves.rebuild(p), leaves.rebuild(new_ea), leaves.rebuild(precond),
             spec=spec, dtype=dtype, what=owner,
         )
