@@ -316,7 +316,7 @@ def test_none_leaves_pass_through():
     params = initial_params()
     _, grads = value_and_grad(params)
     grads["b"] = None
-    for tx in (contrib.prodigy(), contrib.dog(), contrib.cocob(), contrib.dowg(), contrib.dadapt_adamw()):
+    for tx in (contrib.prodigy(), contrib.dog(), contrib.cocob(), contrib.dowg(), contrib.dadapt_adamw(), contrib.mechanize(gtx.sgd(0.1))):
         updates, _ = tx.update(grads, tx.init(params), params)
         assert updates["b"] is None and updates["w"].shape == (4, 3)
 

@@ -197,3 +197,13 @@ def test_injected_hyperparameters_give_the_same_numbers(name):
     got, _, _ = run(gtx.inject_hyperparams(factory)(**kwargs), 4, with_value=True)
     expected, _, _ = run(factory(**kwargs), 4, with_value=True)
     assert_close_history(got, expected, rtol=1e-12)
+
+
+def test_none_leaves_pass_through():
+    params = initial_params()
+    value, grads = value_and_grad(params)
+    grads["b"] = None
+    for tx in (contrib.momo(), contrib.momo_adam()):
+        updates, state = tx.update(grads, tx.init(params), params, value=value)
+        assert updates["b"] is None and updates["w"].shape == (4, 3)
+        assert torch.equal(state.exp_avg["b"], torch.zeros(3, dtype=torch.float64))

@@ -655,8 +655,11 @@ def mechanize(
         out = fe.finish(out, g)  # new tensors: the base optimizer's updates may share its state's buffers
         if donate:
             new_x0 = leaves.rebuild(sc.keep(old_x0, x0, True), like=state.x0)
-        else:
-            new_x0 = tree_lib.tree_map(torch.clone, leaves.rebuild(x0, like=state.x0))
+        else:  # torch.where gave new tensors; only the leaves with no update are copied
+            kept = tree_lib.flatten_like(state.x0, leaves.treedef, leaves.tree, what=f"{owner}: state.x0")
+            present = set(leaves.present)
+            kept = [x if i in present or x is None else x.clone() for i, x in enumerate(kept)]
+            new_x0 = tree_lib.unflatten(leaves.treedef, tree_lib.replace_present(kept, leaves.present, x0))
         new_state = MechanicState(
             base_optimizer_state=base_state,
             count=count,
