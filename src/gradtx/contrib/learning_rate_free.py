@@ -116,12 +116,15 @@ def prodigy(
         bc = (torch.sqrt(1.0 - torch.pow(beta2, t)) / (1.0 - torch.pow(beta1, t))).to(dtype)
         dlr = estim_lr * sched * bc
         weight = estim_lr if safeguard_warmup else dlr
-        new_ea, new_eas, new_gs = [], [], []
-        for gi, eai, easi, gsi in zip(g, ea, eas, gs):
-            dg = sc.on(estim_lr, gi) * gi
-            new_ea.append(beta1 * eai + (1.0 - beta1) * dg)
-            new_eas.append(beta2 * easi + (1.0 - beta2) * dg * dg)
-            new_gs.append(beta3 * gsi + sc.on(weight, gi) * dg / estim_lr0)
+
+        def moments(g, ea, eas, gs):
+            dg = fe.mul(g, fe.on(estim_lr, g), inplace=False)
+            ea = fe.lerp(ea, dg, 1.0 - beta1, inplace=donate)
+            eas = fe.addcmul(fe.mul(eas, fe.on(beta2, eas), inplace=donate), dg, dg, 1.0 - beta2, inplace=True)
+            gs = fe.add(fe.mul(gs, fe.on(beta3, gs), inplace=donate), dg, alpha=weight / estim_lr0, inplace=True)
+            return ea, eas, gs
+
+        new_ea, new_eas, new_gs = fe.map_groups(moments, g, ea, eas, gs, outputs=3)
         sums = sc.sums(
             lambda gi, pi, p0i, gsi: [sc.vdot(gi, p0i - pi), gsi.abs().sum()],
             leaves.rebuild(g), leaves.rebuild(p), leaves.rebuild(p0), leaves.rebuild(new_gs),
@@ -129,16 +132,21 @@ def prodigy(
         )
         numerator = beta3 * state.numerator_weighted + (estim_lr / estim_lr0) * dlr * sums[0]
         new_estim_lr = torch.maximum(estim_lr, estim_lr_coef * numerator / sums[1])
-        out = []
-        for gi, pi, eai, easi in zip(g, p, new_ea, new_eas):
-            step = sc.on(dlr, gi)
-            direction = step * eai / (torch.sqrt(easi) + sc.on(new_estim_lr, gi) * eps)
-            out.append(-weight_decay * step * pi - direction)
-        out = sc.keep(g, fe.finish(out, g), donate)
+
+        def direction(g, p, ea, eas):
+            # -dlr * ea / (sqrt(eas) + D * eps) - weight_decay * dlr * p, in the donated gradients' buffers
+            into = g if donate and g[0].dtype == eas[0].dtype else None
+            d = fe.add(fe.sqrt_of(eas, into=into), fe.on(new_estim_lr * eps, eas), inplace=True)
+            out = fe.mul(fe.div_into(ea, d), fe.on(-dlr, d), inplace=True)
+            if not (isinstance(weight_decay, float) and weight_decay == 0.0):
+                out = fe.add(out, fe.cast(p, out[0].dtype), alpha=-weight_decay * dlr, inplace=True)
+            return (fe.finish(out, g),)
+
+        (out,) = fe.map_groups(direction, g, p, new_ea, new_eas, outputs=1)
         new_state = ProdigyState(
-            exp_avg=leaves.rebuild(sc.keep(ea, new_ea, donate), like=state.exp_avg),
-            exp_avg_sq=leaves.rebuild(sc.keep(eas, new_eas, donate), like=state.exp_avg_sq),
-            grad_sum=leaves.rebuild(sc.keep(gs, new_gs, donate), like=state.grad_sum),
+            exp_avg=leaves.rebuild(new_ea, like=state.exp_avg),
+            exp_avg_sq=leaves.rebuild(new_eas, like=state.exp_avg_sq),
+            grad_sum=leaves.rebuild(new_gs, like=state.grad_sum),
             params0=state.params0 if donate else tree_lib.tree_map(torch.clone, state.params0),
             estim_lr=sc.keep([estim_lr], [new_estim_lr], donate)[0],
             numerator_weighted=sc.keep([state.numerator_weighted], [numerator], donate)[0],
@@ -225,27 +233,39 @@ def dadapt_adamw(
         t = count.to(torch.float64)
         bc = (torch.sqrt(1.0 - torch.pow(beta2, t)) / (1.0 - torch.pow(beta1, t))).to(dtype)
         dlr = estim_lr * sched * bc
-        new_ea, new_eas, new_gs = [], [], []
-        for gi, eai, easi, gsi in zip(g, ea, eas, gs):
-            step = sc.on(dlr, gi)
-            new_ea.append(beta1 * eai + (1.0 - beta1) * step * gi)
-            new_eas.append(beta2 * easi + (1.0 - beta2) * gi * gi)
-            new_gs.append(sb2 * gsi + (1.0 - sb2) * step * gi)
-        sums = sc.sums(
-            lambda gi, gsi, easi, new_gsi: [sc.vdot(gi, gsi / (torch.sqrt(easi) + eps)), new_gsi.abs().sum()],
-            leaves.rebuild(g), leaves.rebuild(gs), leaves.rebuild(eas), leaves.rebuild(new_gs),
-            spec=spec, dtype=dtype, what=owner,
-        )
+
+        def partials(gi, gsi, easi):
+            # <g, s / (sqrt(v) + eps)> on the old state, and ||s_new||_1 with s_new as the step below makes it
+            new_gsi = sb2 * gsi + (1.0 - sb2) * sc.on(dlr, gi) * gi
+            return [sc.vdot(gi, gsi / (torch.sqrt(easi) + eps)), new_gsi.abs().sum()]
+
+        # the sums first: the moments below overwrite the donated state
+        sums = sc.sums(partials, leaves.rebuild(g), leaves.rebuild(gs), leaves.rebuild(eas), spec=spec, dtype=dtype, what=owner)
         numerator = sb2 * state.numerator_weighted + (1.0 - sb2) * dlr * sums[0]
         new_estim_lr = torch.maximum(estim_lr, numerator / ((1.0 - sb2) * sums[1]))
-        out = []
-        for gi, pi, eai, easi in zip(g, p, new_ea, new_eas):
-            out.append(-weight_decay * sc.on(dlr, gi) * pi - eai / (torch.sqrt(easi) + eps))
-        out = sc.keep(g, fe.finish(out, g), donate)
+
+        def moments(g, ea, eas, gs):
+            step = fe.mul(g, fe.on(dlr, g), inplace=False)
+            ea = fe.lerp(ea, step, 1.0 - beta1, inplace=donate)
+            eas = fe.addcmul(fe.mul(eas, fe.on(beta2, eas), inplace=donate), g, g, 1.0 - beta2, inplace=True)
+            gs = fe.lerp(gs, step, 1.0 - sb2, inplace=donate)
+            return ea, eas, gs
+
+        def direction(g, p, ea, eas):
+            # -ea / (sqrt(eas) + eps) - weight_decay * dlr * p, in the donated gradients' buffers
+            into = g if donate and g[0].dtype == eas[0].dtype else None
+            d = fe.add(fe.sqrt_of(eas, into=into), eps, inplace=True)
+            out = fe.mul(fe.div_into(ea, d), -1.0, inplace=True)
+            if not (isinstance(weight_decay, float) and weight_decay == 0.0):
+                out = fe.add(out, fe.cast(p, out[0].dtype), alpha=-weight_decay * dlr, inplace=True)
+            return (fe.finish(out, g),)
+
+        new_ea, new_eas, new_gs = fe.map_groups(moments, g, ea, eas, gs, outputs=3)
+        (out,) = fe.map_groups(direction, g, p, new_ea, new_eas, outputs=1)
         new_state = DAdaptAdamWState(
-            exp_avg=leaves.rebuild(sc.keep(ea, new_ea, donate), like=state.exp_avg),
-            exp_avg_sq=leaves.rebuild(sc.keep(eas, new_eas, donate), like=state.exp_avg_sq),
-            grad_sum=leaves.rebuild(sc.keep(gs, new_gs, donate), like=state.grad_sum),
+            exp_avg=leaves.rebuild(new_ea, like=state.exp_avg),
+            exp_avg_sq=leaves.rebuild(new_eas, like=state.exp_avg_sq),
+            grad_sum=leaves.rebuild(new_gs, like=state.grad_sum),
             estim_lr=sc.keep([estim_lr], [new_estim_lr], donate)[0],
             numerator_weighted=sc.keep([state.numerator_weighted], [numerator], donate)[0],
             count=count,
@@ -316,7 +336,7 @@ def scale_by_dog(
         learning_rate = max_dist / torch.sqrt(sum_sq + eps)
         if init_step_type == "learning_rate":
             learning_rate = torch.where(state.is_init_step, sc.scalar(init_step_value, dtype, learning_rate.device), learning_rate)
-        out = sc.keep(g, [sc.on(learning_rate, gi) * gi for gi in g], donate)
+        (out,) = fe.map_groups(lambda g: (fe.mul(g, fe.on(learning_rate, g), inplace=donate),), g, outputs=1)
         new_state = DoGState(
             is_init_step=sc.keep([state.is_init_step], [torch.zeros_like(state.is_init_step)], donate)[0],
             init_params=state.init_params if donate else tree_lib.tree_map(torch.clone, state.init_params),
@@ -411,7 +431,7 @@ def scale_by_dowg(
         estim_sq_dist = torch.maximum(state.estim_sq_dist, sums[0])
         weighted = estim_sq_dist * sums[1] + state.weighted_sq_norm_grads
         learning_rate = estim_sq_dist / (torch.sqrt(weighted) + eps)
-        out = sc.keep(g, [sc.on(learning_rate, gi) * gi for gi in g], donate)
+        (out,) = fe.map_groups(lambda g: (fe.mul(g, fe.on(learning_rate, g), inplace=donate),), g, outputs=1)
         new_state = DoWGState(
             init_params=state.init_params if donate else tree_lib.tree_map(torch.clone, state.init_params),
             weighted_sq_norm_grads=sc.keep([state.weighted_sq_norm_grads], [weighted], donate)[0],
