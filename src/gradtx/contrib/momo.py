@@ -98,7 +98,7 @@ def momo(
         donate = inplace and not tree_lib.needs_graph(g, p, ea, state.barf, state.gamma, state.lb, value)
         bt = torch.where(state.count == 0, sc.scalar(0.0, dtype, device), sc.scalar(beta, dtype, device))
         barf = bt * state.barf + (1 - bt) * value
-        new_ea = [sc.on(bt, gi) * eai + (1 - sc.on(bt, gi)) * gi for gi, eai in zip(g, ea)]
+        (new_ea,) = fe.map_groups(lambda g, ea: (fe.lerp(ea, fe.cast(g, ea[0].dtype), 1 - bt, inplace=donate),), g, ea, outputs=1)
         sums = sc.sums(
             lambda gi, pi, eai: [sc.vdot(gi, pi), sc.vdot(eai, eai), sc.vdot(eai, pi)],
             leaves.rebuild(g), leaves.rebuild(p), leaves.rebuild(new_ea), spec=spec, dtype=dtype, what=owner,
@@ -118,20 +118,27 @@ def momo(
         t1 = torch.where(tiny, torch.zeros_like(t1), t1)
         tau = torch.minimum(alpha, t1)
         shrink = alpha * weight_decay / one
-        out = [-sc.on(shrink, gi) * pi - sc.on(tau, gi) * eai for gi, pi, eai in zip(g, p, new_ea)]
+
+        def step(g, p, ea):
+            # -tau * ea - shrink * p, in the donated gradients' buffers
+            out = fe.fresh(fe.cast(ea, g[0].dtype), into=g if donate else None)
+            out = fe.mul(out, fe.on(-tau, out), inplace=True)
+            return (fe.add(out, fe.cast(p, out[0].dtype), alpha=-shrink, inplace=True),)
+
+        (out,) = fe.map_groups(step, g, p, new_ea, outputs=1)
         if adapt_lower_bound:
             lb = torch.maximum((barf + iprod - gamma) - 0.5 * tau * norm_sq, lower)
         else:
             lb = state.lb if donate else state.lb.clone()
         count = fe.increment(state.count, inplace=donate)
         new_state = MomoState(
-            exp_avg=leaves.rebuild(sc.keep(ea, new_ea, donate), like=state.exp_avg),
+            exp_avg=leaves.rebuild(new_ea, like=state.exp_avg),
             barf=sc.keep([state.barf], [barf], donate)[0],
             gamma=sc.keep([state.gamma], [gamma], donate)[0],
             lb=sc.keep([state.lb], [lb], donate and adapt_lower_bound)[0],
             count=count,
         )
-        return leaves.rebuild(sc.keep(g, fe.finish(out, g), donate)), new_state
+        return leaves.rebuild(out), new_state
 
     return GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -214,9 +221,14 @@ def momo_adam(
         bc1 = (1.0 - torch.pow(b1, t)).to(dtype)
         bc2 = (1.0 - torch.pow(b2, t)).to(dtype)
         barf = b1 * state.barf + (1 - b1) * value
-        new_ea = [b1 * eai + (1 - b1) * gi for gi, eai in zip(g, ea)]
-        new_eas = [b2 * easi + (1 - b2) * gi * gi for gi, easi in zip(g, eas)]
-        precond = [eps + torch.sqrt(easi / sc.on(bc2, easi)) for easi in new_eas]
+
+        def moments(g, ea, eas):
+            ea = fe.lerp(ea, fe.cast(g, ea[0].dtype), 1 - b1, inplace=donate)
+            eas = fe.addcmul(fe.mul(eas, fe.on(b2, eas), inplace=donate), g, g, 1 - b2, inplace=True)
+            precond = fe.add(fe.sqrt(fe.div(eas, fe.on(bc2, eas), inplace=False), inplace=True), eps, inplace=True)
+            return ea, eas, precond
+
+        new_ea, new_eas, precond = fe.map_groups(moments, g, ea, eas, outputs=3)
         sums = sc.sums(
             lambda gi, pi, eai, di: [sc.vdot(eai, eai / di), sc.vdot(gi, pi), sc.vdot(eai, pi)],
             leaves.rebuild(g), leaves.rebuild(p), leaves.rebuild(new_ea), leaves.rebuild(precond),
@@ -236,22 +248,27 @@ def momo_adam(
         t1 = torch.where(tiny, torch.zeros_like(t1), t1)
         tau = torch.minimum(alpha / bc1, t1)
         shrink = alpha * weight_decay / one
-        out = [
-            -sc.on(shrink, gi) * pi - sc.on(tau, gi) * eai / di for gi, pi, eai, di in zip(g, p, new_ea, precond)
-        ]
+
+        def step(g, p, ea, precond):
+            # -tau * ea / precond - shrink * p, in the preconditioner's (our own) buffers
+            out = fe.mul(fe.div_into(ea, precond), fe.on(-tau, precond), inplace=True)
+            out = fe.add(out, fe.cast(p, out[0].dtype), alpha=-shrink, inplace=True)
+            return (fe.finish(out, g),)
+
+        (out,) = fe.map_groups(step, g, p, new_ea, precond, outputs=1)
         if adapt_lower_bound:
             lb = torch.maximum(((barf + iprod - gamma) - 0.5 * tau * norm_sq) / bc1, lower)
         else:
             lb = state.lb if donate else state.lb.clone()
         new_state = MomoAdamState(
-            exp_avg=leaves.rebuild(sc.keep(ea, new_ea, donate), like=state.exp_avg),
-            exp_avg_sq=leaves.rebuild(sc.keep(eas, new_eas, donate), like=state.exp_avg_sq),
+            exp_avg=leaves.rebuild(new_ea, like=state.exp_avg),
+            exp_avg_sq=leaves.rebuild(new_eas, like=state.exp_avg_sq),
             barf=sc.keep([state.barf], [barf], donate)[0],
             gamma=sc.keep([state.gamma], [gamma], donate)[0],
             lb=sc.keep([state.lb], [lb], donate and adapt_lower_bound)[0],
             count=count,
         )
-        return leaves.rebuild(sc.keep(g, fe.finish(out, g), donate)), new_state
+        return leaves.rebuild(out), new_state
 
     return GradientTransformationExtraArgs(init_fn, update_fn)
 
