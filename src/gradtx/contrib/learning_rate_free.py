@@ -10,6 +10,8 @@ optax, in the parameters' lowest-precision floating dtype.
 
 The arithmetic is the same on both paths: the pure update returns new tensors (and copies of the
 initial point it keeps), ``inplace=True`` writes the same numbers into the donated state buffers.
+Prodigy, D-Adaptation, DoG and DoWG run on foreach kernels per (device, dtype) group, updating
+donated moments in place and writing the step into the donated gradients' buffers.
 """
 
 from __future__ import annotations
