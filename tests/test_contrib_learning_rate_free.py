@@ -346,3 +346,16 @@ def test_injected_hyperparameters_give_the_same_numbers(name, kwargs):
     got, _, _ = run(gtx.inject_hyperparams(factory)(**kwargs), 4)
     expected, _, _ = run(factory(**kwargs), 4)
     assert_close_history(got, expected, rtol=1e-12)
+
+
+def test_gradients_in_another_dtype_than_the_params():
+    """float32 gradients of float64 params (a mixed-precision backward): the updates keep the
+    gradients' dtype, the state the params'."""
+    params = initial_params()
+    _, grads = value_and_grad(params)
+    grads = {k: v.float() for k, v in grads.items()}
+    for make in (contrib.prodigy, contrib.dadapt_adamw, contrib.dog, contrib.dowg, contrib.cocob, lambda: contrib.mechanize(gtx.sgd(0.1))):
+        tx = make()
+        for inplace in (False, True):
+            updates, state = tx.update({k: v.clone() for k, v in grads.items()}, tx.init(params), params, inplace=inplace)
+            assert all(u.dtype == torch.float32 and torch.isfinite(u).all() for u in updates.values())

@@ -207,3 +207,15 @@ def test_none_leaves_pass_through():
         updates, state = tx.update(grads, tx.init(params), params, value=value)
         assert updates["b"] is None and updates["w"].shape == (4, 3)
         assert torch.equal(state.exp_avg["b"], torch.zeros(3, dtype=torch.float64))
+
+
+def test_gradients_in_another_dtype_than_the_params():
+    params = initial_params()
+    value, grads = value_and_grad(params)
+    grads = {k: v.float() for k, v in grads.items()}
+    for make in (contrib.momo, contrib.momo_adam):
+        tx = make()
+        for inplace in (False, True):
+            updates, state = tx.update({k: v.clone() for k, v in grads.items()}, tx.init(params), params, inplace=inplace, value=value)
+            assert all(u.dtype == torch.float32 and torch.isfinite(u).all() for u in updates.values())
+            assert state.exp_avg["w"].dtype == torch.float64

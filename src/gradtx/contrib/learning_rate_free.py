@@ -120,7 +120,7 @@ def prodigy(
         weight = estim_lr if safeguard_warmup else dlr
 
         def moments(g, ea, eas, gs):
-            dg = fe.mul(g, fe.on(estim_lr, g), inplace=False)
+            dg = fe.mul(fe.cast(g, ea[0].dtype), fe.on(estim_lr, ea), inplace=False)
             ea = fe.lerp(ea, dg, 1.0 - beta1, inplace=donate)
             eas = fe.addcmul(fe.mul(eas, fe.on(beta2, eas), inplace=donate), dg, dg, 1.0 - beta2, inplace=True)
             gs = fe.add(fe.mul(gs, fe.on(beta3, gs), inplace=donate), dg, alpha=weight / estim_lr0, inplace=True)
@@ -247,6 +247,7 @@ def dadapt_adamw(
         new_estim_lr = torch.maximum(estim_lr, numerator / ((1.0 - sb2) * sums[1]))
 
         def moments(g, ea, eas, gs):
+            g = fe.cast(g, ea[0].dtype)
             step = fe.mul(g, fe.on(dlr, g), inplace=False)
             ea = fe.lerp(ea, step, 1.0 - beta1, inplace=donate)
             eas = fe.addcmul(fe.mul(eas, fe.on(beta2, eas), inplace=donate), g, g, 1.0 - beta2, inplace=True)

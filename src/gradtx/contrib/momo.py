@@ -223,7 +223,8 @@ def momo_adam(
         barf = b1 * state.barf + (1 - b1) * value
 
         def moments(g, ea, eas):
-            ea = fe.lerp(ea, fe.cast(g, ea[0].dtype), 1 - b1, inplace=donate)
+            g = fe.cast(g, ea[0].dtype)
+            ea = fe.lerp(ea, g, 1 - b1, inplace=donate)
             eas = fe.addcmul(fe.mul(eas, fe.on(b2, eas), inplace=donate), g, g, 1 - b2, inplace=True)
             precond = fe.add(fe.sqrt(fe.div(eas, fe.on(bc2, eas), inplace=False), inplace=True), eps, inplace=True)
             return ea, eas, precond
