@@ -126,15 +126,15 @@ class DoWG:
 
 
 class COCOB:
-    """Orabona & Tommasi's COCOB-Backprop (Algorithm 2), one coordinate at a time."""
+    """Orabona & Tommasi's COCOB-Backprop (Algorithm 2), coordinate-wise."""
 
     def __init__(self, x, lr=1.0, alpha=100.0, eps=1e-8, wd=0.0):
         self.lr, self.alpha, self.wd = lr, alpha, wd
         self.x0 = {k: v.clone() for k, v in x.items()}
-        self.L = {k: torch.full_like(v, eps) for k, v in x.items()}
-        self.G = {k: torch.zeros_like(v) for k, v in x.items()}
-        self.R = {k: torch.zeros_like(v) for k, v in x.items()}
-        self.theta = {k: torch.zeros_like(v) for k, v in x.items()}
+        self.L = {k: torch.full_like(v, eps) for k, v in x.items()}  # the largest |gradient| seen
+        self.G = {k: torch.zeros_like(v) for k, v in x.items()}  # the sum of |gradients|
+        self.R = {k: torch.zeros_like(v) for k, v in x.items()}  # the reward (wealth)
+        self.theta = {k: torch.zeros_like(v) for k, v in x.items()}  # minus the sum of gradients
         self.t = 0
 
     def step(self, g, x, value):
@@ -143,18 +143,13 @@ class COCOB:
         out = {}
         for k in x:
             c = lr * (g[k] + self.wd * x[k])
-            flat = [t.reshape(-1).clone() for t in (c, x[k], self.x0[k], self.L[k], self.G[k], self.R[k], self.theta[k])]
-            ci, xi, x0i, L, G, R, theta = flat
-            new = torch.empty_like(xi)
-            for j in range(ci.numel()):
-                L[j] = max(float(L[j]), abs(float(ci[j])))
-                G[j] = G[j] + abs(float(ci[j]))
-                R[j] = max(float(R[j] - ci[j] * (xi[j] - x0i[j])), 0.0)
-                theta[j] = theta[j] - ci[j]
-                new[j] = x0i[j] + theta[j] / (L[j] * max(float(G[j] + L[j]), self.alpha * float(L[j]))) * (L[j] + R[j])
-            shape = x[k].shape
-            self.L[k], self.G[k], self.R[k], self.theta[k] = (t.reshape(shape) for t in (L, G, R, theta))
-            out[k] = new.reshape(shape) - x[k]
+            self.L[k] = torch.maximum(self.L[k], c.abs())
+            self.G[k] = self.G[k] + c.abs()
+            self.R[k] = (self.R[k] - c * (x[k] - self.x0[k])).clamp(min=0.0)
+            self.theta[k] = self.theta[k] - c
+            L, G = self.L[k], self.G[k]
+            bet = self.theta[k] / (L * torch.maximum(G + L, self.alpha * L)) * (L + self.R[k])
+            out[k] = self.x0[k] + bet - x[k]
         return out
 
 
