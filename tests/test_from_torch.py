@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradtx as gtx
-from gradtx.chains.from_torch import FromTorchState, from_torch
+from gradtx.interop.from_torch import FromTorchState, from_torch
 
 SHAPES = {"w": (6, 5), "b": (5,), "frozen": None, "v": (3,)}
 STEPS = 6

@@ -186,13 +186,20 @@ def test_api_row_matches_the_code(row: Row):
 
 def test_every_public_name_is_in_the_table():
     listed = {entry.name.rpartition(".")[2] for row in ROWS for entry in _entries(row.cell)}
-    public = {
-        name
-        for name, value in vars(gradtx).items()
-        if not name.startswith("_") and not isinstance(value, types.ModuleType) and name not in ("annotations",)
-    }
+    public = {name for name in gradtx.__all__ if not isinstance(getattr(gradtx, name), types.ModuleType)}
     missing = sorted(public - listed)
     assert not missing, f"public names of gradtx missing from README.md's API table: {missing}"
+
+
+def test_all_lists_every_public_name():
+    """``gradtx.__all__`` is what the table is checked against: it must name everything exported."""
+    exported = {
+        name
+        for name, value in vars(gradtx).items()
+        if not name.startswith("_") and name != "annotations"
+        and not (isinstance(value, types.ModuleType) and name not in gradtx.__all__)
+    }
+    assert exported == set(gradtx.__all__), sorted(exported ^ set(gradtx.__all__))
 
 
 def test_the_check_catches_drift():

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import gradtx as gtx
-from gradtx.chains.wrap import STATE_KEY, ChainedOptimizer
+from gradtx.interop.wrap import STATE_KEY, ChainedOptimizer
 
 
 def small_cnn(seed: int = 0) -> nn.Module:

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import gradtx as gtx
-from gradtx.chains.wrap import STATE_KEY
+from gradtx.interop.wrap import STATE_KEY
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

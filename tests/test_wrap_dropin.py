@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import gradtx as gtx
-from gradtx.chains.wrap import ChainedOptimizer
+from gradtx.interop.wrap import ChainedOptimizer
 
 
 def mlp() -> nn.Module:

@@ -12,8 +12,9 @@ functions run one ordinary, out-of-place op per tensor instead, so every result 
 
 from __future__ import annotations
 
-import itertools
 import functools
+import itertools
+import sys
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import optree
@@ -189,9 +190,36 @@ def mask_leaves(mask: Any, tree: PyTree, *, what: str = "mask") -> list[bool]:
 
 # --------------------------------------------------------------------------- groups and kernels
 
+_DTENSOR_MODULE = "torch.distributed.tensor"
+
+
+def dtensor_type() -> Optional[type]:
+    """The DTensor class if DTensors can exist in this process (its module is imported), else ``None``."""
+    module = sys.modules.get(_DTENSOR_MODULE)
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
+def _split_dtensors(index_lists: list[list[int]], tensors: Sequence[Tensor]) -> list[list[int]]:
+    """Splits each group into its DTensors and its plain tensors (one foreach kernel cannot take both).
+
+    Free when DTensor was never imported; otherwise one pass over the types (in C) finds out whether
+    there is anything to split."""
+    cls = dtensor_type()
+    if cls is None or not any(issubclass(kind, cls) for kind in set(map(type, tensors))):
+        return index_lists
+    out = []
+    for indices in index_lists:
+        kinds = [isinstance(tensors[i], cls) for i in indices]
+        if all(kinds) or not any(kinds):
+            out.append(indices)
+        else:
+            out.append([i for i, k in zip(indices, kinds) if k])
+            out.append([i for i, k in zip(indices, kinds) if not k])
+    return out
+
 
 def grouped(first: Sequence[Tensor], *others: Sequence[Tensor]) -> Iterator[tuple[list[int], tuple[list[Tensor], ...]]]:
-    """Groups parallel tensor lists by the (device, dtype) of ``first``.
+    """Groups parallel tensor lists by the (device, dtype, DTensor or not) of ``first``.
 
     Yields ``(indices, (first_group, *other_groups))`` so foreach kernels see uniform lists, groups
     in the order of their first tensor. Eagerly,
@@ -207,6 +235,7 @@ def grouped(first: Sequence[Tensor], *others: Sequence[Tensor]) -> Iterator[tupl
         for index, tensor in enumerate(first):
             by_key.setdefault((tensor.device, tensor.dtype), []).append(index)
         index_lists = list(by_key.values())
+    index_lists = _split_dtensors(index_lists, first)
     if len(index_lists) == 1 and len(index_lists[0]) == len(first):
         yield index_lists[0], (first, *(list(seq) for seq in others))
         return

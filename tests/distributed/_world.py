@@ -33,6 +33,7 @@ CASE_MODULES = (
     "test_sharding_decisions",
     "test_sharding_disagreement",
     "test_contrib_sharded",
+    "test_contrib_dtensor",
 )
 
 _CASES: dict[int, dict[str, Callable[["World"], None]]] = {}

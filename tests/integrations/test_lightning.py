@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import gradtx as gtx
-from gradtx.chains.wrap import STATE_KEY
+from gradtx.interop.wrap import STATE_KEY
 from _ranks import free_port, run_ranks
 
 pl = pytest.importorskip("lightning.pytorch")

@@ -7,7 +7,7 @@ reaches the host: no synchronisation, and ``torch.compile`` traces one graph for
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor

@@ -1,5 +1,17 @@
-"""optax.contrib's optimizers and transformations, with optax's names, arguments and states."""
+"""optax.contrib's optimizers and wrappers, with optax's names, arguments and states."""
 
+from gradtx.contrib.adam_variants import (
+    ScaleByAdemamixState,
+    ScaleBySimplifiedAdEMAMixState,
+    acprop,
+    ademamix,
+    adopt,
+    scale_by_acprop,
+    scale_by_ademamix,
+    scale_by_adopt,
+    scale_by_simplified_ademamix,
+    simplified_ademamix,
+)
 from gradtx.contrib.learning_rate_free import (
     COCOBState,
     DAdaptAdamWState,
@@ -17,26 +29,52 @@ from gradtx.contrib.learning_rate_free import (
     scale_by_dog,
     scale_by_dowg,
 )
+from gradtx.contrib.madgrad import MadgradState, madgrad, scale_by_madgrad
 from gradtx.contrib.momo import MomoAdamState, MomoState, momo, momo_adam
+from gradtx.contrib.schedule_free import (
+    ScheduleFreeState,
+    schedule_free,
+    schedule_free_adamw,
+    schedule_free_eval_params,
+    schedule_free_sgd,
+)
 
 __all__ = [
     "COCOBState",
     "DAdaptAdamWState",
     "DoGState",
     "DoWGState",
+    "MadgradState",
     "MechanicState",
     "MomoAdamState",
     "MomoState",
     "ProdigyState",
+    "ScaleByAdemamixState",
+    "ScaleBySimplifiedAdEMAMixState",
+    "ScheduleFreeState",
+    "acprop",
+    "ademamix",
+    "adopt",
     "cocob",
     "dadapt_adamw",
     "dog",
     "dowg",
+    "madgrad",
     "mechanize",
     "momo",
     "momo_adam",
     "prodigy",
+    "scale_by_acprop",
+    "scale_by_ademamix",
+    "scale_by_adopt",
     "scale_by_cocob",
     "scale_by_dog",
     "scale_by_dowg",
+    "scale_by_madgrad",
+    "scale_by_simplified_ademamix",
+    "schedule_free",
+    "schedule_free_adamw",
+    "schedule_free_eval_params",
+    "schedule_free_sgd",
+    "simplified_ademamix",
 ]

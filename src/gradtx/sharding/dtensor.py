@@ -8,19 +8,11 @@ and placements, so no DTensor dispatch or implicit collective happens on the hot
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable, Optional, Sequence
 
 from torch import Tensor
 
-_DTENSOR_MODULE = "torch.distributed.tensor"
-
-
-def dtensor_type() -> Optional[type]:
-    """The DTensor class if DTensors can exist in this process (its module is imported), else ``None``."""
-    module = sys.modules.get(_DTENSOR_MODULE)
-    return getattr(module, "DTensor", None) if module is not None else None
-
+from gradtx.tree import dtensor_type
 
 def has_dtensor(tensors: Sequence[Any]) -> bool:
     """Whether any of ``tensors`` is a DTensor. Costs one dict lookup when DTensor was never imported."""

@@ -1,5 +1,6 @@
 """Gradient transformations, one module per family."""
 
+from gradtx.transforms.adadelta import ScaleByAdaDeltaState, scale_by_adadelta, scale_by_yogi
 from gradtx.transforms.adam import (
     ScaleByAdamState,
     ScaleByAmsgradState,
@@ -10,6 +11,16 @@ from gradtx.transforms.adam import (
     scale_by_amsgrad,
     scale_by_belief,
     scale_by_radam,
+)
+from gradtx.transforms.adan import ScaleByAdanState, scale_by_adan
+from gradtx.transforms.block_norm import (
+    NonNegativeParamsState,
+    ScaleByDistanceOverGradientsState,
+    keep_params_nonnegative,
+    normalize_by_update_norm,
+    scale_by_distance_over_gradients,
+    scale_by_param_block_norm,
+    scale_by_param_block_rms,
 )
 from gradtx.transforms.clipping import (
     ClipByGlobalNormState,
@@ -22,6 +33,7 @@ from gradtx.transforms.clipping import (
     unitwise_norm,
 )
 from gradtx.transforms.elementwise import ZeroNansState, centralize, set_to_zero, zero_nans
+from gradtx.transforms.factored import FactoredState, scale_by_factored_rms
 from gradtx.transforms.lbfgs import ScaleByLBFGSState, scale_by_lbfgs
 from gradtx.transforms.linesearch import (
     BacktrackingLinesearchInfo,
@@ -40,14 +52,16 @@ from gradtx.transforms.noise import (
     add_noise,
     differentially_private_aggregate,
 )
-from gradtx.transforms.polyak import scale_by_polyak
+from gradtx.transforms.novograd import ScaleByNovogradState, scale_by_novograd
+from gradtx.transforms.optimistic import ScaleByOptimisticGradientState, scale_by_optimistic_gradient
 from gradtx.transforms.per_example import per_example_global_norm_clip, per_example_layer_norm_clip
+from gradtx.transforms.polyak import scale_by_polyak
 from gradtx.transforms.rms import (
+    ScaleByRStdDevState,
+    ScaleByRStdDevWithCountState,
     ScaleByRmsState,
     ScaleByRmsWithCountState,
     ScaleByRssState,
-    ScaleByRStdDevState,
-    ScaleByRStdDevWithCountState,
     scale_by_rms,
     scale_by_rss,
     scale_by_stddev,
@@ -59,36 +73,42 @@ from gradtx.transforms.scaling import (
     scale_by_schedule,
     scale_by_trust_ratio,
 )
+from gradtx.transforms.sign import ScaleByRpropState, scale_by_rprop, scale_by_sign
+from gradtx.transforms.sm3 import ScaleBySM3State, scale_by_sm3
 from gradtx.transforms.weight_decay import WeightDecaySchedule, add_decayed_weights
 
 __all__ = [
-    "BacktrackingLinesearchInfo",
-    "ScaleByBacktrackingLinesearchState",
-    "ScaleByLBFGSState",
-    "ScaleByZoomLinesearchState",
-    "ZoomLinesearchInfo",
-    "scale_by_backtracking_linesearch",
-    "scale_by_lbfgs",
-    "scale_by_polyak",
-    "scale_by_zoom_linesearch",
-    "value_and_grad_from_state",
     "AddNoiseState",
+    "BacktrackingLinesearchInfo",
     "ClipByGlobalNormState",
     "DifferentiallyPrivateAggregateState",
     "EmaState",
+    "FactoredState",
+    "NonNegativeParamsState",
+    "ScaleByAdaDeltaState",
     "ScaleByAdamState",
+    "ScaleByAdanState",
     "ScaleByAmsgradState",
+    "ScaleByBacktrackingLinesearchState",
     "ScaleByBeliefState",
+    "ScaleByDistanceOverGradientsState",
+    "ScaleByLBFGSState",
     "ScaleByLionState",
+    "ScaleByNovogradState",
+    "ScaleByOptimisticGradientState",
     "ScaleByRStdDevState",
     "ScaleByRStdDevWithCountState",
     "ScaleByRmsState",
     "ScaleByRmsWithCountState",
+    "ScaleByRpropState",
     "ScaleByRssState",
+    "ScaleBySM3State",
     "ScaleByScheduleState",
+    "ScaleByZoomLinesearchState",
     "TraceState",
     "WeightDecaySchedule",
     "ZeroNansState",
+    "ZoomLinesearchInfo",
     "adaptive_grad_clip",
     "add_decayed_weights",
     "add_noise",
@@ -101,66 +121,42 @@ __all__ = [
     "ema",
     "fused_adam",
     "global_norm",
+    "keep_params_nonnegative",
+    "normalize_by_update_norm",
     "per_example_global_norm_clip",
     "per_example_layer_norm_clip",
     "scale",
+    "scale_by_adadelta",
     "scale_by_adam",
     "scale_by_adamax",
+    "scale_by_adan",
     "scale_by_amsgrad",
+    "scale_by_backtracking_linesearch",
     "scale_by_belief",
+    "scale_by_distance_over_gradients",
+    "scale_by_factored_rms",
+    "scale_by_lbfgs",
     "scale_by_learning_rate",
     "scale_by_lion",
+    "scale_by_novograd",
+    "scale_by_optimistic_gradient",
+    "scale_by_param_block_norm",
+    "scale_by_param_block_rms",
+    "scale_by_polyak",
     "scale_by_radam",
     "scale_by_rms",
+    "scale_by_rprop",
     "scale_by_rss",
     "scale_by_schedule",
+    "scale_by_sign",
+    "scale_by_sm3",
     "scale_by_stddev",
     "scale_by_trust_ratio",
+    "scale_by_yogi",
+    "scale_by_zoom_linesearch",
     "set_to_zero",
     "trace",
     "unitwise_norm",
+    "value_and_grad_from_state",
     "zero_nans",
-]
-
-from gradtx.transforms.adadelta import ScaleByAdaDeltaState, scale_by_adadelta, scale_by_yogi
-from gradtx.transforms.adan import ScaleByAdanState, scale_by_adan
-from gradtx.transforms.block_norm import (
-    NonNegativeParamsState,
-    ScaleByDistanceOverGradientsState,
-    keep_params_nonnegative,
-    normalize_by_update_norm,
-    scale_by_distance_over_gradients,
-    scale_by_param_block_norm,
-    scale_by_param_block_rms,
-)
-from gradtx.transforms.factored import FactoredState, scale_by_factored_rms
-from gradtx.transforms.novograd import ScaleByNovogradState, scale_by_novograd
-from gradtx.transforms.optimistic import ScaleByOptimisticGradientState, scale_by_optimistic_gradient
-from gradtx.transforms.sm3 import ScaleBySM3State, scale_by_sm3
-from gradtx.transforms.sign import ScaleByRpropState, scale_by_rprop, scale_by_sign
-
-__all__ += [
-    "FactoredState",
-    "scale_by_factored_rms",
-    "ScaleBySM3State",
-    "scale_by_sm3",
-    "NonNegativeParamsState",
-    "ScaleByDistanceOverGradientsState",
-    "keep_params_nonnegative",
-    "normalize_by_update_norm",
-    "scale_by_distance_over_gradients",
-    "scale_by_param_block_norm",
-    "scale_by_param_block_rms",
-    "ScaleByAdaDeltaState",
-    "ScaleByAdanState",
-    "ScaleByNovogradState",
-    "ScaleByOptimisticGradientState",
-    "ScaleByRpropState",
-    "scale_by_adadelta",
-    "scale_by_adan",
-    "scale_by_novograd",
-    "scale_by_optimistic_gradient",
-    "scale_by_rprop",
-    "scale_by_sign",
-    "scale_by_yogi",
 ]

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
+from gradtx.sharding.dtensor import dtensor_type
 
 Scalar = Union[float, Tensor]
 
@@ -133,7 +134,7 @@ def schedule_value(schedule: Callable[[Tensor], Any], count: Tensor) -> Tensor:
 
 
 def map_groups(fn: Callable[..., Sequence[Sequence[Any]]], *lists: Sequence[Any], outputs: int) -> tuple[list[Any], ...]:
-    """Runs ``fn`` on each group of positions whose tensors share (device, dtype) in every list.
+    """Runs ``fn`` on each group of positions whose tensors share (device, dtype, DTensor or not) in every list.
 
     Lists may also hold non-tensors (per-leaf flags), which do not affect the grouping.
     ``fn(*group_lists)`` returns ``outputs`` lists (one entry per tensor of the group); they are put
@@ -141,8 +142,13 @@ def map_groups(fn: Callable[..., Sequence[Sequence[Any]]], *lists: Sequence[Any]
     """
     n = len(lists[0])
     groups: dict[tuple, list[int]] = {}
+    dtensor = dtensor_type()  # DTensors and plain tensors never share a foreach kernel
     for index in range(n):
-        key = tuple((seq[index].device, seq[index].dtype) for seq in lists if isinstance(seq[index], Tensor))
+        key = tuple(
+            (seq[index].device, seq[index].dtype, dtensor is not None and isinstance(seq[index], dtensor))
+            for seq in lists
+            if isinstance(seq[index], Tensor)
+        )
         groups.setdefault(key, []).append(index)
     results: tuple[list[Any], ...] = tuple([None] * n for _ in range(outputs))
     for indices in groups.values():
@@ -259,6 +265,10 @@ def copy_into(buffers: Sequence[Tensor], sources: Sequence[Tensor]) -> list[Tens
     buffers, sources = list(buffers), list(sources)
     if tree_lib.needs_graph(buffers, sources):
         return [s.to(device=b.device, dtype=b.dtype) for b, s in zip(buffers, sources)]
+    if buffers and isinstance(buffers[0], dtensor_type() or ()):  # DTensor has no foreach copy
+        for b, s in zip(buffers, sources):
+            b.copy_(s)
+        return buffers
     torch._foreach_copy_(buffers, sources)
     return buffers
 

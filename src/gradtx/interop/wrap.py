@@ -36,9 +36,7 @@ transformation sees the privatized gradient.
 
 from __future__ import annotations
 
-import inspect
 import itertools
-import sys
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Optional
@@ -49,20 +47,12 @@ from torch.optim import optimizer as torch_optimizer
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, with_inplace
+from gradtx.base import GradientTransformation, takes_extra_args, with_inplace
 from gradtx.chains.accumulation import MultiSteps
 from gradtx.chains.chain import _PARTS
+from gradtx.interop.checkpoint import STATE_KEY, called_by_checkpoint, from_plain, in_checkpoint_init_step, split_chain_state, to_plain
 from gradtx.transforms.clipping import clip_by_global_norm, clip_by_value
 
-STATE_KEY = "gradtx"
-"""The key, in the first param group of a :class:`ChainedOptimizer` state dict, of the transformation's state.
-
-The state travels inside ``param_groups`` because that is the part of an optimizer state dict every
-checkpointing API keeps: ``torch.distributed.checkpoint.state_dict.get_state_dict`` rebuilds the
-state dict from ``state`` (keyed by parameter) and ``param_groups`` only, and maps every ``state``
-key to a parameter name; a group's entries other than ``params`` pass through, and ``dcp.save``
-stores the tensors in them as tensors.
-"""
 
 _HOOK_DICTS = (
     "_optimizer_step_pre_hooks",
@@ -329,18 +319,18 @@ class ChainedOptimizer(torch.optim.Optimizer):
         )
 
     @torch.no_grad()
-    def _transform(self, *, allow_fold: bool) -> Optional[Tensor]:
+    def _transform(self, *, allow_fold: bool, extra_args: dict[str, Any]) -> Optional[Tensor]:
         """Runs the transformation on the gradients; returns a ``grad_scale`` for the kernel if folded."""
         self._sync_params()
         if self.tx is None:
             return None
-        return self._run_tx(allow_fold)
+        return self._run_tx(allow_fold, extra_args)
 
-    def _run_tx(self, allow_fold: bool) -> Optional[Tensor]:
+    def _run_tx(self, allow_fold: bool, extra_args: dict[str, Any]) -> Optional[Tensor]:
         grads = self._grad_tree()
         params = self._param_tree()
         present = [g for g in grads.values() if g is not None]
-        if allow_fold and self._can_fold(present):
+        if allow_fold and not extra_args and self._can_fold(present):
             head, factor_fn, is_chain = self._fold_plan
             states = list(self._tx_state) if is_chain else [self._tx_state]
             updates = grads
@@ -354,7 +344,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
             # The fused kernels take a float32 scale; apply a wider one as a separate pass instead.
             self._scale_grads(factor)
             return None
-        updates, new_state = self._tx_update(grads, self._tx_state, params, inplace=True)
+        updates, new_state = self._tx_update(grads, self._tx_state, params, inplace=True, **extra_args)
         self._store_state(new_state)
         self._write_back(updates)
         return None
@@ -429,10 +419,22 @@ class ChainedOptimizer(torch.optim.Optimizer):
         """
         self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
 
+    def _check_extra_args(self, extra_args: dict[str, Any]) -> None:
+        """Extra keyword arguments of ``step`` go to the transformation, which must take them."""
+        if extra_args and (self.tx is None or not takes_extra_args(self.tx)):
+            raise TypeError(
+                f"wrap: step() got {sorted(extra_args)}, but the transformation ({_describe(self.tx)}) takes no "
+                "extra arguments; only a GradientTransformationExtraArgs (a line search, lbfgs, polyak_sgd, or a "
+                "chain holding one) receives value=, grad=, value_fn=, ..."
+            )
+
     def _prepare_step(
-        self, closure: Optional[Callable[[], Any]] = None
+        self, closure: Optional[Callable[[], Any]] = None, **extra_args: Any
     ) -> Optional[tuple[tuple[Any, ...], dict[str, Tensor]]]:
         """Runs the transformation (or wraps ``closure`` to run it).
+
+        ``extra_args`` go to the transformation's update; with a ``closure`` and a transformation that
+        takes extra arguments, the loss the closure returns is also passed as ``value=`` (unless given).
 
         Returns the inner step's arguments and the amp attributes to set on it, or None when
         ``found_inf`` says to skip the step (with a transformation: see :meth:`step`).
@@ -447,26 +449,34 @@ class ChainedOptimizer(torch.optim.Optimizer):
             amp = {}
         if closure is not None:
 
+            forward_value = self.tx is not None and takes_extra_args(self.tx) and "value" not in extra_args
+
             def transformed_closure():
                 with torch.enable_grad():
                     loss = closure()
-                self._transform(allow_fold=False)
+                value = {"value": loss.detach() if isinstance(loss, Tensor) else loss} if forward_value else {}
+                self._transform(allow_fold=False, extra_args={**extra_args, **value})
                 return loss
 
             return (transformed_closure,), amp
-        grad_scale = self._transform(allow_fold=not amp)
+        grad_scale = self._transform(allow_fold=not amp, extra_args=extra_args)
         return (), ({"grad_scale": grad_scale} if grad_scale is not None else amp)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        """``step(closure=None)``: transforms the gradients, writes them back to ``.grad``, runs the inner step.
+        """``step(closure=None, **extra_args)``: transforms the gradients, writes them back to ``.grad``,
+        runs the inner step.
 
         With a ``closure`` the transformation runs after each evaluation the inner optimizer makes.
+        Keyword arguments other than ``closure`` (``value=``, ``value_fn=``, ...) go to a transformation
+        that takes extra arguments (a ``TypeError`` otherwise, before anything runs); with a closure,
+        such a transformation also gets the closure's loss as ``value=``. The inner step sees neither.
         ``grad_scale`` / ``found_inf`` set on the wrapper (``GradScaler``'s fused contract) go to the
         inner step; with a transformation, the wrapper first unscales the gradients by
         ``grad_scale`` and skips the whole step (transformation included) when ``found_inf`` is set.
         Step hooks, torch's process-wide ones included, run once, with the wrapper, as for any optimizer.
         """
-        if (args[0] if args else kwargs.get("closure")) is None and _in_checkpoint_init_step():
+        self._check_extra_args({k: v for k, v in kwargs.items() if k != "closure"})
+        if (args[0] if args else kwargs.get("closure")) is None and in_checkpoint_init_step():
             # torch.distributed.checkpoint steps an optimizer with no state once, with zero gradients
             # and a zero learning rate, so that the inner optimizer's state exists; the chain's state
             # already does, and this step is not a training step: the chain must not advance.
@@ -561,7 +571,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
             hook(self)
         state_dict = self.optimizer.state_dict()
         if self.tx is not None:
-            plain = _to_plain(self._tx_state)
+            plain = to_plain(self._tx_state)
             groups = list(state_dict["param_groups"])
             if groups:
                 groups[0] = {**groups[0], STATE_KEY: plain}
@@ -588,12 +598,12 @@ class ChainedOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        saved, state_dict = _split_chain_state(state_dict)
+        saved, state_dict = split_chain_state(state_dict)
         self._sync_params()
         new_tx_state = None
         if saved is not None and self.tx is not None:
-            new_tx_state = _from_plain(saved, self._tx_state)
-        elif self.tx is not None and _called_by_checkpoint("_load_optim_state_dict"):
+            new_tx_state = from_plain(saved, self._tx_state)
+        elif self.tx is not None and called_by_checkpoint("_load_optim_state_dict"):
             warnings.warn(
                 "wrap: the state dict set_state_dict passed has no transformation state, so the chain keeps "
                 "its current state; set_state_dict(..., StateDictOptions(flatten_optimizer_state_dict=True)) "
@@ -639,100 +649,6 @@ def wrap(
       fold: let a final scalar scale of ``tx`` ride in a fused kernel's ``grad_scale`` (module docs).
     """
     return ChainedOptimizer(optimizer, tx, model=model, spec=spec, fold=fold)
-
-
-# --------------------------------------------------------------------------- state as plain containers
-
-
-def _to_plain(state: Any) -> dict[str, Any]:
-    """The state's leaves keyed by path: tensors, ``None`` and numbers only (``weights_only`` loadable)."""
-    leaves = tree_lib.leaves(state)
-    out = {}
-    for path, leaf in zip(tree_lib.paths(state), leaves):
-        if not (leaf is None or isinstance(leaf, (Tensor, bool, int, float))):
-            raise TypeError(f"wrap: state leaf {path!r} is a {type(leaf).__name__}, which a state dict cannot hold")
-        out[path] = leaf
-    return out
-
-
-def _split_chain_state(state_dict: dict[str, Any]) -> tuple[Optional[dict[str, Any]], dict[str, Any]]:
-    """``(the transformation's saved state or None, the inner optimizer's state dict)``.
-
-    Reads the first param group's ``STATE_KEY`` entry, or the top-level one older checkpoints have.
-    """
-    state_dict = dict(state_dict)
-    saved = state_dict.pop(STATE_KEY, None)
-    if isinstance(saved, dict) and "tx_state" in saved:
-        saved = saved["tx_state"]
-    groups = state_dict.get("param_groups")
-    if groups and isinstance(groups[0], dict) and STATE_KEY in groups[0]:
-        first = dict(groups[0])
-        saved = first.pop(STATE_KEY)
-        state_dict["param_groups"] = [first, *groups[1:]]
-    return saved, state_dict
-
-
-def _called_by_checkpoint(function: str) -> bool:
-    """Whether a function of ``torch.distributed.checkpoint.state_dict`` is a few frames up the stack."""
-    if torch.compiler.is_compiling():  # checkpoint APIs do not run under torch.compile; no frame walk there
-        return False
-    module = sys.modules.get("torch.distributed.checkpoint.state_dict")
-    fn = getattr(module, function, None)
-    code = getattr(inspect.unwrap(fn), "__code__", None) if fn is not None else None
-    if code is None:
-        return False
-    frame = sys._getframe(2)
-    for _ in range(6):
-        if frame is None:
-            return False
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _in_checkpoint_init_step() -> bool:
-    """Whether ``step`` was called by ``torch.distributed.checkpoint``'s state initialisation.
-
-    ``get_state_dict`` / ``set_state_dict`` call ``_init_optim_state``, which steps an optimizer
-    whose ``state`` is empty once with zero gradients and a zero learning rate (the step hooks'
-    wrapper sits between it and ``step`` on the stack).
-    """
-    return _called_by_checkpoint("_init_optim_state")
-
-
-def _from_plain(saved: dict[str, Any], template: Any) -> Any:
-    """``template`` with every leaf replaced by a copy of the saved leaf at the same path.
-
-    Raises ``ValueError`` (before anything is changed) when a path, a shape, a dtype or a leaf's
-    kind differs from ``template``'s.
-    """
-    if not isinstance(saved, dict):
-        raise ValueError(f"wrap: the saved transformation state is a {type(saved).__name__}, expected a dict")
-    template_leaves, treedef = tree_lib.flatten(template)
-    paths = tree_lib.paths(template)
-    missing = [p for p in paths if p not in saved]
-    extra = [p for p in saved if p not in set(paths)]
-    if missing or extra:
-        what = f"lacks {missing[0]!r}" if missing else f"has {extra[0]!r}, which the transformation's state lacks"
-        raise ValueError(f"wrap: the saved transformation state does not fit this transformation: it {what}")
-    new = []
-    for path, current in zip(paths, template_leaves):
-        value = saved[path]
-        if isinstance(current, Tensor) != isinstance(value, Tensor):
-            raise ValueError(
-                f"wrap: saved transformation state {path!r} is a {type(value).__name__}, "
-                f"expected a {type(current).__name__}"
-            )
-        if isinstance(current, Tensor):
-            if value.shape != current.shape or value.dtype != current.dtype:
-                raise ValueError(
-                    f"wrap: saved transformation state {path!r} is {tuple(value.shape)} {value.dtype}, "
-                    f"expected {tuple(current.shape)} {current.dtype}"
-                )
-            value = value.to(device=current.device, copy=True)
-        new.append(value)
-    return tree_lib.unflatten(treedef, new)
 
 
 def _fits(old: Any, new: Any) -> bool:

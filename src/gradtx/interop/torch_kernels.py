@@ -9,7 +9,7 @@ its functional kernel exactly as its ``step`` does, so the numbers are the optim
 
 A spec is used only for the exact class (a subclass may override ``step``) and only for
 hyperparameters where its state can be created up front; everything else goes through the
-general engine in :mod:`gradtx.chains.from_torch`. None of these kernels writes to the gradients
+general engine in :mod:`gradtx.interop.from_torch`. None of these kernels writes to the gradients
 (no ``grad_scale`` is passed), so the pure path need not copy them.
 """
 

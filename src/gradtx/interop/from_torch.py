@@ -11,7 +11,7 @@ Two engines compute the step, both with the optimizer's own numbers:
 
 - torch's built-in optimizers (Adam, AdamW, SGD, RMSprop, Adagrad) call their functional kernels
   (single-tensor, foreach or fused, as the hyperparameters say) on lists, with no optimizer object
-  in the loop (:mod:`gradtx.chains.torch_kernels`);
+  in the loop (:mod:`gradtx.interop.torch_kernels`);
 - any other class, third-party ones included, runs its own ``step`` on one optimizer object built
   when ``from_torch`` is called (which is also when rejected hyperparameters raise): before each
   step the parameters, gradients and state are loaded into it, afterwards the state is read back.
@@ -36,7 +36,7 @@ from torch import Tensor
 
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation
-from gradtx.chains.torch_kernels import KernelSpec, kernel_for
+from gradtx.interop.torch_kernels import KernelSpec, kernel_for
 
 PyTree = Any
 Slots = dict[str, Any]
@@ -100,7 +100,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 class _KernelEngine:
-    """Runs a torch optimizer's functional kernel on lists (see :mod:`gradtx.chains.torch_kernels`)."""
+    """Runs a torch optimizer's functional kernel on lists (see :mod:`gradtx.interop.torch_kernels`)."""
 
     def __init__(self, spec: KernelSpec, group: dict[str, Any]):
         self.spec, self.group = spec, group

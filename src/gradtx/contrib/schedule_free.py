@@ -1,0 +1,257 @@
+"""Schedule-Free learning (Defazio et al., 2024): averaging and interpolation instead of a decaying
+learning-rate schedule, as a wrapper around any base transformation.
+
+Three sequences: ``z`` (the base optimizer's iterates), ``x`` (their weighted average, where the
+model should be evaluated) and ``y = b1 * x + (1 - b1) * z`` (where gradients are taken: the
+params). Only ``z`` is stored; ``x`` is recovered from ``y`` and ``z``
+(:func:`schedule_free_eval_params`). With ``c = w_t / sum(w_i)``, ``w_t = max_lr_t **
+weight_lr_power``, one step is::
+
+    z' = z + base_update(g)
+    x  = (y - (1 - b1) * z) / b1
+    x' = (1 - c) * x + c * z'
+    y' = b1 * x' + (1 - b1) * z'          # the update returned is y' - y
+
+exactly as optax.contrib.schedule_free computes it. This is the paper's weighted average
+(``c_{t+1} = gamma_t^2 / sum_{i<=t} gamma_i^2``; with a constant ``gamma``, ``x`` is the plain
+average of the ``z`` iterates after each step) and the step of Meta's current
+``AdamWScheduleFree`` (``weight_lr_power = 2``, ``r = 0``, constant learning rate). Two
+differences with the paper's Schedule-Free AdamW (Meta's ``AdamWScheduleFreePaper``), both
+optax's: :func:`schedule_free_adamw` bias-corrects the second moment inside the denominator
+(``g / (sqrt(v / (1 - b2^t)) + eps)``, as Meta's current code) instead of multiplying the
+learning rate by ``sqrt(1 - b2^t)``, so neither the averaging weights nor the decay see the
+bias correction; and under a warmup the averaging weights read the schedule at ``t`` (from 1)
+while the base optimizer's learning rate reads it at ``t - 1`` (its own counter, from 0), one
+step behind (Meta's code reads ``t`` for both).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import torch
+from torch import Tensor
+
+from gradtx import tree as tree_lib
+from gradtx.base import (
+    GradientTransformation,
+    GradientTransformationExtraArgs,
+    identity,
+    with_extra_args_support,
+    with_inplace,
+)
+from gradtx.chains import chain
+from gradtx.schedules import warmup_constant_schedule
+from gradtx.transforms import _foreach as fe
+from gradtx.transforms.rms import scale_by_rms
+from gradtx.transforms.scaling import scale_by_learning_rate
+from gradtx.transforms.weight_decay import add_decayed_weights
+
+ScalarOrSchedule = Union[float, Callable[[Tensor], Any]]
+
+
+class ScheduleFreeState(NamedTuple):
+    """``b1``: the interpolation weight (0-d, in the params' lowest float dtype); ``weight_sum``: the
+    sum of the averaging weights so far; ``step_count``: the step about to be taken (0-d int32,
+    starting at 1); ``max_lr``: the largest learning rate so far; ``base_optimizer_state``: the
+    wrapped transformation's state; ``z``: the base optimizer's iterates, like the params."""
+
+    b1: Tensor
+    weight_sum: Tensor
+    step_count: Tensor
+    max_lr: Tensor
+    base_optimizer_state: Any
+    z: Any
+
+
+def _lowest_float_dtype(params: Any) -> torch.dtype:
+    """The floating dtype of the fewest bits among the leaves (the default dtype if there is none)."""
+    dtypes = [leaf.dtype for leaf in tree_lib.leaves(params) if isinstance(leaf, Tensor) and leaf.is_floating_point()]
+    if not dtypes:
+        return torch.get_default_dtype()
+    return min(dtypes, key=lambda d: torch.finfo(d).bits)
+
+
+def schedule_free_eval_params(state: Any, params: Any) -> Any:
+    """The averaged parameters ``x = (y - (1 - b1) * z) / b1``, where a :func:`schedule_free` model
+    is evaluated (``params`` are the ``y`` the gradients were taken at). ``state`` must be a
+    :class:`ScheduleFreeState`."""
+    b1, z = getattr(state, "b1", None), getattr(state, "z", None)
+    if b1 is None or z is None:
+        raise ValueError("schedule_free_eval_params requires a ScheduleFreeState as input.")
+    return tree_lib.tree_map(lambda y, zi: (y - (1.0 - b1) * zi) / b1, params, z)
+
+
+def schedule_free(
+    base_optimizer: GradientTransformation,
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    weight_lr_power: float = 2.0,
+    state_dtype: Optional[torch.dtype] = None,
+) -> GradientTransformationExtraArgs:
+    """Makes ``base_optimizer`` schedule-free (Defazio et al., 2024, "The Road Less Scheduled",
+    https://arxiv.org/abs/2405.15682): its updates move ``z``, the params follow the interpolation
+    ``y`` of ``z`` and the running average ``x`` (see the module's docstring for the step).
+
+    ``base_optimizer`` should have no momentum of its own (``b1 = 0`` for Adam) and apply
+    ``learning_rate`` itself; ``learning_rate`` (a number or a schedule of the step, from 1) here
+    only weighs the average: ``c_t = max_lr_t ** weight_lr_power / sum``. Evaluate the model at
+    :func:`schedule_free_eval_params`. Extra arguments (``value=``, ...) go to the base optimizer.
+    ``state_dtype`` is the dtype of ``z`` (the params' by default).
+
+    ```python
+    import torch
+    from gradtx import apply_updates, sgd
+    from gradtx.contrib import schedule_free, schedule_free_eval_params
+
+    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+    tx = schedule_free(sgd(0.1), learning_rate=0.1, b1=0.9)
+    state = tx.init(params)
+    for _ in range(5):
+        grads = {"w": 2 * params["w"]}
+        updates, state = tx.update(grads, state, params)
+        params = apply_updates(params, updates)
+    eval_params = schedule_free_eval_params(state, params)
+    ```
+    """
+    b1, weight_lr_power = float(b1), float(weight_lr_power)
+    if not b1 > 0.0:
+        raise ValueError(f"schedule_free: b1 must be strictly positive, got {b1}")
+    base_update = with_inplace(with_extra_args_support(base_optimizer))
+    rate = learning_rate if callable(learning_rate) else fe.number_or_tensor(learning_rate)
+
+    def init_fn(params: Any) -> ScheduleFreeState:
+        dtype, device = _lowest_float_dtype(params), tree_lib.first_device(params)
+        # z is a copy of the params (not detached: meta-gradients flow through it)
+        z = tree_lib.tree_map(lambda p: p.clone() if state_dtype is None else p.to(state_dtype, copy=True), params)
+        return ScheduleFreeState(
+            b1=torch.full((), b1, dtype=dtype, device=device),
+            weight_sum=torch.zeros((), dtype=dtype, device=device),
+            step_count=torch.ones((), dtype=torch.int32, device=device),
+            max_lr=torch.zeros((), dtype=dtype, device=device),
+            base_optimizer_state=base_optimizer.init(params),
+            z=z,
+        )
+
+    def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
+        dtype = state.max_lr.dtype
+        lr = fe.schedule_value(rate, state.step_count) if callable(rate) else rate
+        lr = lr.to(dtype) if isinstance(lr, Tensor) else torch.full((), lr, dtype=dtype, device=state.max_lr.device)
+        max_lr = torch.maximum(state.max_lr, lr)
+        weight = max_lr**weight_lr_power
+        weight_sum = state.weight_sum + weight
+        # weight / weight_sum, 0 while every learning rate so far is 0 (a warmup's first step)
+        ratio = torch.nan_to_num(weight / weight_sum, nan=0.0, posinf=float("inf"))
+        ck = torch.where(torch.isnan(weight) | torch.isnan(weight_sum), torch.full_like(ratio, float("nan")), ratio)
+
+        base_updates, base_state = base_update(
+            updates, state.base_optimizer_state, params, inplace=inplace, **extra_args
+        )
+        leaves = fe.leaves_of(base_updates, what="schedule_free")
+        param_values = fe.params_of(leaves, params, owner="schedule_free")
+        z = leaves.aligned(state.z, what="schedule_free: state.z")
+
+        def group(u, zs, p):
+            work = torch.promote_types(p[0].dtype, zs[0].dtype)
+            x = fe.add(fe.cast(p, work), fe.cast(zs, work), alpha=-(1.0 - b1), inplace=False)
+            x = fe.div(x, b1, inplace=True)  # the average before this step
+            zs = fe.add(zs, fe.cast(u, zs[0].dtype), inplace=inplace)
+            x = fe.lerp(x, fe.cast(zs, work), fe.on(ck, x), inplace=True)  # the average after it
+            y = fe.lerp(x, fe.cast(zs, work), 1.0 - b1, inplace=True)  # the new params
+            out = fe.add(y, fe.cast(p, work), alpha=-1.0, inplace=True)
+            return fe.finish(out, u), zs
+
+        new_updates, new_z = fe.map_groups(group, leaves.tensors, z, param_values, outputs=2)
+        new_state = ScheduleFreeState(
+            b1=state.b1 if inplace else state.b1.clone(),
+            weight_sum=weight_sum,
+            step_count=fe.increment(state.step_count, inplace=inplace),
+            max_lr=max_lr,
+            base_optimizer_state=base_state,
+            z=leaves.rebuild(new_z, like=state.z),
+        )
+        return leaves.rebuild(new_updates), new_state
+
+    return GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _warmed_up(learning_rate: ScalarOrSchedule, warmup_steps: Optional[int]) -> ScalarOrSchedule:
+    if warmup_steps is None:
+        return learning_rate
+    return warmup_constant_schedule(init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps)
+
+
+def schedule_free_sgd(
+    learning_rate: float = 1.0,
+    warmup_steps: Optional[int] = None,
+    b1: float = 0.9,
+    weight_decay: Optional[float] = None,
+    weight_lr_power: float = 2.0,
+    state_dtype: Optional[torch.dtype] = None,
+) -> GradientTransformationExtraArgs:
+    """Schedule-Free SGD: :func:`schedule_free` around ``sgd(learning_rate)`` (after
+    ``add_decayed_weights(weight_decay)`` when one is given), with a linear warmup from 0 over
+    ``warmup_steps`` when given (Defazio et al., 2024, "The Road Less Scheduled",
+    https://arxiv.org/abs/2405.15682). The weight decay is multiplied by the learning rate.
+
+    ```python
+    import torch
+    from gradtx import apply_updates
+    from gradtx.contrib import schedule_free_eval_params, schedule_free_sgd
+
+    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+    tx = schedule_free_sgd(learning_rate=0.1)
+    state = tx.init(params)
+    for _ in range(5):
+        grads = {"w": 2 * params["w"]}
+        updates, state = tx.update(grads, state, params)
+        params = apply_updates(params, updates)
+    eval_params = schedule_free_eval_params(state, params)
+    ```
+    """
+    learning_rate = _warmed_up(learning_rate, warmup_steps)
+    optimizer = chain(identity(), scale_by_learning_rate(learning_rate))  # optax's sgd, without momentum
+    if weight_decay is not None:
+        optimizer = chain(add_decayed_weights(weight_decay), optimizer)
+    return schedule_free(optimizer, learning_rate, b1, weight_lr_power, state_dtype)
+
+
+def schedule_free_adamw(
+    learning_rate: float = 0.0025,
+    warmup_steps: Optional[int] = None,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    weight_lr_power: float = 2.0,
+    state_dtype: Optional[torch.dtype] = None,
+) -> GradientTransformationExtraArgs:
+    """Schedule-Free AdamW (Defazio et al., 2024, "The Road Less Scheduled",
+    https://arxiv.org/abs/2405.15682): :func:`schedule_free` around ``chain(scale_by_rms(b2, eps,
+    eps_in_sqrt=False, bias_correction=True), add_decayed_weights(weight_decay),
+    scale_by_learning_rate(learning_rate))`` (Adam with ``b1 = 0``, without the unused first
+    moment), with a linear warmup from 0 over ``warmup_steps`` when given. The decay is applied at
+    ``y``, the point where gradients are taken, as in Meta's ``AdamWScheduleFree``.
+
+    ```python
+    import torch
+    from gradtx import apply_updates
+    from gradtx.contrib import schedule_free_adamw, schedule_free_eval_params
+
+    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+    tx = schedule_free_adamw(learning_rate=0.1, warmup_steps=2, weight_decay=1e-4)
+    state = tx.init(params)
+    for _ in range(5):
+        grads = {"w": 2 * params["w"]}
+        updates, state = tx.update(grads, state, params)
+        params = apply_updates(params, updates)
+    eval_params = schedule_free_eval_params(state, params)
+    ```
+    """
+    learning_rate = _warmed_up(learning_rate, warmup_steps)
+    optimizer = chain(
+        scale_by_rms(decay=b2, eps=eps, eps_in_sqrt=False, bias_correction=True),
+        add_decayed_weights(weight_decay),
+        scale_by_learning_rate(learning_rate),
+    )
+    return schedule_free(optimizer, learning_rate, b1, weight_lr_power, state_dtype)
