@@ -23,6 +23,11 @@ AdEMAMix and ACProp (~1e-5) differ on elements near zero because optax forms ``1
 float32 result is within 4e-6 and optax's within 5e-4. ``--only TEXT`` runs the cases whose name
 contains TEXT.
 
+The learning-rate-free ones (Prodigy, D-Adaptation, DoG, DoWG, COCOB, Mechanic) and
+MoMo (given ``value=``, a fixed sequence of losses) agree to ~1e-14 in float64; in float32 D-Adaptation AdamW (~1e-5) and Mechanic over Adam (~2e-5) differ most, because optax computes
+``1 - b2^t`` in float32, where it loses digits to cancellation (gradtx uses float64: computing it in
+float32 brings D-Adaptation to ~2e-6; Mechanic over SGD with momentum agrees to ~2e-6).
+
 GaLore agrees to ~5e-7 in float64 (optax takes its SVD in float32 even under x64; gradtx in the
 gradient's dtype if wider) and ~2e-6 in float32, but only where both SVDs pick the same signs for
 the singular vectors: nothing fixes them, and the base optimizer's state carries over a refresh, so
@@ -32,7 +37,7 @@ agree): ``galore_left`` with ``update_proj_gap=2`` (refreshes at steps 0, 2, 4, 
 and is therefore run with one refresh, where the signs cancel (``P f(P^T G)`` is invariant under
 ``P -> -P`` for an odd base optimizer such as Adam or Lion).
 
-optax.contrib's names (``CONTRIB``) compare ``gradtx.contrib`` with ``optax.contrib``: Muon (every
+Muon (every
 preconditioning, the "dion" preset, adaptive, consistent RMS) agrees to ~2e-15 in float64 and
 ~1.6e-6 in float32.
 
@@ -76,20 +81,25 @@ params0 = {k: rng.standard_normal(s).astype(DTYPE) for k, s in shapes.items()}
 grads = [{k: rng.standard_normal(s).astype(DTYPE) for k, s in shapes.items()} for _ in range(8)]
 
 
-def run_optax(tx):
+values = np.random.default_rng(1).uniform(1.0, 2.0, len(grads)).astype(DTYPE)  # losses, for value=
+
+
+def run_optax(tx, with_value=False):
     p = {k: jnp.asarray(v) for k, v in params0.items()}
     state = tx.init(p)
-    for g in grads:
-        updates, state = tx.update({k: jnp.asarray(v) for k, v in g.items()}, state, p)
+    for g, value in zip(grads, values):
+        extra = {"value": jnp.asarray(value)} if with_value else {}
+        updates, state = tx.update({k: jnp.asarray(v) for k, v in g.items()}, state, p, **extra)
         p = optax.apply_updates(p, updates)
     return {k: np.asarray(v) for k, v in p.items()}
 
 
-def run_gtx(tx, inplace):
+def run_gtx(tx, inplace, with_value=False):
     p = {k: torch.tensor(v) for k, v in params0.items()}
     state = tx.init(p)
-    for g in grads:
-        updates, state = tx.update({k: torch.tensor(v) for k, v in g.items()}, state, p, inplace=inplace)
+    for g, value in zip(grads, values):
+        extra = {"value": torch.tensor(value)} if with_value else {}
+        updates, state = tx.update({k: torch.tensor(v) for k, v in g.items()}, state, p, inplace=inplace, **extra)
         p = apply_updates(p, updates)
     return {k: v.numpy() for k, v in p.items()}
 
@@ -166,6 +176,20 @@ CATALOGUE = {
  "cond_mask": ("conditionally_mask", lambda m: m.conditionally_mask(m.adam(1e-2), lambda step: step % 3 != 1)),
  "flatten": ("flatten", lambda m: m.flatten(m.adam(1e-2))),
  "dog": ("scale_by_distance_over_gradients", lambda m: m.chain(m.scale_by_distance_over_gradients(reps_rel=1e-2, global_scale=-1.0))),
+ # optax.contrib: learning-rate free
+ "prodigy": ("contrib.prodigy", lambda m: m.contrib.prodigy(1.0, estim_lr0=1e-2, weight_decay=0.1)),
+ "prodigy_safeguard": ("contrib.prodigy", lambda m: m.contrib.prodigy(0.5, beta3=0.9, estim_lr0=1e-2, safeguard_warmup=True)),
+ "dadapt_adamw": ("contrib.dadapt_adamw", lambda m: m.contrib.dadapt_adamw(1.0, estim_lr0=1e-2, weight_decay=0.1)),
+ "contrib_dog": ("contrib.dog", lambda m: m.contrib.dog(init_step=("heuristic", 1e-2), weight_decay=0.1)),
+ "contrib_dog_lr": ("contrib.dog", lambda m: m.contrib.dog(0.5, init_step=("learning_rate", 0.1))),
+ "dowg": ("contrib.dowg", lambda m: m.contrib.dowg(init_estim_sq_dist=1e-2, weight_decay=0.1)),
+ "cocob": ("contrib.cocob", lambda m: m.contrib.cocob(weight_decay=0.1)),
+ "mechanize": ("contrib.mechanize", lambda m: m.contrib.mechanize(m.adam(1.0), s_init=1e-2)),
+ # optax.contrib: MoMo (given value=, the loss)
+ "momo": ("contrib.momo", lambda m: m.contrib.momo(0.5, weight_decay=0.1)),
+ "momo_adapt_lb": ("contrib.momo", lambda m: m.contrib.momo(0.5, lower_bound=0.5, adapt_lower_bound=True)),
+ "momo_adam": ("contrib.momo_adam", lambda m: m.contrib.momo_adam(0.1, weight_decay=0.1)),
+ "momo_adam_adapt_lb": ("contrib.momo_adam", lambda m: m.contrib.momo_adam(0.1, lower_bound=0.5, adapt_lower_bound=True)),
  "sf_sgd": ("contrib.schedule_free_sgd", lambda m: m.contrib.schedule_free_sgd(0.1, weight_decay=0.1)),
  "sf_sgd_warmup": ("contrib.schedule_free_sgd", lambda m: m.contrib.schedule_free_sgd(0.1, warmup_steps=3, b1=0.8)),
  "sf_adamw": ("contrib.schedule_free_adamw", lambda m: m.contrib.schedule_free_adamw(1e-2, weight_decay=0.1)),
@@ -197,6 +221,7 @@ CATALOGUE = {
  "muon_aol": ("contrib.muon", lambda m: m.contrib.muon(1e-2, preconditioning="aol")),
  "muon_schatten": ("contrib.muon", lambda m: m.contrib.muon(1e-2, preconditioning="schatten")),
 }
+WITH_VALUE = {"momo", "momo_adapt_lb", "momo_adam", "momo_adam_adapt_lb"}  # cases whose update takes value=
 
 
 def _has(module, dotted):
@@ -215,10 +240,10 @@ for _name, (_attr, _make) in CATALOGUE.items():
 cases = {name: pair for name, pair in cases.items() if ARGS.only in name}
 worst = 0
 for name, (o, t) in cases.items():
-    ref = run_optax(o)
+    ref = run_optax(o, name in WITH_VALUE)
     for inplace in (False, True):
         try:
-            got = run_gtx(t, inplace)
+            got = run_gtx(t, inplace, name in WITH_VALUE)
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"{name:16s} inplace={inplace!s:5s} ERROR {e!r}")
             continue

@@ -146,6 +146,20 @@ CASES = {
     "contrib.sam": lambda: gtx.contrib.sam(
         gtx.sgd(0.1, momentum=0.5), gtx.chain(gtx.contrib.normalize(), gtx.sgd(0.05)), sync_period=2
     ),
+    # optax.contrib's learning-rate-free optimizers: the step-size estimates are differentiated too
+    # (their maxima are not tied over these steps); estimates start large enough to move the params
+    "contrib.prodigy": lambda: contrib.prodigy(0.5, estim_lr0=1e-2, weight_decay=0.1),
+    "contrib.dadapt_adamw": lambda: contrib.dadapt_adamw(0.5, estim_lr0=1e-2, weight_decay=0.1),
+    "contrib.dog": lambda: contrib.dog(0.5, init_step=("heuristic", 1e-2), weight_decay=0.1),
+    "contrib.dog/learning_rate": lambda: contrib.dog(init_step=("learning_rate", 0.1)),
+    "contrib.dowg": lambda: contrib.dowg(0.5, init_estim_sq_dist=1e-2, weight_decay=0.1),
+    "contrib.cocob": lambda: contrib.cocob(0.5, weight_decay=0.1),
+    "contrib.mechanize": lambda: contrib.mechanize(gtx.adam(0.1), s_init=1e-2),
+    # value= goes in with its graph (the loss at the params)
+    "contrib.momo": lambda: contrib.momo(0.5, weight_decay=0.1),
+    "contrib.momo/adapt_lower_bound": lambda: contrib.momo(0.5, lower_bound=-1.0, adapt_lower_bound=True),
+    "contrib.momo_adam": lambda: contrib.momo_adam(0.1, weight_decay=0.1),
+    "contrib.momo_adam/adapt_lower_bound": lambda: contrib.momo_adam(0.1, lower_bound=-1.0, adapt_lower_bound=True),
 }
 GRADIENTS = {"dpsgd": per_example_gradients}
 # Every public optimizer alias must be covered here (or listed with the reason it is not).
@@ -269,6 +283,9 @@ COMPONENTS = {
     # real params pass through (complex ones: tests/test_contrib_complex.py)
     "contrib.split_real_and_imaginary": lambda: gtx.contrib.split_real_and_imaginary(gtx.scale_by_adam()),
     "inject_stateful_hyperparams": lambda: without_deprecation_warning(gtx.inject_stateful_hyperparams)(gtx.scale_by_adam)(b1=0.8),
+    "contrib.scale_by_dog": lambda: contrib.scale_by_dog(("distance", 0.1)),
+    "contrib.scale_by_dowg": lambda: contrib.scale_by_dowg(1e-2),
+    "contrib.scale_by_cocob": lambda: contrib.scale_by_cocob(),
     "contrib.scale_by_adopt": lambda: contrib.scale_by_adopt(use_clipping=False),
     "contrib.scale_by_ademamix": lambda: contrib.scale_by_ademamix(b3=gtx.linear_schedule(0.9, 0.99, 3), alpha=2.0),
     "contrib.scale_by_simplified_ademamix": lambda: contrib.scale_by_simplified_ademamix(alpha=1.0),

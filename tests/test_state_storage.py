@@ -159,6 +159,18 @@ FACTORIES = {
         gtx.scale(-1.0), gtx.scale_by_zoom_linesearch(max_linesearch_steps=15)
     ),
     "lbfgs": lambda: gtx.lbfgs(memory_size=3),
+    # optax.contrib
+    "contrib.prodigy": lambda: contrib.prodigy(weight_decay=0.1),
+    "contrib.dadapt_adamw": lambda: contrib.dadapt_adamw(weight_decay=0.1),
+    "contrib.dog": lambda: contrib.dog(weight_decay=0.1),
+    "contrib.scale_by_dog": lambda: contrib.scale_by_dog(("learning_rate", 0.1)),
+    "contrib.dowg": lambda: contrib.dowg(weight_decay=0.1),
+    "contrib.scale_by_dowg": contrib.scale_by_dowg,
+    "contrib.cocob": lambda: contrib.cocob(weight_decay=0.1),
+    "contrib.scale_by_cocob": contrib.scale_by_cocob,
+    "contrib.mechanize": lambda: contrib.mechanize(adam()),
+    "contrib.momo": lambda: contrib.momo(adapt_lower_bound=True),
+    "contrib.momo_adam": lambda: contrib.momo_adam(adapt_lower_bound=True),
     # gradtx.contrib
     "contrib.adopt": lambda: contrib.adopt(1e-2, nesterov=True),
     "contrib.scale_by_adopt": contrib.scale_by_adopt,
@@ -218,6 +230,7 @@ CASES = {**FACTORIES, **MULTISTEPS}
 EXTRA_ARGS = {
     "scale_by_polyak", "polyak_sgd", "scale_by_backtracking_linesearch", "scale_by_zoom_linesearch", "lbfgs",
     "contrib.sophia", "contrib.hutchinson_estimator_diag_hessian", "contrib.reduce_on_plateau",
+    "contrib.momo", "contrib.momo_adam",
 }
 # Cases whose state keeps the value and gradient at the accepted point: the next step reads them
 # back (gtx.value_and_grad_from_state) and hands them in, as a training loop does.

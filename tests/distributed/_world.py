@@ -32,6 +32,7 @@ CASE_MODULES = (
     "test_sharding_collectives",
     "test_sharding_decisions",
     "test_sharding_disagreement",
+    "test_contrib_sharded",
     "test_contrib_dtensor",
     "test_sharding_factored",
     "test_sharding_muon",

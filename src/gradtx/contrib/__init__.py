@@ -15,7 +15,25 @@ from gradtx.contrib.adam_variants import (
 )
 from gradtx.contrib.complex import split_real_and_imaginary, SplitRealAndImaginaryState
 from gradtx.contrib.galore import galore, GaLoreDimensionNumbers, GaLoreState, scale_by_galore
+from gradtx.contrib.learning_rate_free import (
+    cocob,
+    COCOBState,
+    dadapt_adamw,
+    DAdaptAdamWState,
+    dog,
+    DoGState,
+    dowg,
+    DoWGState,
+    MechanicState,
+    mechanize,
+    prodigy,
+    ProdigyState,
+    scale_by_cocob,
+    scale_by_dog,
+    scale_by_dowg,
+)
 from gradtx.contrib.madgrad import madgrad, MadgradState, scale_by_madgrad
+from gradtx.contrib.momo import momo, momo_adam, MomoAdamState, MomoState
 from gradtx.contrib.muon import muon, MuonDimensionNumbers, MuonState, scale_by_muon
 from gradtx.contrib.plateau import reduce_on_plateau, ReduceLROnPlateauState
 from gradtx.contrib.sam import normalize, NormalizeState, sam, SAMState
@@ -39,8 +57,16 @@ __all__ = [
     "acprop",
     "ademamix",
     "adopt",
+    "cocob",
+    "COCOBState",
+    "dadapt_adamw",
+    "DAdaptAdamWState",
     "differentially_private_aggregate",
     "DifferentiallyPrivateAggregateState",
+    "dog",
+    "DoGState",
+    "dowg",
+    "DoWGState",
     "dpsgd",
     "galore",
     "GaLoreDimensionNumbers",
@@ -49,11 +75,19 @@ __all__ = [
     "HutchinsonState",
     "madgrad",
     "MadgradState",
+    "MechanicState",
+    "mechanize",
+    "momo",
+    "momo_adam",
+    "MomoAdamState",
+    "MomoState",
     "muon",
     "MuonDimensionNumbers",
     "MuonState",
     "normalize",
     "NormalizeState",
+    "prodigy",
+    "ProdigyState",
     "reduce_on_plateau",
     "ReduceLROnPlateauState",
     "sam",
@@ -61,6 +95,9 @@ __all__ = [
     "scale_by_acprop",
     "scale_by_ademamix",
     "scale_by_adopt",
+    "scale_by_cocob",
+    "scale_by_dog",
+    "scale_by_dowg",
     "scale_by_galore",
     "scale_by_madgrad",
     "scale_by_muon",

@@ -3,7 +3,8 @@
 ``ShardingSpec(mesh, leaves, stage_axis=...)`` declares the layout of plain tensors (``Shard`` /
 ``Replicate`` leaf specs); DTensors describe themselves. ``global_norm`` counts every logical
 element once with one collective; ``leaf_norms`` / ``leaf_rms`` / ``unitwise_norms`` give per-leaf
-quantities of the logical tensors, batched into one collective per distinct group.
+quantities of the logical tensors, batched into one collective per distinct group;
+``global_sums`` gives exact inner products and other sums over the logical tree.
 ``map_logical`` applies a function to every leaf as a whole logical tensor (Muon's
 orthogonalization) and gives each rank its slice, with a fixed number of collectives per call.
 """
@@ -15,6 +16,7 @@ from gradtx.sharding.probe import finiteness_probe
 from gradtx.sharding.placements import LeafSpec, Replicate, Shard
 from gradtx.sharding.reductions import global_norm, is_sharded, leaf_norms, leaf_rms, unitwise_norms
 from gradtx.sharding.spec import ShardingSpec
+from gradtx.sharding.sums import global_sums
 
 __all__ = [
     "LeafSpec",
@@ -26,6 +28,7 @@ __all__ = [
     "count_not_finite",
     "finiteness_probe",
     "global_norm",
+    "global_sums",
     "has_dtensor",
     "is_sharded",
     "leaf_norms",
