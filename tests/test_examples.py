@@ -30,6 +30,7 @@ RUNS: dict[str, list[tuple[int, list[str], str]]] = {
         (2, [], "parameters identical on all 2 ranks: True"),
     ],
     "fsdp2.py": [(2, [], "FSDP2 + gradtx matches dense training")],
+    "muon_fsdp2.py": [(2, [], "Muon under FSDP2 matches the dense twin"), (4, [], "Muon under FSDP2 matches the dense twin")],
     "per_example_dp.py": [(1, [], "with DP-SGD")],
     "maml.py": [(1, [], "meta-loss decreased: True"), (1, ["--inner", "adam"], "meta-loss decreased: True")],
     "lbfgs_logistic.py": [(1, ["--quick"], "torch.optim.LBFGS  iterations to reach target")],
