@@ -5,6 +5,11 @@ saturating counters, a gradient scaler, and the two ways of blending a slow copy
 finite where the value is 0 (a plain ``sqrt`` of a zero sum has an infinite derivative there).
 ``incremental_update`` and ``periodic_update`` keep target networks and EMA weights; the period
 test stays on the device (``torch.where``), so nothing syncs with the host.
+
+``update_moment``, ``update_moment_per_elem_norm``, ``update_infinity_moment`` and
+``bias_correction`` are optax's top-level names for the moment helpers of
+:mod:`gradtx.tree_utils` (``tree_update_moment``, ...): the same functions, not copies, kept
+here with the other numerics optax exports at its top level.
 """
 
 from __future__ import annotations
@@ -15,6 +20,12 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
+from gradtx.tree_utils import (
+    tree_bias_correction as bias_correction,
+    tree_update_infinity_moment as update_infinity_moment,
+    tree_update_moment as update_moment,
+    tree_update_moment_per_elem_norm as update_moment_per_elem_norm,
+)
 
 PyTree = Any
 ScalarOrSchedule = Union[float, Tensor, Callable[[Tensor], Any]]
