@@ -1,0 +1,131 @@
+"""microbatch: a function over microbatches of its batch, outputs combined as optax.microbatching does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradtx as gtx
+from gradtx.microbatching import Accumulator, AccumulationType, microbatch, reshape_batch_axis
+
+F64 = torch.float64
+SUM, MEAN, RUNNING_MEAN, CONCAT = AccumulationType.SUM, AccumulationType.MEAN, AccumulationType.RUNNING_MEAN, AccumulationType.CONCAT
+
+
+def data(*shape, seed=0):
+    return torch.randn(*shape, dtype=F64, generator=torch.Generator().manual_seed(seed))
+
+
+def test_exports():
+    assert gtx.microbatch is microbatch and gtx.microbatching.AccumulationType is AccumulationType
+
+
+def test_reshape_batch_axis_is_column_major():
+    x = torch.arange(8)
+    assert reshape_batch_axis(x, 2).tolist() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    y = torch.arange(12).reshape(2, 6)  # batch on axis 1: 3 microbatches of 2
+    out = reshape_batch_axis({"y": y}, 2, axis=1)["y"]
+    assert out.shape == (2, 3, 2)
+    assert out[0, 1].tolist() == [1, 4] and out[1, 2].tolist() == [8, 11]
+    with pytest.raises(ValueError, match="batch size 8 .* not divisible by microbatch_size=3"):
+        reshape_batch_axis(x, 3)
+
+
+def test_each_microbatch_gets_optax_rows():
+    seen = []
+    record = lambda x: seen.append(x.tolist()) or x.sum()  # noqa: E731
+    microbatch(record, 0, 2)(torch.arange(6))
+    assert seen == [[0, 3], [1, 4], [2, 5]]  # microbatch i holds rows i, i + n, ...
+
+
+def test_sum_mean_running_mean_concat_equal_the_full_batch():
+    w = data(3, seed=1)
+    x = data(12, 3, seed=2)
+
+    def fun(w, x):
+        preds = x @ w
+        return {"preds": preds, "total": preds.square().sum(), "avg": preds.mean()}
+
+    full = fun(w, x)
+    out = microbatch(fun, 1, 4, {"preds": CONCAT, "total": SUM, "avg": MEAN})(w, x)
+    torch.testing.assert_close(out["preds"], full["preds"], rtol=1e-15, atol=0)
+    torch.testing.assert_close(out["total"], full["total"], rtol=1e-14, atol=0)
+    torch.testing.assert_close(out["avg"], full["avg"], rtol=1e-14, atol=1e-15)
+    running = microbatch(lambda x: x.mean(0), 0, 3, RUNNING_MEAN)(x)
+    torch.testing.assert_close(running, x.mean(0), rtol=1e-14, atol=1e-15)
+
+
+def test_a_single_accumulation_type_applies_to_every_leaf_and_gradients_flow():
+    w = data(3, seed=3).requires_grad_()
+    x, y = data(8, 3, seed=4), data(8, seed=5)
+    loss = lambda w, x, y: ((x @ w - y) ** 2).sum()  # noqa: E731
+    total = microbatch(loss, (1, 2), 2)(w, x, y)
+    (grad,) = torch.autograd.grad(total, w)
+    (reference,) = torch.autograd.grad(loss(w, x, y), w)
+    torch.testing.assert_close(grad, reference, rtol=1e-13, atol=1e-13)
+    pair = microbatch(lambda x: (x.sum(), x.abs().sum()), 0, 4, SUM)(x)
+    torch.testing.assert_close(pair[0], x.sum())
+    torch.testing.assert_close(pair[1], x.abs().sum())
+
+
+def test_keyword_batch_arguments_and_in_axes():
+    x = data(3, 10, seed=6)  # batch on axis 1
+    y = data(10, seed=7)
+    fun = lambda x, *, y: (x * y).sum(0)  # noqa: E731  -> one value per example
+    out = microbatch(fun, 0, 5, CONCAT, argnames="y", in_axes=(1, 0))(x, y=y)
+    torch.testing.assert_close(out, fun(x, y=y), rtol=1e-15, atol=0)
+
+
+def test_custom_accumulator_and_prefix_trees():
+    x = data(9, seed=8)
+    maximum = Accumulator(
+        init=lambda v: torch.full_like(v, -float("inf")),
+        update=lambda carry, value, index: torch.maximum(carry, value),
+        finalize=lambda carry: carry,
+        aggregate=lambda values: values.amax(0),
+    )
+    out = microbatch(lambda x: (x.max(), (x.sum(), x)), 0, 3, (maximum, SUM))(x)
+    assert float(out[0]) == float(x.max())
+    torch.testing.assert_close(out[1][0], x.sum(), rtol=1e-14, atol=1e-15)
+    # a SUM over a subtree sums the per-microbatch rows: row k of the result is the sum over rows
+    # k, k + 3, k + 6 of the columns each microbatch saw
+    torch.testing.assert_close(out[1][1], reshape_batch_axis(x, 3).sum(0))
+
+
+def test_num_real_microbatches():
+    x = torch.arange(8, dtype=F64)
+    assert float(microbatch(lambda x: x.sum(), 0, 2, SUM, num_real_microbatches=2)(x)) == float(0 + 4 + 1 + 5)
+    assert float(microbatch(lambda x: x.sum(), 0, 2, MEAN, num_real_microbatches=2)(x)) == float(10 / 4)
+    assert float(microbatch(lambda x: x.sum(), 0, 2, RUNNING_MEAN, num_real_microbatches=2)(x)) == float(5.0)
+    concat = microbatch(lambda x: x, 0, 2, CONCAT, num_real_microbatches=1)(x)
+    assert concat.tolist() == [0, 0, 0, 0, 4, 0, 0, 0]  # rows of microbatches not run stay zero
+    assert float(microbatch(lambda x: x.sum(), 0, 2, SUM, num_real_microbatches=0)(x)) == 0.0
+
+
+def test_none_microbatch_size_returns_the_function():
+    fun = lambda x: x  # noqa: E731
+    assert microbatch(fun, 0, None) is fun
+
+
+def test_errors_say_what_is_wrong():
+    x, y = torch.ones(6), torch.ones(4)
+    with pytest.raises(ValueError, match="equal batch sizes, found argument 0: 6, argument 1: 4"):
+        microbatch(lambda x, y: x.sum(), (0, 1), 2)(x, y)
+    with pytest.raises(ValueError, match="batch size 6 is not divisible by microbatch_size=4"):
+        microbatch(lambda x: x.sum(), 0, 4)(x)
+    with pytest.raises(ValueError, match="MEAN accumulation requires floating-point outputs, got torch.int64"):
+        microbatch(lambda x: x.sum(), 0, 2, MEAN)(torch.arange(6))
+    with pytest.raises(ValueError, match="unknown accumulator 'sum'"):
+        microbatch(lambda x: x.sum(), 0, 2, "sum")(x)
+    with pytest.raises(ValueError, match="in_axes has 1 entries for 2 batch arguments"):
+        microbatch(lambda x, y: x, (0, 1), 2, in_axes=(0,))
+    with pytest.raises(ValueError, match="microbatch_size must be a positive integer"):
+        microbatch(lambda x: x, 0, 0)
+    with pytest.raises(ValueError, match="keyword argument 'y', which was not given"):
+        microbatch(lambda x, y=None: x.sum(), 0, 2, argnames="y")(x)
+    with pytest.raises(ValueError, match=r"num_real_microbatches=5 is outside \[0, 3\]"):
+        microbatch(lambda x: x.sum(), 0, 2, num_real_microbatches=5)(x)
+    with pytest.raises(ValueError, match="prefix of fun's output"):
+        microbatch(lambda x: x.sum(), 0, 2, (SUM, SUM))(x)
+    with pytest.raises(ValueError, match="CONCAT accumulation requires outputs with a leading"):
+        microbatch(lambda x: x.sum(), 0, 2, CONCAT)(x)
