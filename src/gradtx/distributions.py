@@ -11,7 +11,7 @@ module because it is neither a transformation nor a tree or numerics helper.
 from __future__ import annotations
 
 import numbers
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 from torch import Tensor

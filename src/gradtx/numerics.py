@@ -20,12 +20,7 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.tree_utils import (
-    tree_bias_correction as bias_correction,
-    tree_update_infinity_moment as update_infinity_moment,
-    tree_update_moment as update_moment,
-    tree_update_moment_per_elem_norm as update_moment_per_elem_norm,
-)
+from gradtx import tree_utils
 
 PyTree = Any
 ScalarOrSchedule = Union[float, Tensor, Callable[[Tensor], Any]]
@@ -113,3 +108,10 @@ def periodic_update(new_tensors: PyTree, old_tensors: PyTree, steps: Union[int, 
     return tree_lib.tree_map(
         lambda new, old: torch.where(take_new.to(old.device), new.to(old.dtype), old), new_tensors, old_tensors
     )
+
+
+# optax's top-level names for the moment helpers of tree_utils: the same functions.
+bias_correction = tree_utils.tree_bias_correction
+update_infinity_moment = tree_utils.tree_update_infinity_moment
+update_moment = tree_utils.tree_update_moment
+update_moment_per_elem_norm = tree_utils.tree_update_moment_per_elem_norm
