@@ -129,3 +129,36 @@ def test_errors_say_what_is_wrong():
         microbatch(lambda x: x.sum(), 0, 2, (SUM, SUM))(x)
     with pytest.raises(ValueError, match="CONCAT accumulation requires outputs with a leading"):
         microbatch(lambda x: x.sum(), 0, 2, CONCAT)(x)
+
+
+# --------------------------------------------------------------------------- micro_vmap
+
+
+def test_micro_vmap_equals_vmap_and_reduces():
+    from gradtx.microbatching import micro_vmap
+
+    w, x, s = data(3, seed=9), data(12, 3, seed=10), data(12, seed=11)
+    fun = lambda w, x, *, s: (x @ w) * s  # noqa: E731  -> one value per example
+    expected = (x @ w) * s
+    for size in (None, 1, 3, 12):
+        out = micro_vmap(fun, in_axes=(None, 0), microbatch_size=size)(w, x, s=s)
+        torch.testing.assert_close(out, expected, rtol=1e-15, atol=0)
+    total = micro_vmap(fun, in_axes=(None, 0), microbatch_size=4, accumulator=SUM)(w, x, s=s)
+    torch.testing.assert_close(total, expected.sum(), rtol=1e-14, atol=1e-15)
+    mean = micro_vmap(fun, in_axes=(None, 0), microbatch_size=4, accumulator=MEAN)(w, x, s=s)
+    torch.testing.assert_close(mean, expected.mean(), rtol=1e-14, atol=1e-15)
+    squares = micro_vmap(lambda v: v.square(), microbatch_size=4)(torch.arange(8.0))
+    assert squares.tolist() == [float(i * i) for i in range(8)]
+
+
+def test_micro_vmap_errors():
+    from gradtx.microbatching import micro_vmap
+
+    with pytest.raises(NotImplementedError, match="out_axes"):
+        micro_vmap(lambda x: x, out_axes=1)
+    with pytest.raises(ValueError, match="in_axes has 1 entries for 2 positional arguments"):
+        micro_vmap(lambda x, y: x, in_axes=(0,))(torch.ones(2), torch.ones(2))
+    with pytest.raises(ValueError, match="no argument is batched"):
+        micro_vmap(lambda x: x, in_axes=None)(torch.ones(2))
+    with pytest.raises(ValueError, match="batch size 6 is not divisible by microbatch_size=4"):
+        micro_vmap(lambda x: x, microbatch_size=4)(torch.ones(6))

@@ -8,7 +8,8 @@ running mean, or concatenated back along axis 0 (:class:`AccumulationType`), or 
 
 The split is optax's: the batch axis of size ``B = n * m`` is viewed as ``(n, m)`` in column-major
 order (:func:`reshape_batch_axis`), so microbatch ``i`` holds rows ``i, i + n, i + 2n, ...`` and a
-concatenation puts every row back where it was. A module of its own because it wraps functions,
+concatenation puts every row back where it was. :func:`micro_vmap` is ``torch.func.vmap`` run
+microbatch by microbatch in the same way. A module of its own because it wraps functions,
 not gradients: it is a tool for computing the gradients a transformation then receives.
 """
 
@@ -306,4 +307,56 @@ def microbatch(
     return microbatched
 
 
-__all__ = ["AccumulationType", "Accumulator", "microbatch", "reshape_batch_axis"]
+def micro_vmap(
+    fun: Function,
+    in_axes: Union[int, None, Sequence[Optional[int]]] = 0,
+    out_axes: int = 0,
+    *,
+    microbatch_size: Optional[int] = None,
+    vmap_fn: Callable[..., Function] = torch.func.vmap,
+    accumulator: Any = AccumulationType.CONCAT,
+    num_real_microbatches: Optional[int] = None,
+) -> Function:
+    """``torch.func.vmap(fun)`` over the batch, a microbatch at a time (as ``optax.microbatching.micro_vmap``).
+
+    Each microbatch is vmapped and reduced over its examples with the accumulator's ``aggregate``;
+    the microbatches are then combined as in :func:`microbatch`. The default ``CONCAT`` gives
+    ``vmap``'s result (one row per example, in order); ``SUM``/``MEAN`` reduce over the batch
+    without materialising every row. ``in_axes`` gives each positional argument's batch axis
+    (``None``: not batched; one int: every positional argument); keyword arguments are batched
+    along axis 0, as optax's are. ``out_axes`` must be 0.
+    """
+    if out_axes != 0:
+        raise NotImplementedError("micro_vmap: out_axes other than 0 is not supported (as in optax)")
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        axes = (in_axes,) * len(args) if in_axes is None or isinstance(in_axes, int) else tuple(in_axes)
+        if len(axes) != len(args):
+            raise ValueError(f"micro_vmap: in_axes has {len(axes)} entries for {len(args)} positional arguments")
+        batched = tuple(i for i, ax in enumerate(axes) if ax is not None)
+        if not batched and not kwargs:
+            raise ValueError("micro_vmap: no argument is batched (every in_axes entry is None and no keyword arguments)")
+
+        def call(*values: Any) -> Any:
+            return fun(*values[:-1], **values[-1])
+
+        def vmap_reduce(*values: Any, kwargs: dict) -> Any:
+            output = vmap_fn(call, in_dims=tuple(axes) + (0 if kwargs else None,), out_dims=0)(*values, kwargs)
+            examples = next(leaf for leaf in tree_lib.leaves(output) if isinstance(leaf, Tensor)).shape[0]
+            return _canonicalize(accumulator, examples).aggregate(output)
+
+        run = microbatch(
+            vmap_reduce,
+            argnums=batched,
+            microbatch_size=microbatch_size,
+            accumulator=accumulator,
+            argnames=("kwargs",) if kwargs else (),
+            in_axes=tuple(axes[i] for i in batched) + ((0,) if kwargs else ()),
+            num_real_microbatches=num_real_microbatches,
+        )
+        return run(*args, kwargs=kwargs)
+
+    return wrapped
+
+
+__all__ = ["AccumulationType", "Accumulator", "micro_vmap", "microbatch", "reshape_batch_axis"]
