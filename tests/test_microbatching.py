@@ -162,3 +162,69 @@ def test_micro_vmap_errors():
         micro_vmap(lambda x: x, in_axes=None)(torch.ones(2))
     with pytest.raises(ValueError, match="batch size 6 is not divisible by microbatch_size=4"):
         micro_vmap(lambda x: x, microbatch_size=4)(torch.ones(6))
+
+
+# --------------------------------------------------------------------------- micro_grad
+
+
+def test_micro_grad_per_example_gradients_as_optax_documents():
+    from gradtx.microbatching import micro_grad
+
+    def mean_squared_loss(params, features, targets):
+        return 0.5 * ((features @ params - targets) ** 2).mean()
+
+    # per-example gradients at params 0 are -targets: [0, -2, -4, -6]
+    (grads, squared), aux = micro_grad(
+        mean_squared_loss, argnums=0, batch_argnums=(1, 2), accumulator=MEAN,
+        transform_fn=lambda g: (g, g**2), metrics_fn=torch.linalg.norm,
+    )(torch.zeros(1, dtype=F64), torch.ones(4, 1, dtype=F64), torch.tensor([0.0, 2.0, 4.0, 6.0], dtype=F64))
+    assert grads.tolist() == [-3.0] and squared.tolist() == [14.0]
+    assert aux.values.tolist() == [0.0, 2.0, 8.0, 18.0] and aux.metrics.tolist() == [0.0, 2.0, 4.0, 6.0]
+    assert aux.aux is None
+
+
+def test_micro_grad_clipped_sum_against_a_loop_over_examples():
+    from gradtx.microbatching import micro_grad
+
+    params = {"w": data(3, 2, seed=12), "b": data(2, seed=13)}
+    x, y = data(6, 3, seed=14), data(6, 2, seed=15)
+
+    def loss(params, x, y):
+        out = x @ params["w"] + params["b"]
+        return ((out - y) ** 2).sum(), out.detach()
+
+    def clip(grads, bound=1.0):
+        norm = torch.sqrt(sum(g.square().sum() for g in grads.values()))
+        return {k: g * torch.clamp(bound / norm, max=1.0) for k, g in grads.items()}
+
+    expected = {"w": torch.zeros(3, 2, dtype=F64), "b": torch.zeros(2, dtype=F64)}
+    values = []
+    for i in range(6):
+        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+        value, _ = loss(leaves, x[i : i + 1], y[i : i + 1])
+        grads = dict(zip(leaves, torch.autograd.grad(value, list(leaves.values()))))
+        for k, g in clip(grads).items():
+            expected[k] += g
+        values.append(value.detach())
+    for size in (None, 2, 3):
+        got, aux = micro_grad(loss, has_aux=True, batch_argnums=(1, 2), microbatch_size=size, transform_fn=clip)(params, x, y)
+        torch.testing.assert_close(got["w"], expected["w"], rtol=1e-13, atol=1e-14)
+        torch.testing.assert_close(got["b"], expected["b"], rtol=1e-13, atol=1e-14)
+        torch.testing.assert_close(aux.values, torch.stack(values), rtol=1e-14, atol=0)
+        torch.testing.assert_close(aux.aux, (x @ params["w"] + params["b"]).unsqueeze(1), rtol=1e-14, atol=0)
+        assert aux.metrics is None
+
+
+def test_micro_grad_without_the_batch_dim_and_errors():
+    from gradtx.microbatching import micro_grad
+
+    shapes = []
+    fun = lambda w, x: shapes.append(tuple(x.shape)) or (w * x).sum()  # noqa: E731
+    x = data(4, 3, seed=16)
+    grads, _ = micro_grad(fun, batch_argnums=1, keep_batch_dim=False)(torch.ones(3, dtype=F64), x)
+    torch.testing.assert_close(grads, x.sum(0), rtol=1e-15, atol=0)
+    assert shapes == [(3,)]  # traced once under vmap, on one example without its batch axis
+    with pytest.raises(ValueError, match="batch_argnums must name at least one argument"):
+        micro_grad(fun, batch_argnums=())
+    with pytest.raises(ValueError, match="batch_argnums names argument 2, but 2 positional arguments were given"):
+        micro_grad(fun, batch_argnums=2)(torch.ones(3), torch.ones(4, 3))

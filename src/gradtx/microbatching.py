@@ -9,7 +9,7 @@ running mean, or concatenated back along axis 0 (:class:`AccumulationType`), or 
 The split is optax's: the batch axis of size ``B = n * m`` is viewed as ``(n, m)`` in column-major
 order (:func:`reshape_batch_axis`), so microbatch ``i`` holds rows ``i, i + n, i + 2n, ...`` and a
 concatenation puts every row back where it was. :func:`micro_vmap` is ``torch.func.vmap`` run
-microbatch by microbatch in the same way. A module of its own because it wraps functions,
+microbatch by microbatch in the same way, and :func:`micro_grad` per-example gradients on top of it. A module of its own because it wraps functions,
 not gradients: it is a tool for computing the gradients a transformation then receives.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import numbers
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import optree
 import torch
@@ -359,4 +359,77 @@ def micro_vmap(
     return wrapped
 
 
-__all__ = ["AccumulationType", "Accumulator", "micro_vmap", "microbatch", "reshape_batch_axis"]
+class IndividualOutputs(NamedTuple):
+    """The per-example outputs of :func:`micro_grad`: ``fun``'s values, the metrics and ``fun``'s aux."""
+
+    values: Any
+    metrics: Any
+    aux: Any
+
+
+def micro_grad(
+    fun: Function,
+    has_aux: bool = False,
+    argnums: Union[int, Sequence[int]] = 0,
+    *,
+    batch_argnums: Union[int, Sequence[int]] = 1,
+    keep_batch_dim: bool = True,
+    microbatch_size: Optional[int] = None,
+    accumulator: Any = AccumulationType.SUM,
+    transform_fn: Callable[[Any], Any] = lambda grads: grads,
+    metrics_fn: Callable[[Any], Any] = lambda grads: None,
+    num_real_microbatches: Optional[int] = None,
+) -> Function:
+    """Per-example gradients, transformed and combined over the batch (as ``optax.microbatching.micro_grad``).
+
+    The returned function takes ``fun``'s arguments and returns ``(result, IndividualOutputs)``:
+    ``result`` is ``transform_fn`` of each example's gradient (with respect to ``argnums``),
+    combined by ``accumulator`` (summed by default); the :class:`IndividualOutputs` hold, per
+    example, ``fun``'s value, ``metrics_fn`` of its gradient and ``fun``'s aux (``has_aux``).
+    ``batch_argnums`` are the arguments with a batch axis 0; with ``keep_batch_dim`` each example
+    reaches ``fun`` as a batch of one. Gradients come from ``torch.func.grad_and_value`` under
+    :func:`micro_vmap`, a microbatch at a time. Clipping per-example gradients is
+    ``transform_fn``'s job (e.g. scale each to at most a norm).
+    """
+    batch_argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+    if not batch_argnums:
+        raise ValueError("micro_grad: batch_argnums must name at least one argument")
+
+    empty = ()  # torch.func returns tensors only: None travels as an empty node and comes back as None
+
+    def with_aux(*args: Any, **kwargs: Any) -> Any:
+        value, aux = fun(*args, **kwargs) if has_aux else (fun(*args, **kwargs), None)
+        return value, (value, empty if aux is None else aux)
+
+    grad_and_value = torch.func.grad_and_value(with_aux, argnums, has_aux=True)
+
+    def per_example(*args: Any, **kwargs: Any) -> Any:
+        grads, (_, (value, aux)) = grad_and_value(*args, **kwargs)
+        metrics = metrics_fn(grads)
+        return transform_fn(grads), (value, empty if metrics is None else metrics, aux)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        for i in batch_argnums:
+            if not 0 <= i < len(args):
+                raise ValueError(f"micro_grad: batch_argnums names argument {i}, but {len(args)} positional arguments were given")
+        if keep_batch_dim:
+            args = tuple(
+                tree_lib.tree_map(lambda x: x.unsqueeze(1), a) if i in batch_argnums else a for i, a in enumerate(args)
+            )
+        in_axes = [0 if i in batch_argnums else None for i in range(len(args))]
+        run = micro_vmap(
+            per_example,
+            in_axes=in_axes,
+            microbatch_size=microbatch_size,
+            accumulator=(accumulator, AccumulationType.CONCAT),
+            num_real_microbatches=num_real_microbatches,
+        )
+        result, (values, metrics, aux) = run(*args, **kwargs)
+        return result, IndividualOutputs(
+            values=values, metrics=None if metrics == empty else metrics, aux=None if aux == empty else aux
+        )
+
+    return wrapped
+
+
+__all__ = ["AccumulationType", "Accumulator", "IndividualOutputs", "micro_grad", "micro_vmap", "microbatch", "reshape_batch_axis"]
