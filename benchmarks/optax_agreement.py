@@ -202,11 +202,16 @@ def _helper_cases():
     fun = lambda w, x: (x @ w, (x @ w).sum(), (x @ w).mean(), (x @ w).mean())  # noqa: E731
     kinds = lambda mb: (mb.AccumulationType.CONCAT, mb.AccumulationType.SUM, mb.AccumulationType.MEAN, mb.AccumulationType.RUNNING_MEAN)  # noqa: E731
     yield "microbatch", optax.microbatch(fun, 1, 3, kinds(optax.microbatching))(jnp.asarray(w), jnp.asarray(xs)), gtx.microbatch(fun, 1, 3, kinds(gtx.microbatching))(torch.tensor(w), torch.tensor(xs))
+    sq = lambda w, x: (x @ w) ** 2  # noqa: E731
+    yield "micro_vmap", optax.microbatching.micro_vmap(sq, (None, 0), microbatch_size=4)(jnp.asarray(w), jnp.asarray(xs)), gtx.microbatching.micro_vmap(sq, (None, 0), microbatch_size=4)(torch.tensor(w), torch.tensor(xs))
+    ys = r.standard_normal(12).astype(DTYPE)
+    lo, lt = (lambda w, x, y: ((x @ w - y) ** 2).mean()), (lambda w, x, y: ((x @ w - y) ** 2).mean())
+    yield "micro_grad", optax.microbatching.micro_grad(lo, batch_argnums=(1, 2), microbatch_size=3, transform_fn=lambda g: g / jnp.maximum(1.0, jnp.linalg.norm(g)))(jnp.asarray(w), jnp.asarray(xs), jnp.asarray(ys)), gtx.microbatching.micro_grad(lt, batch_argnums=(1, 2), microbatch_size=3, transform_fn=lambda g: g / torch.clamp(torch.linalg.norm(g), min=1.0))(torch.tensor(w), torch.tensor(xs), torch.tensor(ys))
 
 
 for _name, _ref, _got in _helper_cases():
     _ref = [np.asarray(v) for v in jax.tree.leaves(_ref)]
-    _got = [v.detach().numpy() for v in gtx.tree.leaves(_got)]
+    _got = [v.detach().numpy() for v in gtx.tree.leaves(_got) if v is not None]  # None: an empty node in JAX
     _err = max(float(np.max(np.abs(a - b) / (np.abs(b) + 1e-6))) for a, b in zip(_got, _ref))
     if _name != "inv_pth_root_p3":
         worst = max(worst, _err)
