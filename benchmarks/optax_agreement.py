@@ -328,4 +328,45 @@ for name, (attr, make, (extra_o, extra_t), kw) in EXTRA_CASES.items():
         err = max(float(np.max(np.abs(got[k] - ref[k]) / (np.abs(ref[k]) + 1e-6))) for k in ref)
         worst = max(worst, err)
         print(f"{name:16s} inplace={inplace!s:5s} max rel err {err:.2e}" + ("  <-- above 1e-5" if err > 1e-5 else ""))
+# ---- optax's top-level helpers that are not transformations (moments, tree_map_params, linear
+# algebra, multi_normal, microbatch): each gradtx result against optax's on the same numbers.
+def _helper_cases():
+    r = np.random.default_rng(1)
+    j = lambda t: jax.tree.map(jnp.asarray, t)  # noqa: E731
+    t = lambda tr: {k: torch.tensor(v) for k, v in tr.items()}  # noqa: E731
+    g, m = grads[0], grads[1]
+    yield "update_moment", optax.update_moment(j(g), j(m), 0.9, 2), gtx.update_moment(t(g), t(m), 0.9, 2)
+    yield "update_moment_pen", optax.update_moment_per_elem_norm(j(g), j(m), 0.9, 3), gtx.update_moment_per_elem_norm(t(g), t(m), 0.9, 3)
+    yield "update_inf_moment", optax.update_infinity_moment(j(g), j(m), 0.9, 1e-3), gtx.update_infinity_moment(t(g), t(m), 0.9, 1e-3)
+    yield "bias_correction", optax.bias_correction(j(m), 0.9, jnp.asarray(3)), gtx.bias_correction(t(m), 0.9, torch.tensor(3))
+    so, st = optax.adam(1e-2).init(j(params0)), gtx.adam(1e-2).init(t(params0))
+    so = optax.adam(1e-2).update(j(g), so, j(params0))[1]
+    st = gtx.adam(1e-2).update(t(g), st, t(params0))[1]
+    yield "tree_map_params", optax.tree_map_params(optax.adam(1e-2), lambda x: 2 * x + 1, so)[0].nu, gtx.tree_map_params(gtx.adam(1e-2), lambda x: 2 * x + 1, st)[0].nu
+    a = r.standard_normal((6, 6)).astype(DTYPE)
+    spd = (a @ a.T / 6 + 0.5 * np.eye(6)).astype(DTYPE)
+    yield "power_iteration", optax.power_iteration(jnp.asarray(spd), num_iters=500)[0], gtx.power_iteration(torch.tensor(spd), num_iters=500)[0]
+    for p in (2, 4, 3):  # p=3: optax raises its iterate to the 4th power (nearest unrolled power of two)
+        yield f"inv_pth_root_p{p}", optax.matrix_inverse_pth_root(jnp.asarray(spd), p)[0], gtx.matrix_inverse_pth_root(torch.tensor(spd), p)[0]
+    loc, log_scale, x = (r.standard_normal(s).astype(DTYPE) for s in ((3,), (3,), (5, 3)))
+    yield "multi_normal_logp", optax.multi_normal(jnp.asarray(loc), jnp.asarray(log_scale)).log_prob(jnp.asarray(x)), gtx.multi_normal(torch.tensor(loc), torch.tensor(log_scale)).log_prob(torch.tensor(x))
+    w, xs = r.standard_normal(4).astype(DTYPE), r.standard_normal((12, 4)).astype(DTYPE)
+    fun = lambda w, x: (x @ w, (x @ w).sum(), (x @ w).mean(), (x @ w).mean())  # noqa: E731
+    kinds = lambda mb: (mb.AccumulationType.CONCAT, mb.AccumulationType.SUM, mb.AccumulationType.MEAN, mb.AccumulationType.RUNNING_MEAN)  # noqa: E731
+    yield "microbatch", optax.microbatch(fun, 1, 3, kinds(optax.microbatching))(jnp.asarray(w), jnp.asarray(xs)), gtx.microbatch(fun, 1, 3, kinds(gtx.microbatching))(torch.tensor(w), torch.tensor(xs))
+    sq = lambda w, x: (x @ w) ** 2  # noqa: E731
+    yield "micro_vmap", optax.microbatching.micro_vmap(sq, (None, 0), microbatch_size=4)(jnp.asarray(w), jnp.asarray(xs)), gtx.microbatching.micro_vmap(sq, (None, 0), microbatch_size=4)(torch.tensor(w), torch.tensor(xs))
+    ys = r.standard_normal(12).astype(DTYPE)
+    lo, lt = (lambda w, x, y: ((x @ w - y) ** 2).mean()), (lambda w, x, y: ((x @ w - y) ** 2).mean())
+    yield "micro_grad", optax.microbatching.micro_grad(lo, batch_argnums=(1, 2), microbatch_size=3, transform_fn=lambda g: g / jnp.maximum(1.0, jnp.linalg.norm(g)))(jnp.asarray(w), jnp.asarray(xs), jnp.asarray(ys)), gtx.microbatching.micro_grad(lt, batch_argnums=(1, 2), microbatch_size=3, transform_fn=lambda g: g / torch.clamp(torch.linalg.norm(g), min=1.0))(torch.tensor(w), torch.tensor(xs), torch.tensor(ys))
+
+
+for _name, _ref, _got in _helper_cases():
+    _ref = [np.asarray(v) for v in jax.tree.leaves(_ref)]
+    _got = [v.detach().numpy() for v in gtx.tree.leaves(_got) if v is not None]  # None: an empty node in JAX
+    _err = max(float(np.max(np.abs(a - b) / (np.abs(b) + 1e-6))) for a, b in zip(_got, _ref))
+    if _name != "inv_pth_root_p3":
+        worst = max(worst, _err)
+    print(f"{_name:16s} max rel err {_err:.2e}" + ("  <-- above 1e-5" if _err > 1e-5 else ""))
+# ---- end of the top-level helpers
 print("worst", worst)

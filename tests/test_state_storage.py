@@ -258,7 +258,12 @@ def extra_args(name, params, state):
 def public_factories() -> set[str]:
     """Every public gradtx (and gradtx.contrib) function whose declared result is a ``GradientTransformation``."""
     names = set()
-    for module, name in [(gtx, n) for n in dir(gtx)] + [(gtx.contrib, n) for n in gtx.contrib.__all__]:
+    contrib_objects = {
+        id(obj) for obj in map(functools.partial(getattr, gtx.contrib), gtx.contrib.__all__)
+        if getattr(obj, "__module__", "").startswith("gradtx.contrib")
+    }
+    top_level = [(gtx, n) for n in dir(gtx) if id(getattr(gtx, n)) not in contrib_objects]  # contrib's: below
+    for module, name in top_level + [(gtx.contrib, n) for n in gtx.contrib.__all__]:
         obj = getattr(module, name)
         if name.startswith("_") or not inspect.isfunction(obj):
             continue

@@ -14,7 +14,7 @@ the transformations that take them, and only to those.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple, Union
 
 import torch
 
@@ -24,6 +24,9 @@ PyTree = Any
 Params = PyTree
 Updates = PyTree
 OptState = PyTree
+MaskOrFn = Optional[Union[Any, Callable[[Params], Any]]]
+"""A mask argument (``weight_decay_mask``, ``mask``): ``None`` (no mask), a tree of bools with the
+structure of the params or a prefix of it, or a callable building one from the params (as optax's)."""
 
 
 class TransformInitFn(Protocol):

@@ -5,6 +5,11 @@ saturating counters, a gradient scaler, and the two ways of blending a slow copy
 finite where the value is 0 (a plain ``sqrt`` of a zero sum has an infinite derivative there).
 ``incremental_update`` and ``periodic_update`` keep target networks and EMA weights; the period
 test stays on the device (``torch.where``), so nothing syncs with the host.
+
+``update_moment``, ``update_moment_per_elem_norm``, ``update_infinity_moment`` and
+``bias_correction`` are optax's top-level names for the moment helpers of
+:mod:`gradtx.tree_utils` (``tree_update_moment``, ...): the same functions, not copies, kept
+here with the other numerics optax exports at its top level.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
+from gradtx import tree_utils
 
 PyTree = Any
 ScalarOrSchedule = Union[float, Tensor, Callable[[Tensor], Any]]
@@ -102,3 +108,10 @@ def periodic_update(new_tensors: PyTree, old_tensors: PyTree, steps: Union[int, 
     return tree_lib.tree_map(
         lambda new, old: torch.where(take_new.to(old.device), new.to(old.dtype), old), new_tensors, old_tensors
     )
+
+
+# optax's top-level names for the moment helpers of tree_utils: the same functions.
+bias_correction = tree_utils.tree_bias_correction
+update_infinity_moment = tree_utils.tree_update_infinity_moment
+update_moment = tree_utils.tree_update_moment
+update_moment_per_elem_norm = tree_utils.tree_update_moment_per_elem_norm

@@ -14,10 +14,12 @@ The values are optax's formulas; the two paths agree to float32 rounding.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
+
+from gradtx.numerics import safe_increment
 
 Numeric = Union[float, int, Tensor]
 Schedule = Callable[[Numeric], Numeric]
@@ -404,6 +406,47 @@ def warmup_exponential_decay_schedule(
     )
 
 
+# --------------------------------------------------------------------------- stateful schedules
+
+
+class WrappedScheduleState(NamedTuple):
+    """The state of a :class:`WrappedSchedule`: ``count``, the steps taken so far (0-d int32)."""
+
+    count: Tensor
+
+
+class WrappedSchedule:
+    """A stateless schedule made stateful (optax's ``init``/``update``/``__call__`` protocol).
+
+    ``init()`` starts the count at 0, ``update(state)`` adds one (saturating), and
+    ``schedule(state)`` is ``schedule_fn(state.count)``. Extra keyword arguments are accepted and
+    ignored, as in optax, so it goes wherever a stateful schedule does.
+
+    ```python
+    schedule = gradtx.WrappedSchedule(gradtx.linear_schedule(1.0, 0.0, 10))
+    state = schedule.init()
+    value = schedule(state)          # 1.0
+    state = schedule.update(state)   # count 1
+    ```
+    """
+
+    def __init__(self, schedule_fn: Schedule):
+        if not callable(schedule_fn):
+            raise TypeError(f"WrappedSchedule: schedule_fn must be callable, got a {type(schedule_fn).__name__}")
+        self.schedule_fn = schedule_fn
+
+    def init(self) -> WrappedScheduleState:
+        return WrappedScheduleState(count=torch.zeros((), dtype=torch.int32))
+
+    def update(self, state: WrappedScheduleState, **extra_args: Any) -> WrappedScheduleState:
+        del extra_args
+        return WrappedScheduleState(count=safe_increment(state.count))
+
+    def __call__(self, state: WrappedScheduleState, **extra_args: Any) -> Numeric:
+        del extra_args
+        return self.schedule_fn(state.count)
+
+
 __all__ = [
     "Schedule",
     "constant_schedule",
@@ -423,3 +466,4 @@ __all__ += [
     "piecewise_interpolate_schedule",
     "warmup_exponential_decay_schedule",
 ]
+__all__ += ["WrappedSchedule", "WrappedScheduleState"]

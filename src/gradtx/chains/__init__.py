@@ -1,6 +1,12 @@
 """Combinators: transformations built out of transformations."""
 
-from gradtx.chains.accumulation import MultiSteps, MultiStepsState, skip_large_updates, skip_not_finite
+from gradtx.chains.accumulation import (
+    MultiSteps,
+    MultiStepsState,
+    ShouldSkipUpdateFunction,
+    skip_large_updates,
+    skip_not_finite,
+)
 from gradtx.chains.cadence import (
     ApplyEvery,
     ConditionallyMaskState,
@@ -14,7 +20,7 @@ from gradtx.chains.conditionals import ApplyIfFiniteState, apply_if_finite
 from gradtx.chains.hyperparams import InjectHyperparamsState, inject_hyperparams
 from gradtx.chains.layouts import flatten
 from gradtx.chains.lookahead import LookaheadParams, LookaheadState, lookahead
-from gradtx.chains.masking import MaskedState, freeze, masked
+from gradtx.chains.masking import MaskedNode, MaskedState, freeze, masked
 from gradtx.chains.monitoring import (
     EmaMeasureState,
     MonitorState,
@@ -24,8 +30,14 @@ from gradtx.chains.monitoring import (
     monitor,
     snapshot,
 )
-from gradtx.chains.partition import PartitionState, multi_transform, partition, selective_transform
-from gradtx.chains.stateful_hyperparams import inject_stateful_hyperparams
+from gradtx.chains.partition import (
+    MultiTransformState,
+    PartitionState,
+    multi_transform,
+    partition,
+    selective_transform,
+)
+from gradtx.chains.stateful_hyperparams import InjectStatefulHyperparamsState, inject_stateful_hyperparams
 
 __all__ = [
     "ApplyEvery",
@@ -34,13 +46,17 @@ __all__ = [
     "ConditionallyTransformState",
     "EmaMeasureState",
     "InjectHyperparamsState",
+    "InjectStatefulHyperparamsState",
     "LookaheadParams",
     "LookaheadState",
+    "MaskedNode",
     "MaskedState",
     "MonitorState",
     "MultiSteps",
     "MultiStepsState",
+    "MultiTransformState",
     "PartitionState",
+    "ShouldSkipUpdateFunction",
     "SnapshotState",
     "apply_every",
     "apply_if_finite",

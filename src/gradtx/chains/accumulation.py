@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Union
 
 import torch
 from torch import Tensor
@@ -31,6 +31,17 @@ from gradtx.chains._select import safe_increment, where_or_zero, where_tree, zer
 
 PyTree = Any
 ShouldSkipUpdateFn = Callable[[PyTree, Tensor, Optional[PyTree]], tuple[Tensor, PyTree]]
+
+
+class ShouldSkipUpdateFunction(Protocol):
+    """The type of ``MultiSteps``'s ``should_skip_update_fn`` (as optax's): a verdict and what to log.
+
+    Called with the mini-step's ``updates``, the ``gradient_step`` (0-d int32) and the ``params``;
+    returns a 0-d bool tensor (true: drop this mini-step's gradients) and a pytree kept in
+    ``MultiStepsState.skip_state``. :func:`skip_not_finite` and :func:`skip_large_updates` are two.
+    """
+
+    def __call__(self, updates: PyTree, gradient_step: Tensor, params: Optional[PyTree]) -> tuple[Tensor, PyTree]: ...
 
 
 class MultiStepsState(NamedTuple):

@@ -33,6 +33,16 @@ class MaskedState(NamedTuple):
     inner_state: Any
 
 
+class MaskedNode(NamedTuple):
+    """optax's marker for a masked-out leaf: a pytree node with no leaves.
+
+    gradtx's own combinators mark masked-out leaves with ``None`` ("no gradient", which every
+    transformation passes through) rather than with this node, so a gradtx state never holds one.
+    It is here for code that builds or tests for optax's marker: being an empty node, a tree
+    holding it flattens to the other leaves only, as in optax.
+    """
+
+
 class LeafSelector:
     """Resolves a mask (or any prefix tree) to one value per leaf of a tree.
 

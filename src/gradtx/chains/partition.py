@@ -23,6 +23,10 @@ class PartitionState(NamedTuple):
     inner_states: dict[Hashable, MaskedState]
 
 
+MultiTransformState = PartitionState
+"""The state of :func:`multi_transform` (optax's former name for :func:`partition`): the same class."""
+
+
 def _label_resolver(transforms: Mapping[Hashable, GradientTransformation]) -> Callable[[Any, PyTree], list[Any]]:
     known = list(transforms)
 

@@ -8,7 +8,15 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 
 from gradtx.base import GradientTransformation
-from gradtx.chains.hyperparams import inject_hyperparams
+from gradtx.chains.hyperparams import InjectHyperparamsState, inject_hyperparams
+
+InjectStatefulHyperparamsState = InjectHyperparamsState
+"""The state :func:`inject_stateful_hyperparams` returns: that of :func:`inject_hyperparams`.
+
+optax's class has one more field, ``hyperparams_states``, for schedules that keep state of their
+own; gradtx's ``inject_hyperparams`` evaluates (stateless) schedules at ``count``, so its state has
+``count``, ``hyperparams`` and ``inner_state`` only, the fields ported code reads.
+"""
 
 
 def inject_stateful_hyperparams(

@@ -23,7 +23,9 @@ from gradtx.transforms.block_norm import (
     scale_by_param_block_rms,
 )
 from gradtx.transforms.clipping import (
+    AdaptiveGradClipState,
     ClipByGlobalNormState,
+    ClipState,
     adaptive_grad_clip,
     clip,
     clip_by_block_rms,
@@ -68,6 +70,8 @@ from gradtx.transforms.rms import (
 )
 from gradtx.transforms.scaling import (
     ScaleByScheduleState,
+    ScaleByTrustRatioState,
+    ScaleState,
     scale,
     scale_by_learning_rate,
     scale_by_schedule,
@@ -75,12 +79,15 @@ from gradtx.transforms.scaling import (
 )
 from gradtx.transforms.sign import ScaleByRpropState, scale_by_rprop, scale_by_sign
 from gradtx.transforms.sm3 import ScaleBySM3State, scale_by_sm3
-from gradtx.transforms.weight_decay import WeightDecaySchedule, add_decayed_weights
+from gradtx.transforms.weight_decay import AddDecayedWeightsState, WeightDecaySchedule, add_decayed_weights
 
 __all__ = [
+    "AdaptiveGradClipState",
+    "AddDecayedWeightsState",
     "AddNoiseState",
     "BacktrackingLinesearchInfo",
     "ClipByGlobalNormState",
+    "ClipState",
     "DifferentiallyPrivateAggregateState",
     "EmaState",
     "FactoredState",
@@ -104,7 +111,9 @@ __all__ = [
     "ScaleByRssState",
     "ScaleBySM3State",
     "ScaleByScheduleState",
+    "ScaleByTrustRatioState",
     "ScaleByZoomLinesearchState",
+    "ScaleState",
     "TraceState",
     "WeightDecaySchedule",
     "ZeroNansState",

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, init_empty_state
+from gradtx.base import EmptyState, GradientTransformation, init_empty_state
 from gradtx.tree import unitwise_norm
 
 _EPS = 1e-6  # the same epsilon as torch.nn.utils.clip_grad_norm_
@@ -157,6 +157,9 @@ def clip_by_value(max_delta: float) -> GradientTransformation:
 
 clip = clip_by_value
 
+ClipState = EmptyState
+"""The state of :func:`clip_by_value` (alias :func:`clip`): it keeps nothing, as optax's alias says."""
+
 
 def clip_by_block_rms(threshold: float, spec: Optional[sharding.ShardingSpec] = None) -> GradientTransformation:
     """Scales each leaf by ``1 / max(1, rms(leaf) / threshold)``, as ``optax.clip_by_block_rms``.
@@ -246,3 +249,7 @@ def adaptive_grad_clip(
 
     update_fn.sharding_spec = spec
     return GradientTransformation(init_empty_state, update_fn)
+
+
+AdaptiveGradClipState = EmptyState
+"""The state of :func:`adaptive_grad_clip`: it keeps nothing, as optax's alias says."""

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, identity, init_empty_state
+from gradtx.base import EmptyState, GradientTransformation, identity, init_empty_state
 from gradtx.transforms import _foreach as fe
 
 Schedule = Callable[[Tensor], Union[float, Tensor]]
@@ -114,3 +114,10 @@ def scale_by_trust_ratio(
         return leaves.rebuild(scaled), state
 
     return GradientTransformation(init_empty_state, update_fn)
+
+
+ScaleState = EmptyState
+"""The state of :func:`scale`: it keeps nothing, as optax's alias says."""
+
+ScaleByTrustRatioState = EmptyState
+"""The state of :func:`scale_by_trust_ratio`: it keeps nothing, as optax's alias says."""

@@ -75,3 +75,7 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Optional[Any
         return leaves.rebuild(new_updates), state
 
     return GradientTransformation(init_fn, update_fn)
+
+
+AddDecayedWeightsState = EmptyState
+"""The state of :func:`add_decayed_weights`: it keeps nothing, as optax's alias says."""
