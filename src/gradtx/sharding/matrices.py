@@ -38,6 +38,12 @@ owner 500 ms / 2.38 MiB; FSDP2 ``Shard(0)`` DTensors, gather 2833 ms, owner 792 
 per-leaf gather of everything: 2388 ms and 3203 ms, 8 collectives). Muon uses the owner strategy
 by default.
 
+:func:`local_pieces` serves transforms that need less than the whole tensor: it says where this
+rank's piece lies in each logical tensor (from the layout alone, checked across ranks as above),
+and :meth:`LocalPieces.sum` adds per-leaf tensors over each leaf's shard group (one ``all_reduce``
+per distinct group, float64). GaLore projects with it: each rank's block of ``G`` times its rows of
+the projector, the small shares summed, instead of gathering ``G``.
+
 Layouts. A DTensor's pieces follow its placements (``Shard(d)`` in mesh-dim order, chunked as
 ``torch.chunk`` does, which is how DTensor and FSDP2 split); ``_StridedShard`` is not supported. A
 plain tensor under a :class:`~gradtx.sharding.ShardingSpec` must name its split dims
