@@ -17,12 +17,13 @@ where it is not due, which gives the same numbers.
 
 Exact under sharding: with ``spec=`` (plain local shards) or DTensor leaves, each rank's update is
 its slice of the update of the whole logical matrix. Only the SVD needs whole gradients: on refresh
-steps they are rebuilt on every rank of their shard group (:func:`gradtx.sharding.map_logical`, one
-``all_gather`` per shard group and dtype). The projection is a sum over the shard group: each rank
+steps they are rebuilt on every rank of their shard group, which all compute the same SVDs
+(:func:`gradtx.sharding.map_logical`, one ``all_gather`` per shard group and dtype). The projection is a sum over the shard group: each rank
 multiplies its block of ``G`` by its rows of ``P`` and the small ``r x n`` (or ``m x r``) shares are
 all-reduced, one ``all_reduce`` per shard group per step (exact, in float64), so the projectors
 and the low-rank state are whole and the same on every rank of the group (replicated). Projecting
-back needs no communication: a rank's block of ``P U`` uses its rows of ``P`` only.
+back needs no communication: a rank's block of ``P U`` (or ``U P^T``) takes only the rows and
+columns of the two factors that its block spans.
 """
 
 from __future__ import annotations
