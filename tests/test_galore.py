@@ -4,10 +4,13 @@ and the compiled / ``torch.func`` path (which refreshes by selection instead of 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gradtx as gtx
 from gradtx.contrib import GaLoreDimensionNumbers, GaLoreState, galore, scale_by_galore
@@ -225,3 +228,49 @@ def test_none_leaves_pass_through():
     state = tx.init(params)
     updates, _ = tx.update({"w": torch.ones(4, 3, dtype=DTYPE), "frozen": None}, state, params)
     assert updates["frozen"] is None and updates["w"].shape == (4, 3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 4), min_size=2, max_size=3),
+    rows=st.integers(1, 2),
+    parts=st.lists(st.integers(1, 3), min_size=3, max_size=3),
+    rank=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_sharded_pieces_sum_to_the_whole_projection(shape, rows, parts, rank, seed):
+    """The shares of the pieces of any box partition (chunked as DTensor splits) sum to ``P^T G``
+    (or ``G P``), and the pieces' blocks of ``P U`` (or ``U P^T``) tile the whole: what each rank
+    computes under sharding, without communication."""
+    from gradtx.contrib.galore import _matrix_of, _project_piece, _unproject_piece
+    from gradtx.sharding.matrices import Piece
+
+    rows = min(rows, len(shape) - 1)
+    dims = GaLoreDimensionNumbers(tuple(range(rows)), tuple(range(rows, len(shape))))
+    mat = _matrix_of("x", shape, dims, "test")
+    r, left = min(rank, mat.m, mat.n), mat.m >= mat.n
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(shape, generator=gen, dtype=DTYPE)
+    projector = torch.randn(mat.m if left else mat.n, r, generator=gen, dtype=DTYPE)
+    update = torch.randn((r, mat.n) if left else (mat.m, r), generator=gen, dtype=DTYPE)
+    whole = mat.to_matrix(g)
+    expected_low = projector.mT @ whole if left else whole @ projector
+    expected_full = mat.from_matrix(projector @ update if left else update @ projector.mT)
+
+    per_dim = []
+    for d, size in enumerate(shape):
+        k = parts[d]
+        full = -(-size // k)
+        starts = [min(i * full, size) for i in range(k)]  # torch.chunk's split, the last ones short or empty
+        per_dim.append([(start, min(start + full, size) - start) for start in starts])
+    total = torch.zeros_like(expected_low)
+    rebuilt = torch.full_like(g, float("nan"))
+    for box in itertools.product(*per_dim):
+        offset, size = tuple(b[0] for b in box), tuple(b[1] for b in box)
+        piece = Piece(tuple(shape), size, offset, ("tp",))
+        region = tuple(slice(o, o + s) for o, s in zip(offset, size))
+        local = g[region]
+        total = total + _project_piece(local, projector, mat, piece, left)
+        rebuilt[region] = _unproject_piece(update, projector, mat, piece, left, local)
+    torch.testing.assert_close(total, expected_low, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(rebuilt, expected_full, rtol=1e-10, atol=1e-12)

@@ -36,6 +36,7 @@ CASE_MODULES = (
     "test_contrib_dtensor",
     "test_sharding_factored",
     "test_sharding_muon",
+    "test_sharding_galore",
     "test_contrib_sharding",
 )
 

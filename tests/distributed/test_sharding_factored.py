@@ -304,16 +304,18 @@ def adafactor_fsdp_dtensors_match_dense(world):
 
 
 @case(2)
-def galore_rejects_sharded_matrices(world):
-    """GaLore's SVD needs whole matrices: a DTensor matrix is a ValueError naming it, not local SVDs."""
+def galore_takes_sharded_matrices_whole(world):
+    """GaLore on a DTensor matrix projects the whole logical matrix (not local SVDs): its projector
+    has the logical shape (test_sharding_galore checks the numbers)."""
     from torch.distributed.tensor import Shard as S, distribute_tensor
 
     from gradtx.contrib import galore
 
     mesh = world.mesh((world.size,), ("dp",))
     params = {"w": distribute_tensor(torch.ones(8, 4), mesh, [S(0)]), "b": torch.ones(4)}
-    with pytest.raises(ValueError, match=r"'w'.*DTensor"):
-        galore(0.1, rank=2).init(params)
+    state = galore(0.1, rank=2).init(params)
+    assert tuple(state[0].projector["w"].shape) == (8, 2)
+    assert tuple(state[0].base_optimizer_state.mu["w"].shape) == (2, 4)
 
 
 @pytest.mark.distributed

@@ -15,11 +15,20 @@ read from the step counter on the host (one scalar read per step); under ``torch
 ``torch.func`` transform it cannot be, so every step computes the SVD and keeps the old projector
 where it is not due, which gives the same numbers.
 
-Sharded leaves (a ``ShardingSpec``, DTensors) are not supported: the SVD needs whole matrices.
+Exact under sharding: with ``spec=`` (plain local shards) or DTensor leaves, each rank's update is
+its slice of the update of the whole logical matrix. Only the SVD needs whole gradients: on refresh
+steps they are rebuilt on every rank of their shard group, which all compute the same SVDs
+(:func:`gradtx.sharding.map_logical`, one ``all_gather`` per shard group and dtype). The projection is a sum over the shard group: each rank
+multiplies its block of ``G`` by its rows of ``P`` and the small ``r x n`` (or ``m x r``) shares are
+all-reduced, one ``all_reduce`` per shard group per step (exact, in float64), so the projectors
+and the low-rank state are whole and the same on every rank of the group (replicated). Projecting
+back needs no communication: a rank's block of ``P U`` (or ``U P^T``) takes only the rows and
+columns of the two factors that its block spans.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -29,6 +38,8 @@ from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation
 from gradtx.chains import chain
 from gradtx.sharding import dtensor as dtensor_lib
+from gradtx.sharding import matrices
+from gradtx.sharding.spec import ShardingSpec
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.adam import scale_by_adam
 from gradtx.transforms.scaling import scale_by_learning_rate
@@ -69,6 +80,7 @@ class _Matrix(NamedTuple):
     permuted_shape: tuple[int, ...]
     m: int
     n: int
+    rows: int = 1  # how many of the permuted axes are reduction (row) axes
 
     def to_matrix(self, x: Tensor) -> Tensor:
         return x.permute(self.permutation).reshape(self.m, self.n)
@@ -106,7 +118,7 @@ def _matrix_of(path: Any, shape: Sequence[int], dim_nums: GaLoreDimensionNumbers
         m *= shape[a]
     for a in cols:
         n *= shape[a]
-    return _Matrix(permutation, tuple(shape[a] for a in permutation), m, n)
+    return _Matrix(permutation, tuple(shape[a] for a in permutation), m, n, len(rows))
 
 
 def _dim_nums_leaves(weight_dimension_numbers: Optional[WeightDimNumOrFn], tree: Any, tree_leaves: list) -> list:
@@ -144,12 +156,78 @@ def _refresh_on_host(count: Tensor, gap: int) -> Optional[bool]:
     return int(count) % gap == 0
 
 
+# --------------------------------------------------------------------------- sharded pieces
+#
+# A rank holds a box of the logical leaf: in the matrix view, a set of rows (the box's ranges on
+# the reduction axes) times a set of columns (its ranges on the output axes). The projector and the
+# low-rank tensors are whole on every rank; a factor indexed by rows or by columns is sliced to the
+# box's rows or columns by viewing its first dim as the axes it flattens.
+
+
+def _side(mat: _Matrix, piece: matrices.Piece, rows: bool) -> tuple[tuple[int, ...], tuple[int, ...], tuple[slice, ...]]:
+    """``(whole shape, piece shape, piece slices)`` of the row (or column) axes of ``mat``."""
+    axes = mat.permutation[: mat.rows] if rows else mat.permutation[mat.rows :]
+    shape = tuple(piece.shape[a] for a in axes)
+    size = tuple(piece.size[a] for a in axes)
+    region = tuple(slice(piece.offset[a], piece.offset[a] + piece.size[a]) for a in axes)
+    return shape, size, region
+
+
+def _rows_of(factor: Tensor, shape: tuple[int, ...], region: tuple[slice, ...]) -> Tensor:
+    """The rows of ``factor`` (``prod(shape) x k``) that ``region`` of ``shape`` selects."""
+    k = factor.shape[-1]
+    return factor.reshape(*shape, k)[region].reshape(-1, k)
+
+
+def _piece_matrix(local: Tensor, mat: _Matrix) -> Tensor:
+    perm = mat.permutation
+    size = [local.shape[a] for a in perm]
+    return local.permute(perm).reshape(math.prod(size[: mat.rows]), math.prod(size[mat.rows :]))
+
+
+def _project_piece(local: Tensor, projector: Tensor, mat: _Matrix, piece: matrices.Piece, left: bool) -> Tensor:
+    """This piece's share of the low-rank gradient (``P^T G`` or ``G P``), zero outside its columns
+    (or rows): the shares of a shard group sum to the whole product."""
+    g = _piece_matrix(local, mat)
+    if not piece.axes:
+        return projector.mT @ g if left else g @ projector
+    r = projector.shape[-1]
+    if left:  # r x n: this piece's rows of P against its block, into its columns
+        shape, _, region = _side(mat, piece, rows=True)
+        cols, col_size, col_region = _side(mat, piece, rows=False)
+        share = torch.zeros((r, *cols), dtype=g.dtype, device=g.device)
+        share[(slice(None),) + col_region] = (_rows_of(projector, shape, region).mT @ g).reshape(r, *col_size)
+        return share.reshape(r, mat.n)
+    shape, _, region = _side(mat, piece, rows=False)
+    rows, row_size, row_region = _side(mat, piece, rows=True)
+    share = torch.zeros((*rows, r), dtype=g.dtype, device=g.device)
+    share[row_region] = (g @ _rows_of(projector, shape, region)).reshape(*row_size, r)
+    return share.reshape(mat.m, r)
+
+
+def _unproject_piece(update: Tensor, projector: Tensor, mat: _Matrix, piece: matrices.Piece, left: bool, local: Tensor) -> Tensor:
+    """This piece's block of ``P U`` (or ``U P^T``), shaped like ``local``."""
+    if not piece.axes:
+        return mat.from_matrix(projector @ update if left else update @ projector.mT)
+    rows, _, row_region = _side(mat, piece, rows=True)
+    cols, _, col_region = _side(mat, piece, rows=False)
+    if left:  # (m_loc x r) @ (r x n_loc)
+        block = _rows_of(projector, rows, row_region) @ _rows_of(update.mT, cols, col_region).mT
+    else:  # (m_loc x r) @ (r x n_loc)
+        block = _rows_of(update, rows, row_region) @ _rows_of(projector, cols, col_region).mT
+    perm = mat.permutation
+    inverse = sorted(range(len(perm)), key=lambda i: perm[i])
+    return block.reshape(tuple(local.shape[a] for a in perm)).permute(inverse)
+
+
 def scale_by_galore(
     rank: int = 128,
     update_proj_gap: int = 200,
     scale: float = 1.0,
     base_optimizer: Optional[GradientTransformation] = None,
     weight_dimension_numbers: Optional[WeightDimNumOrFn] = None,
+    *,
+    spec: Optional[ShardingSpec] = None,
 ) -> GradientTransformation:
     """Runs ``base_optimizer`` (default ``scale_by_adam()``) on low-rank projections of the gradient
     matrices and projects its updates back, times ``scale`` (leaves that are not projected get the
@@ -161,6 +239,18 @@ def scale_by_galore(
     rank >= 2; a tree of them (``None`` to skip a leaf), or a callable ``params -> tree``.
     The base optimizer is called without params: it must be a pure gradient scaling
     (``scale_by_adam``, ``scale_by_lion``, ...), not ``adamw`` (use ``galore``'s ``weight_decay``).
+
+    ``spec``: the sharding of plain-tensor leaves (DTensor leaves describe themselves). Each rank's
+    update is then its slice of the GaLore update of the whole logical matrix; ``m``, ``n`` and the
+    projector side are the logical matrix's. The projectors and the base optimizer's low-rank state
+    are whole and identical on every rank of a matrix's shard group (replicated; plain tensors);
+    leaves that are not projected reach the base optimizer as local shards (or DTensors).
+    Collectives per step (after the first, whose cross-rank checks add one ``all_gather`` per kind
+    of call): one ``all_reduce`` per distinct shard group of the projected matrices (their shares
+    of ``P^T G`` / ``G P``, ``r x n`` or ``m x r``, summed in float64), and on refresh steps one
+    ``all_gather`` per shard group and dtype first, which rebuilds the whole gradients for the SVD
+    (:func:`gradtx.sharding.map_logical`, strategy ``"gather"``: every rank of the group computes
+    the same SVD). Leaves with no sharded axis add nothing. Projecting back is local.
     """
     owner = "scale_by_galore"
     if not isinstance(rank, int) or isinstance(rank, bool):
@@ -169,36 +259,39 @@ def scale_by_galore(
         raise ValueError(f"{owner}: rank must be positive, got {rank}")
     if not isinstance(update_proj_gap, int) or update_proj_gap <= 0:
         raise ValueError(f"{owner}: update_proj_gap must be a positive int, got {update_proj_gap!r}")
+    if spec is not None and not isinstance(spec, ShardingSpec):
+        raise TypeError(f"{owner}: spec must be a ShardingSpec or None, got {type(spec).__name__}")
     base = base_optimizer if base_optimizer is not None else scale_by_adam()
 
-    def matrices_of(tree: Any) -> tuple[list, Any, list[Optional[_Matrix]]]:
+    def resolve(tree: Any) -> tuple[list, Any, list, Any]:
+        """Leaves, treedef, dimension numbers per leaf, and the tree with only the projected leaves."""
         tree_leaves, treedef = tree_lib.flatten(tree)
         dim_nums = _dim_nums_leaves(weight_dimension_numbers, tree, tree_leaves)
-        out: list[Optional[_Matrix]] = []
-        for index, (x, d) in enumerate(zip(tree_leaves, dim_nums)):
-            if x is None or d is None:
-                out.append(None)
-                continue
-            path = _LazyPath(tree, index)
-            if dtensor_lib.is_dtensor(x):
-                raise ValueError(f"{owner}: leaf {path!r} is a DTensor; GaLore's SVD needs whole matrices (not supported)")
-            out.append(_matrix_of(path, tuple(x.shape), d, owner))
-        return tree_leaves, treedef, out
+        masked = [x if d is not None else None for x, d in zip(tree_leaves, dim_nums)]
+        return tree_leaves, treedef, dim_nums, tree_lib.unflatten(treedef, masked)
+
+    def is_sharded(tree_leaves: list) -> bool:
+        return spec is not None or dtensor_lib.has_dtensor([x for x in tree_leaves if x is not None])
 
     def init_fn(params: Any) -> GaLoreState:
-        tree_leaves, treedef, matrices = matrices_of(params)
+        tree_leaves, treedef, dim_nums, masked = resolve(params)
+        # the logical shapes of the projected leaves (their local ones when nothing is sharded)
+        shapes = matrices.logical_shapes(masked, spec, what=owner) if is_sharded(tree_leaves) else None
         projectors, proxies = [], []
-        for p, mat in zip(tree_leaves, matrices):
+        for index, (p, d) in enumerate(zip(tree_leaves, dim_nums)):
             if p is None:
                 projectors.append(None), proxies.append(None)
-            elif mat is None:
+            elif d is None:
                 projectors.append(torch.zeros((0, 0), dtype=p.dtype, device=p.device))
                 proxies.append(torch.zeros_like(p))
             else:
+                shape = shapes[index] if shapes is not None else tuple(p.shape)
+                mat = _matrix_of(_LazyPath(params, index), shape, d, owner)
                 r = min(rank, mat.m, mat.n)
                 left = mat.m >= mat.n
-                projectors.append(torch.zeros((mat.m if left else mat.n, r), dtype=p.dtype, device=p.device))
-                proxies.append(torch.zeros((r, mat.n) if left else (mat.m, r), dtype=p.dtype, device=p.device))
+                device = dtensor_lib.local(p).device
+                projectors.append(torch.zeros((mat.m if left else mat.n, r), dtype=p.dtype, device=device))
+                proxies.append(torch.zeros((r, mat.n) if left else (mat.m, r), dtype=p.dtype, device=device))
         return GaLoreState(
             count=fe.zero_count(params),
             base_optimizer_state=base.init(tree_lib.unflatten(treedef, proxies)),
@@ -207,30 +300,63 @@ def scale_by_galore(
 
     def update_fn(updates, state, params=None, *, inplace=False):
         del params
-        tree_leaves, treedef, matrices = matrices_of(updates)
+        tree_leaves, treedef, dim_nums, masked = resolve(updates)
         projector_leaves = tree_lib.flatten_like(state.projector, treedef, updates, what=f"{owner}: state.projector")
+        sharded = is_sharded(tree_leaves)
+        mats: dict[int, _Matrix] = {}
+
+        def validate(index: int, path: Any, shape: tuple[int, ...]) -> None:
+            # under sharding this runs before any collective, and every rank gets the error
+            mats[index] = _matrix_of(path, shape, dim_nums[index], owner)
+
+        if sharded:
+            layout = matrices.local_pieces(masked, spec, what=owner, validate=validate)
+        else:
+            for index, (x, d) in enumerate(zip(tree_leaves, dim_nums)):
+                if x is not None and d is not None:
+                    validate(index, _LazyPath(updates, index), tuple(x.shape))
         refresh = _refresh_on_host(state.count, update_proj_gap)
         due = None if refresh is not None else (state.count % update_proj_gap) == 0
         graph = tree_lib.needs_graph([x for x in tree_leaves if x is not None], list(projector_leaves))
 
-        low_rank, new_projectors = [], []
-        for g, projector, mat in zip(tree_leaves, projector_leaves, matrices):
+        fresh: dict[int, Tensor] = {}
+
+        def svd_of(index: int, x: Tensor) -> Tensor:
+            mat = mats[index]
+            fresh[index] = _projector_from_svd(mat.to_matrix(x), min(rank, mat.m, mat.n), mat.m >= mat.n)
+            return x
+
+        if refresh is not False and sharded:
+            # every rank of a shard group rebuilds the whole gradients and computes the same SVDs
+            matrices.map_logical(masked, svd_of, spec, what=owner, strategy="gather")
+
+        low_rank, new_projectors, shares = [], [], {}
+        for index, (g, projector) in enumerate(zip(tree_leaves, projector_leaves)):
+            mat = mats.get(index)
             if g is None or mat is None:
                 low_rank.append(g)
                 keep = projector if (projector is None or inplace) else projector.clone()
                 new_projectors.append(keep)
                 continue
-            matrix = mat.to_matrix(g)
-            r, left = min(rank, mat.m, mat.n), mat.m >= mat.n
+            left = mat.m >= mat.n
             if refresh is False:
                 new = projector if inplace else projector.clone()
             else:
-                fresh = _projector_from_svd(matrix, r, left)
-                new = fresh if refresh else torch.where(due.to(fresh.device), fresh, projector)
+                if index not in fresh:
+                    svd_of(index, g)
+                new = fresh[index] if refresh else torch.where(due.to(fresh[index].device), fresh[index], projector)
                 if inplace and not graph:
                     new = projector.copy_(new)
-            low_rank.append(new.mT @ matrix if left else matrix @ new)
             new_projectors.append(new)
+            if sharded:
+                shares[index] = _project_piece(dtensor_lib.local(g), new, mat, layout.pieces[index], left)
+                low_rank.append(None)
+            else:
+                matrix = mat.to_matrix(g)
+                low_rank.append(new.mT @ matrix if left else matrix @ new)
+        if shares:
+            for index, whole in layout.sum(shares).items():
+                low_rank[index] = whole
 
         # low-rank gradients are fresh tensors; unprojected leaves are donated only when the caller does
         base_updates, base_state = base.update(
@@ -238,14 +364,20 @@ def scale_by_galore(
         )
         base_leaves = tree_lib.flatten_like(base_updates, treedef, updates, what=f"{owner}: base optimizer updates")
         outs = []
-        for g, u, projector, mat in zip(tree_leaves, base_leaves, new_projectors, matrices):
+        for index, (g, u, projector) in enumerate(zip(tree_leaves, base_leaves, new_projectors)):
+            mat = mats.get(index)
             if g is None or mat is None:
                 outs.append(u)
                 continue
             left = mat.m >= mat.n
-            full = mat.from_matrix(projector @ u if left else u @ projector.mT)
-            full = (scale * full).to(g.dtype)
-            outs.append(g.copy_(full) if inplace and not graph else full)
+            local = dtensor_lib.local(g)
+            if sharded:
+                full = _unproject_piece(u, projector, mat, layout.pieces[index], left, local)
+            else:
+                full = mat.from_matrix(projector @ u if left else u @ projector.mT)
+            full = (scale * full).to(local.dtype)
+            full = local.copy_(full) if inplace and not graph else full
+            outs.append(dtensor_lib.locals_of([g])[1]([full])[0] if local is not g else full)
         return tree_lib.unflatten(treedef, outs), GaLoreState(
             count=fe.increment(state.count, inplace=inplace),
             base_optimizer_state=base_state,
@@ -264,6 +396,8 @@ def galore(
     weight_decay: Any = 0.0,
     mask: Optional[Any] = None,
     weight_dimension_numbers: Optional[WeightDimNumOrFn] = None,
+    *,
+    spec: Optional[ShardingSpec] = None,
 ) -> GradientTransformation:
     """GaLore (Zhao et al., 2024, "GaLore: Memory-Efficient LLM Training by Gradient Low-Rank
     Projection", https://arxiv.org/abs/2403.03507): ``scale_by_galore`` (Adam on rank-``rank``
@@ -273,6 +407,8 @@ def galore(
 
     The base optimizer's state is ``rank x n`` (or ``m x rank``) per ``m x n`` matrix instead of
     ``m x n``. Give weight decay here, never through the base optimizer (it sees no params).
+    With ``spec`` (or DTensor leaves) each rank's update is its slice of the update of the whole
+    logical matrices, whatever the sharding; see :func:`scale_by_galore` for the collectives.
 
     ```python
     import torch
@@ -295,6 +431,7 @@ def galore(
             scale=scale,
             base_optimizer=base_optimizer,
             weight_dimension_numbers=weight_dimension_numbers,
+            spec=spec,
         ),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),

@@ -38,6 +38,12 @@ owner 500 ms / 2.38 MiB; FSDP2 ``Shard(0)`` DTensors, gather 2833 ms, owner 792 
 per-leaf gather of everything: 2388 ms and 3203 ms, 8 collectives). Muon uses the owner strategy
 by default.
 
+:func:`local_pieces` serves transforms that need less than the whole tensor: it says where this
+rank's piece lies in each logical tensor (from the layout alone, checked across ranks as above),
+and :meth:`LocalPieces.sum` adds per-leaf tensors over each leaf's shard group (one ``all_reduce``
+per distinct group, float64). GaLore projects with it: each rank's block of ``G`` times its rows of
+the projector, the small shares summed, instead of gathering ``G``.
+
 Layouts. A DTensor's pieces follow its placements (``Shard(d)`` in mesh-dim order, chunked as
 ``torch.chunk`` does, which is how DTensor and FSDP2 split); ``_StridedShard`` is not supported. A
 plain tensor under a :class:`~gradtx.sharding.ShardingSpec` must name its split dims
@@ -413,3 +419,96 @@ def _apply_owned(plan: Plan, pieces: Sequence[Any], jobs: Sequence[Optional[_Gat
             out[job.index] = back[cursor : cursor + n].view(job.boxes[job.me][0]).clone()
             cursor += n
     return out
+
+
+# --------------------------------------------------------------------------- local pieces
+
+
+@dataclass(frozen=True)
+class Piece:
+    """This rank's piece of one leaf: the whole logical ``shape``, the piece's ``size`` and
+    ``offset`` in it, and the mesh ``axes`` (of size > 1) over which the other pieces lie (empty
+    when the piece is the whole tensor)."""
+
+    shape: tuple[int, ...]
+    size: tuple[int, ...]
+    offset: tuple[int, ...]
+    axes: tuple[str, ...]
+
+    def region(self) -> tuple[slice, ...]:
+        """The piece's slices of the whole tensor."""
+        return _region((self.size, self.offset))
+
+
+class LocalPieces:
+    """Where each leaf's local piece lies in its logical tensor (``pieces``, ``None`` for ``None``
+    leaves), and :meth:`sum`, which adds per-leaf tensors over each leaf's shard group."""
+
+    def __init__(self, plan: Optional[Plan], pieces: list[Optional[Piece]]):
+        self.plan, self.pieces = plan, pieces
+
+    def sum(self, values: dict[int, Tensor]) -> dict[int, Tensor]:
+        """``{leaf index: tensor}`` -> each tensor summed over the ranks of that leaf's shard group
+        (its ``Piece.axes``), exactly in float64 and back to its dtype: one ``all_reduce`` per
+        distinct group, in mesh order on every rank; a leaf whose piece is whole keeps its tensor.
+        Every rank of a group must pass a tensor of the same shape for the leaf."""
+        from gradtx.sharding.reductions import reduce_grouped
+
+        indices = [i for i in sorted(values) if self.pieces[i] is not None and self.pieces[i].axes]  # type: ignore[union-attr]
+        out = dict(values)
+        if indices and self.plan is not None:
+            items = [(self.pieces[i].axes, values[i]) for i in indices]  # type: ignore[union-attr]
+            for i, reduced in zip(indices, reduce_grouped(self.plan.mesh, items, dist.ReduceOp.SUM)):
+                out[i] = reduced
+        return out
+
+
+def local_pieces(
+    tree: Any,
+    spec: Optional[ShardingSpec] = None,
+    *,
+    what: str,
+    validate: Optional[Callable[[int, str, tuple[int, ...]], None]] = None,
+) -> LocalPieces:
+    """Where every leaf's local piece lies in its whole logical tensor, from the layout alone.
+
+    For a transform that needs only part of a leaf's logical context: a product of the piece with
+    a slice of a replicated factor, summed over the shard group with :meth:`LocalPieces.sum`
+    (GaLore's projection), instead of gathering the whole tensor. ``validate(index, path, logical
+    shape)`` and the layouts are checked as :func:`map_logical` checks them: on a new plan the
+    cross-rank check runs (one ``all_gather``), so an error (of ``validate``, an unknown split dim,
+    unequal plain shards) reaches every rank before any data moves. Without a spec and without
+    DTensors every piece is whole and nothing is communicated.
+    """
+    tree_leaves = tree_lib.leaves(tree)
+    if spec is None and not dtensor_lib.has_dtensor(tree_leaves):
+        pieces: list[Optional[Piece]] = []
+        for index, leaf in enumerate(tree_leaves):
+            if leaf is None:
+                pieces.append(None)
+                continue
+            shape = tuple(leaf.shape)
+            if validate is not None:
+                validate(index, tree_lib.path_at(tree, index), shape)
+            pieces.append(Piece(shape, shape, (0,) * len(shape), ()))
+        return LocalPieces(None, pieces)
+
+    found: list[list[Optional[_Gather]]] = []
+    plan, tree_leaves = plan_for(
+        tree,
+        spec,
+        what=what,
+        op=f"{what}: local pieces{_signature(tree_leaves, spec)}",
+        validate=lambda plan, leaves: found.append(_jobs(plan, leaves, None, validate)),
+    )
+    pieces = []
+    for leaf, job in zip(tree_leaves, found[0]):
+        if leaf is None:
+            pieces.append(None)
+        elif job is None:
+            shape = tuple(leaf.shape)
+            pieces.append(Piece(shape, shape, (0,) * len(shape), ()))
+        else:
+            size, offset = job.boxes[job.me]
+            pieces.append(Piece(job.shape, tuple(size), tuple(offset), job.axes))
+    return LocalPieces(plan, pieces)
