@@ -9,21 +9,26 @@ from either library, or a case optax itself cannot run, is printed as skipped. T
 every public name of ``optax``, ``optax.tree_utils`` and ``optax.projections`` (not
 ``optax.contrib``) that gradtx also has and that no case exercised, so that coverage cannot drift
 unnoticed: in a full run, every shared name of ``tree_utils`` and ``projections`` has a case, and
-73 of the 169 shared top-level names have none yet (clipping, schedules, combinators such as
-``partition`` and ``inject_hyperparams``, the ``scale_by_*`` pieces of the aliases, ...).
+44 of the 169 shared top-level names have none yet (``clip_by_global_norm``, combinators
+such as ``partition``, ``inject_hyperparams``, ``MultiSteps``, ``apply_if_finite``, the
+``numerics`` helpers, ...).
 Observed with optax 0.2.8 (jax on CPU) and torch 2.13:
 
-**optimizers** (final params after 8 steps). In float64 every case agrees to about 1e-15 except
+**optimizers** (final params after 8 steps). In float64 every case agrees to about 1e-14 except
 Adafactor (~2e-7; ``factored_rms`` ~5e-9), whose decay rate optax computes in float32, and the
-one-cycle schedules (~4e-7), which gradtx evaluates in float32 for a tensor step count, as all its
-schedules. In float32 most agree to a few 1e-6; RAdam differs by ~3e-5 because optax computes its
-``rho_t`` in float32, where the early steps lose three digits to cancellation (gradtx uses float64
-and agrees with torch.optim.RAdam to 1e-10); centered RMSProp with bias correction by ~3e-5, its
-variance ``nu_hat - mu_hat^2`` being a difference of nearly equal numbers (gradtx scales by
-``1 / bc`` where optax divides by ``bc``); ``param_block_norm`` (~3e-5) and ``cond_transform``
-(~2e-5) differ by one float32 ulp of their leaf's largest elements (1e-7 to 5e-7), which lands on
-an element about 1e-3 times smaller. ``sm3`` runs on the leaves with a dimension (optax keeps no
-accumulator for a 0-d leaf).
+schedules with a non-linear or piecewise shape (one-cycle ~4e-7, cosine decay ~3e-7, piecewise
+constant and interpolated ~3e-7 and ~4e-7, SGDR ~2e-7, warmup cosine decay ~1.2e-6), which gradtx
+evaluates in float32 for a tensor step count, as all its schedules. ``adaptive_grad_clip`` is
+compared on the vector and scalar leaves only: for a matrix, gradtx's units follow torch's
+``(out, in)`` layout (dim 0) and optax's JAX's ``(in, out)`` (the last dim), by design. In
+float32 most agree to a few 1e-6; RAdam (and ``scale_by_radam``) differs by ~3e-5 because
+optax computes its ``rho_t`` in float32, where the early steps lose three digits to cancellation
+(gradtx uses float64 and agrees with torch.optim.RAdam to 1e-10); centered RMSProp with bias
+correction by ~3e-5, its variance ``nu_hat - mu_hat^2`` being a difference of nearly equal numbers
+(gradtx scales by ``1 / bc`` where optax divides by ``bc``); ``param_block_norm`` (~3e-5),
+``clip_block_rms`` (~1.4e-5) and ``cond_transform`` (~2e-5) differ by one or two float32 ulps of
+their leaf's largest elements (1e-7 to 5e-7), which land on an element about 1e-3 times smaller.
+``sm3`` runs on the leaves with a dimension (optax keeps no accumulator for a 0-d leaf).
 
 **extra_args**: L-BFGS (with the zoom and the backtracking searches, ``value_fn`` keyword
 arguments, ``value_and_grad_from_state``, a fixed step), the two line searches after ``sgd(1)``,
@@ -228,6 +233,35 @@ CATALOGUE = {
  "cond_transform": ("conditionally_transform", lambda m: m.conditionally_transform(m.adam(1e-2), lambda step: step % 3 != 1)),
  "cond_mask": ("conditionally_mask", lambda m: m.conditionally_mask(m.adam(1e-2), lambda step: step % 3 != 1)),
  "flatten": ("flatten", lambda m: m.flatten(m.adam(1e-2))),
+ "clip": ("clip", lambda m: m.chain(m.clip(0.5), m.sgd(0.1))),
+ "clip_block_rms": ("clip_by_block_rms", lambda m: m.chain(m.clip_by_block_rms(0.5), m.sgd(0.1))),
+ "agc": ("adaptive_grad_clip", lambda m: m.chain(m.masked(m.adaptive_grad_clip(0.1), {"w": False, "b": True, "s": True}), m.sgd(0.1))),  # units of a matrix: torch's layout (out, in) in gradtx, jax's (in, out) in optax
+ "trace": ("trace", lambda m: m.chain(m.trace(0.9, nesterov=True), m.scale(-0.1))),
+ "add_decayed": ("add_decayed_weights", lambda m: m.chain(m.add_decayed_weights(0.1), m.sgd(0.1))),
+ "scale_by_rms": ("scale_by_rms", lambda m: m.chain(m.scale_by_rms(decay=0.8), m.scale(-0.01))),
+ "scale_by_stddev": ("scale_by_stddev", lambda m: m.chain(m.scale_by_stddev(decay=0.8), m.scale(-0.01))),
+ "scale_by_rss": ("scale_by_rss", lambda m: m.chain(m.scale_by_rss(), m.scale(-0.1))),
+ "scale_by_sign": ("scale_by_sign", lambda m: m.chain(m.scale_by_sign(), m.scale(-0.01))),
+ "scale_by_adamax": ("scale_by_adamax", lambda m: m.chain(m.scale_by_adamax(b1=0.8), m.scale(-0.01))),
+ "scale_by_amsgrad": ("scale_by_amsgrad", lambda m: m.chain(m.scale_by_amsgrad(b2=0.9), m.scale(-0.01))),
+ "scale_by_belief": ("scale_by_belief", lambda m: m.chain(m.scale_by_belief(b1=0.8), m.scale(-0.01))),
+ "scale_by_radam": ("scale_by_radam", lambda m: m.chain(m.scale_by_radam(b1=0.8), m.scale(-0.01))),
+ "scale_by_novograd": ("scale_by_novograd", lambda m: m.chain(m.scale_by_novograd(b1=0.8), m.scale(-0.01))),
+ "scale_by_adadelta": ("scale_by_adadelta", lambda m: m.chain(m.scale_by_adadelta(rho=0.8), m.scale(-1.0))),
+ "scale_by_rprop": ("scale_by_rprop", lambda m: m.chain(m.scale_by_rprop(0.01), m.scale(-1.0))),
+ "scale_by_optimistic": ("scale_by_optimistic_gradient", lambda m: m.chain(m.scale_by_optimistic_gradient(alpha=0.5, beta=0.8), m.scale(-0.01))),
+ "scale_by_lr": ("scale_by_learning_rate", lambda m: m.chain(m.scale_by_learning_rate(m.exponential_decay(0.1, 2, 0.5)))),
+ "set_to_zero": ("set_to_zero", lambda m: m.set_to_zero()),
+ "identity": ("identity", lambda m: m.chain(m.identity(), m.sgd(0.1))),
+ "zero_nans": ("zero_nans", lambda m: m.chain(m.zero_nans(), m.sgd(0.1))),
+ "sgd_cosine": ("cosine_decay_schedule", lambda m: m.sgd(m.cosine_decay_schedule(0.1, 6, alpha=0.1, exponent=2.0))),
+ "sgd_poly": ("polynomial_schedule", lambda m: m.sgd(m.polynomial_schedule(0.1, 0.01, 2.0, 5, transition_begin=1))),
+ "sgd_piecewise": ("piecewise_constant_schedule", lambda m: m.sgd(m.piecewise_constant_schedule(0.1, {2: 0.5, 5: 0.1}))),
+ "sgd_interp": ("piecewise_interpolate_schedule", lambda m: m.sgd(m.piecewise_interpolate_schedule("cosine", 0.1, {2: 0.5, 5: 0.1}))),
+ "sgd_warm_cos": ("warmup_cosine_decay_schedule", lambda m: m.sgd(m.warmup_cosine_decay_schedule(0.0, 0.1, 2, 7, 0.01))),
+ "sgd_warm_const": ("warmup_constant_schedule", lambda m: m.sgd(m.warmup_constant_schedule(0.0, 0.1, 3))),
+ "sgd_sgdr": ("sgdr_schedule", lambda m: m.sgd(m.sgdr_schedule([{"init_value": 0.0, "peak_value": 0.1, "warmup_steps": 1, "decay_steps": 4, "end_value": 0.01}] * 2))),
+ "sgd_join": ("join_schedules", lambda m: m.sgd(m.join_schedules([m.constant_schedule(0.1), m.linear_schedule(0.05, 0.0, 4)], [3]))),
  "dog": ("scale_by_distance_over_gradients", lambda m: m.chain(m.scale_by_distance_over_gradients(reps_rel=1e-2, global_scale=-1.0))),
 }
 if "optimizers" not in RUN:
