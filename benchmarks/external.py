@@ -121,6 +121,22 @@ def gradtx_pure() -> Callable[[], None]:
     return _gradtx_pure(_native_chain())
 
 
+def gradtx_pure_into_updates() -> Callable[[], None]:
+    """The pure step with the new params summed into the updates' buffers, which the step made
+    itself (``apply_updates(..., donate_updates=True)``): nothing the caller holds is written."""
+    import gradtx as gtx
+
+    tx = _native_chain()
+    params, grads = _trees()
+    box = {"params": params, "state": tx.init(params)}
+
+    def step():
+        updates, box["state"] = tx.update(grads, box["state"], box["params"])
+        box["params"] = gtx.apply_updates(box["params"], updates, donate_updates=True)
+
+    return step
+
+
 def gradtx_donated() -> Callable[[], None]:
     return _gradtx_donated(_native_chain())
 
@@ -213,6 +229,7 @@ def torchopt_inplace() -> Callable[[], None]:
 CANDIDATES: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
     "torch": ("torch clip_grad_norm_ + AdamW(fused), in place", torch_fused),
     "gradtx-pure": ("gradtx chain(clip, adamw), pure", gradtx_pure),
+    "gradtx-pure-into-updates": ("gradtx chain(clip, adamw), pure, apply_updates(donate_updates=True)", gradtx_pure_into_updates),
     "gradtx-compiled": ("gradtx chain(clip, adamw), pure, torch.compile", gradtx_compiled),
     "gradtx-donated": ("gradtx chain(clip, adamw), donated", gradtx_donated),
     "from-torch-pure": ("gradtx chain(clip, from_torch(AdamW)), pure", from_torch_pure),

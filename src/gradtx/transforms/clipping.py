@@ -17,7 +17,7 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, init_empty_state
+from gradtx.base import GradientTransformation, donation, init_empty_state, supports_donated_updates
 from gradtx.tree import unitwise_norm
 
 _EPS = 1e-6  # the same epsilon as torch.nn.utils.clip_grad_norm_
@@ -109,10 +109,11 @@ def clip_by_global_norm(
 
     def update_fn(updates, state, params=None, *, inplace=False):
         del params, state
+        own_updates, _ = donation(inplace)  # the state is new either way
         tree_leaves, treedef, present = tree_lib.tensor_leaves(updates, what="clip_by_global_norm")
         coef, norm = coefficient(updates, tree_leaves, present)
         local_grads, rewrap = sharding.locals_of([tree_leaves[i] for i in present])
-        clipped = rewrap(tree_lib.scale_(local_grads, coef, inplace=inplace))
+        clipped = rewrap(tree_lib.scale_(local_grads, coef, inplace=own_updates))
         new_updates = tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, clipped))
         return new_updates, ClipByGlobalNormState(norm=norm)
 
@@ -129,7 +130,7 @@ def clip_by_global_norm(
 
     update_fn.scalar_factor = scalar_factor
     update_fn.sharding_spec = spec  # lets gradtx.wrap(..., spec=) catch a clip that was given none
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, supports_donated_updates(update_fn))
 
 
 def _clamp_all(tensors: list[Tensor], low: float, high: float, *, inplace: bool) -> list[Tensor]:
@@ -144,15 +145,16 @@ def clip_by_value(max_delta: float) -> GradientTransformation:
 
     def update_fn(updates, state, params=None, *, inplace=False):
         del params
+        own_updates, _ = donation(inplace)  # stateless
         tree_leaves, treedef, present = tree_lib.tensor_leaves(updates, what="clip_by_value")
         grads = [tree_leaves[i] for i in present]
         clipped: list[Optional[Tensor]] = [None] * len(grads)
         for indices, (group,) in tree_lib.grouped(grads):
-            for i, value in zip(indices, _clamp_all(group, -max_delta, max_delta, inplace=inplace)):
+            for i, value in zip(indices, _clamp_all(group, -max_delta, max_delta, inplace=own_updates)):
                 clipped[i] = value
         return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, clipped)), state
 
-    return GradientTransformation(init_empty_state, update_fn)
+    return GradientTransformation(init_empty_state, supports_donated_updates(update_fn))
 
 
 clip = clip_by_value
