@@ -90,12 +90,11 @@ def clip_by_global_norm(
         dtype, device = _norm_state_dtype(params)
         return ClipByGlobalNormState(norm=torch.zeros((), dtype=dtype, device=device))
 
-    def coefficient(updates, tree_leaves, present) -> tuple[Tensor, Tensor]:
-        grads = [tree_leaves[i] for i in present]
-        if sharding.is_sharded(grads, spec):
+    def coefficient(updates, grads, groups=None) -> tuple[Tensor, Tensor]:
+        if groups is None and sharding.is_sharded(grads, spec):
             norm = sharding.global_norm(updates, spec, norm_type=norm_type)
         else:
-            norm = tree_lib.total_norm(grads, norm_type)
+            norm = tree_lib.total_norm(grads, norm_type, groups=groups)
         if error_if_nonfinite and not bool(torch.isfinite(norm)):
             raise RuntimeError(
                 f"clip_by_global_norm: the total norm of order {norm_type} of the gradients is non-finite "
@@ -111,9 +110,16 @@ def clip_by_global_norm(
         del params, state
         own_updates, _ = donation(inplace)  # the state is new either way
         tree_leaves, treedef, present = tree_lib.tensor_leaves(updates, what="clip_by_global_norm")
-        coef, norm = coefficient(updates, tree_leaves, present)
-        local_grads, rewrap = sharding.locals_of([tree_leaves[i] for i in present])
-        clipped = rewrap(tree_lib.scale_(local_grads, coef, inplace=own_updates))
+        grads = tree_leaves if len(present) == len(tree_leaves) else [tree_leaves[i] for i in present]
+        if grads and not sharding.is_sharded(grads, spec):
+            # plain tensors: one grouping serves the norm and the scaling
+            groups = tree_lib.torch_groups(grads)
+            coef, norm = coefficient(updates, grads, groups)
+            clipped = tree_lib.scale_(grads, coef, inplace=own_updates, groups=groups)
+        else:
+            coef, norm = coefficient(updates, grads)
+            local_grads, rewrap = sharding.locals_of(grads)
+            clipped = rewrap(tree_lib.scale_(local_grads, coef, inplace=own_updates))
         new_updates = tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, clipped))
         return new_updates, ClipByGlobalNormState(norm=norm)
 
@@ -125,7 +131,7 @@ def clip_by_global_norm(
         """
         del params, state
         tree_leaves, _, present = tree_lib.tensor_leaves(updates, what="clip_by_global_norm")
-        coef, norm = coefficient(updates, tree_leaves, present)
+        coef, norm = coefficient(updates, [tree_leaves[i] for i in present])
         return coef, ClipByGlobalNormState(norm=norm)
 
     update_fn.scalar_factor = scalar_factor
