@@ -28,6 +28,20 @@ Every candidate runs under each of three allocator settings, added to its worker
 
 Before the rounds a ``bandwidth`` worker measures this machine's memory bandwidth and prints the
 floor of one step: 5 reads and 3 writes of 167 MB, which no implementation, fused or not, can beat.
+
+Each worker reports, per step, wall-clock time, the process's CPU time (``time.process_time``: on a
+shared machine the CPU time a step needs is steadier than its wall-clock time, which counts the time
+other processes hold the cores) and its minor page faults. ``--threads 1`` runs every library on one
+thread (torch's intra-op pool and XLA's, ``--xla_cpu_multi_thread_eigen=false
+intra_op_parallelism_threads=1``), so CPU time is the work done. After the rounds one more worker per
+candidate runs a step under torch's profiler and reports the peak tensor memory the step allocated
+above its inputs, next to the minimum a pure step needs: new params and new state (3 trees for AdamW).
+
+Pure gradtx candidates: ``gradtx-pure`` (``apply_updates(params, updates)``), ``gradtx-pure-into-updates``
+(``apply_updates(params, updates, donate_updates=True)``: the sums go into the updates' buffers, which
+the step itself made) and ``gradtx-compiled`` (the whole pure step in one ``torch.compile(fullgraph=True)``
+function). In every pure chain, the members after the clip work in the buffers of the updates the
+clip made (``inplace="updates"``), never in the state's.
 """
 
 from __future__ import annotations
