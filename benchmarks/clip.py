@@ -10,8 +10,11 @@ Candidates, timed in interleaved rounds (``common.interleaved``), as median rati
 - ``floor``: ``torch._foreach_norm`` (one read of every gradient) and ``torch._foreach_mul_`` by the
   clip coefficient (one read and one write), with nothing else around them.
 
-A third table times the same 148 leaves with 4 elements each: the fixed per-call cost (flattening,
-checks, grouping) that the large trees hide under memory traffic.
+A third table times the same 148 leaves with 4 elements each, and a fourth 10,000 leaves with 16
+elements each: the fixed per-call cost (flattening, checks, grouping, one new tensor per leaf on the
+pure path) that the large trees hide under memory traffic. There a fifth candidate,
+``floor, pure``, is what any pure clip must do with torch's kernels: the same norm, then
+``torch._foreach_mul`` into new tensors (no pytree, no checks).
 
 The scale always runs (``clip_grad_norm_`` and gradtx multiply by the clamped coefficient rather
 than branch on it), so every round does the same work whatever the norm: the in-place candidates
@@ -42,13 +45,22 @@ MAX_NORM = 1.0
 EPS = 1e-6
 BASELINE = "torch clip_grad_norm_"
 TINY: dict = {}  # GPT-2's 148 leaf names with 4 elements each: the fixed cost of one call
-CONFIGS = {"GPT-2 124M": GPT2_124M, "GPT 41.7M (4 layers, 16k vocab)": GPT_41M, "GPT-2 leaves, 4 elements each": TINY}
+MANY: dict = {}  # 10,000 leaves with 16 elements each: the per-leaf cost of one call
+CONFIGS = {
+    "GPT-2 124M": GPT2_124M,
+    "GPT 41.7M (4 layers, 16k vocab)": GPT_41M,
+    "GPT-2 leaves, 4 elements each": TINY,
+    "10,000 leaves, 16 elements each": MANY,
+}
 
 
 def gradients(config: dict) -> dict[str, torch.Tensor]:
     if config is TINY:
         gen = torch.Generator().manual_seed(1)
         return {name: torch.randn(4, generator=gen) for name in gpt_shapes(**GPT2_124M)}
+    if config is MANY:
+        gen = torch.Generator().manual_seed(1)
+        return {f"leaf{i}": torch.randn(16, generator=gen) for i in range(10_000)}
     return make_tree(config, seed=1)  # standard normal: a global norm in the thousands
 
 
@@ -77,13 +89,16 @@ def gradtx_clip(config: dict, *, donated: bool) -> Callable[[], object]:
     return donate if donated else pure
 
 
-def floor(config: dict) -> Callable[[], object]:
+def floor(config: dict, *, pure: bool = False) -> Callable[[], object]:
     grads = list(gradients(config).values())
 
-    def run() -> None:
+    def run() -> object:
         norms = torch._foreach_norm(grads, 2.0)
         coef = torch.clamp(MAX_NORM / (torch.linalg.vector_norm(torch.stack(norms)) + EPS), max=1.0)
+        if pure:
+            return torch._foreach_mul(grads, coef)
         torch._foreach_mul_(grads, coef)
+        return None
 
     return run
 
@@ -92,10 +107,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 rounds")
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), help="run these trees only")
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 15)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {rounds} rounds, max_norm {MAX_NORM}")
     for title, config in CONFIGS.items():
+        if args.configs and title not in args.configs:
+            continue
         shapes = [g.shape for g in gradients(config).values()]
         print(f"\n{title}: {len(shapes)} leaves, {sum(math.prod(s) for s in shapes) / 1e6:.1f}M float32")
         with torch.no_grad():
@@ -105,8 +123,12 @@ def main() -> None:
                 "gradtx pure": gradtx_clip(config, donated=False),
                 "floor (_foreach_norm + _foreach_mul_)": floor(config),
             }
+            if config is MANY:
+                candidates["floor, pure (_foreach_norm + _foreach_mul)"] = floor(config, pure=True)
             if config is TINY:  # microseconds: many more rounds for a stable median
                 times = interleaved(candidates, rounds=rounds * 20, warmup=20)
+            elif config is MANY:
+                times = interleaved(candidates, rounds=rounds * 4, warmup=3)
             else:
                 times = interleaved(candidates, rounds=rounds, warmup=2)
         del candidates

@@ -28,6 +28,20 @@ Every candidate runs under each of three allocator settings, added to its worker
 
 Before the rounds a ``bandwidth`` worker measures this machine's memory bandwidth and prints the
 floor of one step: 5 reads and 3 writes of 167 MB, which no implementation, fused or not, can beat.
+
+Each worker reports, per step, wall-clock time, the process's CPU time (``time.process_time``: on a
+shared machine the CPU time a step needs is steadier than its wall-clock time, which counts the time
+other processes hold the cores) and its minor page faults. ``--threads 1`` runs every library on one
+thread (torch's intra-op pool and XLA's, ``--xla_cpu_multi_thread_eigen=false
+intra_op_parallelism_threads=1``), so CPU time is the work done. After the rounds one more worker per
+candidate runs a step under torch's profiler and reports the peak tensor memory the step allocated
+above its inputs, next to the minimum a pure step needs: new params and new state (3 trees for AdamW).
+
+Pure gradtx candidates: ``gradtx-pure`` (``apply_updates(params, updates)``), ``gradtx-pure-into-updates``
+(``apply_updates(params, updates, donate_updates=True)``: the sums go into the updates' buffers, which
+the step itself made) and ``gradtx-compiled`` (the whole pure step in one ``torch.compile(fullgraph=True)``
+function). In every pure chain, the members after the clip work in the buffers of the updates the
+clip made (``inplace="updates"``), never in the state's.
 """
 
 from __future__ import annotations
@@ -119,6 +133,22 @@ def _from_torch_chain():
 
 def gradtx_pure() -> Callable[[], None]:
     return _gradtx_pure(_native_chain())
+
+
+def gradtx_pure_into_updates() -> Callable[[], None]:
+    """The pure step with the new params summed into the updates' buffers, which the step made
+    itself (``apply_updates(..., donate_updates=True)``): nothing the caller holds is written."""
+    import gradtx as gtx
+
+    tx = _native_chain()
+    params, grads = _trees()
+    box = {"params": params, "state": tx.init(params)}
+
+    def step():
+        updates, box["state"] = tx.update(grads, box["state"], box["params"])
+        box["params"] = gtx.apply_updates(box["params"], updates, donate_updates=True)
+
+    return step
 
 
 def gradtx_donated() -> Callable[[], None]:
@@ -213,6 +243,7 @@ def torchopt_inplace() -> Callable[[], None]:
 CANDIDATES: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
     "torch": ("torch clip_grad_norm_ + AdamW(fused), in place", torch_fused),
     "gradtx-pure": ("gradtx chain(clip, adamw), pure", gradtx_pure),
+    "gradtx-pure-into-updates": ("gradtx chain(clip, adamw), pure, apply_updates(donate_updates=True)", gradtx_pure_into_updates),
     "gradtx-compiled": ("gradtx chain(clip, adamw), pure, torch.compile", gradtx_compiled),
     "gradtx-donated": ("gradtx chain(clip, adamw), donated", gradtx_donated),
     "from-torch-pure": ("gradtx chain(clip, from_torch(AdamW)), pure", from_torch_pure),
@@ -221,16 +252,20 @@ CANDIDATES: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
     "torchopt-pure": ("torchopt chain(clip, adamw), pure", torchopt_pure),
     "torchopt-inplace": ("torchopt chain(clip, adamw), inplace=True", torchopt_inplace),
 }
-QUICK = ("torch", "gradtx-pure", "gradtx-compiled", "from-torch-pure", "optax", "torchopt-pure")
+QUICK = ("torch", "gradtx-pure", "gradtx-pure-into-updates", "gradtx-compiled", "optax", "torchopt-pure")
 BASELINE = "torch"
-# (ours, theirs, target): the ratios the report checks.
+# (ours, theirs, target): the ratios the report checks; "best-pure" is the fastest gradtx pure candidate.
 TARGETS = (
-    ("gradtx-pure", "optax", 0.5),
+    ("gradtx-pure", "torchopt-pure", 0.5),
+    ("gradtx-pure-into-updates", "torchopt-pure", 0.5),
     ("gradtx-compiled", "optax", 0.5),
-    ("gradtx-pure", "torchopt-pure", 0.25),
-    ("gradtx-compiled", "torchopt-pure", 0.25),
+    ("best-pure", "torch", 1.5),
     ("from-torch-pure", "torch", None),
 )
+PURE = ("gradtx-pure", "gradtx-pure-into-updates", "gradtx-compiled", "from-torch-pure")
+# What a step must hold beyond its inputs, in trees of the params' size: new params and new state.
+MINIMUM_TREES = {"torch": 0, "gradtx-donated": 0, "from-torch-donated": 0, "torchopt-inplace": 0}
+TREE_BYTES = 41_680_896 * 4
 
 
 # --------------------------------------------------------------------------- memory floor
@@ -272,10 +307,33 @@ def bandwidth(steps: int) -> dict[str, float]:
 # --------------------------------------------------------------------------- worker
 
 
-def worker(name: str, steps: int, warmup: int) -> None:
-    """Builds one candidate, warms it up, times ``steps`` steps; prints ``{"times": [...]}`` (seconds)."""
+def _peak_bytes(step: Callable[[], None]) -> int:
+    """The peak, during ``step()``, of the CPU tensor memory allocated above what was live before it,
+    from torch's profiler (each top-level op's allocations less its frees, in time order; blocks
+    freed that were allocated before, the step's inputs, are not counted, so they are held to the end)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.events() if e.cpu_parent is None), key=lambda e: e.time_range.start)
+    live = peak = 0
+    for event in events:
+        live += event.cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def worker(name: str, steps: int, warmup: int, threads: int, memory: bool) -> None:
+    """Builds one candidate, warms it up, times ``steps`` steps; prints ``{"times": [...], "cpu": [...],
+    "faults": [...]}`` (wall seconds, process CPU seconds, minor page faults per step). With
+    ``memory``, instead runs one step under torch's profiler and prints the peak of the tensor memory
+    it allocated above its inputs (``peak_mb``; torch's allocations only, so not XLA's)."""
+    import resource
+
     import torch
 
+    if threads:
+        torch.set_num_threads(threads)
     if name == "bandwidth":
         print(json.dumps({"name": name, **bandwidth(steps)}))
         return
@@ -283,12 +341,18 @@ def worker(name: str, steps: int, warmup: int) -> None:
         step = CANDIDATES[name][1]()
         for _ in range(warmup):
             step()
-        times = []
+        if memory:
+            print(json.dumps({"name": name, "peak_mb": _peak_bytes(step) / 1e6}))
+            return
+        times, cpu, faults = [], [], []
         for _ in range(steps):
-            start = time.perf_counter()
+            flt = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            start, start_cpu = time.perf_counter(), time.process_time()
             step()
             times.append(time.perf_counter() - start)
-    print(json.dumps({"name": name, "times": times}))
+            cpu.append(time.process_time() - start_cpu)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt)
+    print(json.dumps({"name": name, "times": times, "cpu": cpu, "faults": faults}))
 
 
 # --------------------------------------------------------------------------- parent
@@ -304,12 +368,17 @@ ENVIRONMENTS: dict[str, dict[str, str]] = {
 _ALLOCATOR_VARIABLES = sorted({k for env in ENVIRONMENTS.values() for k in env})
 
 
-def run_worker(name: str, environment: str, steps: int, warmup: int) -> Optional[dict]:
+def run_worker(name: str, environment: str, steps: int, warmup: int, threads: int = 0, memory: bool = False) -> Optional[dict]:
     """One worker process; returns its JSON answer, or None if it failed."""
     from benchmarks.common import run_worker as run_process
 
-    args = ["--worker", name, "--steps", str(steps), "--warmup", str(warmup)]
-    return run_process(__file__, args, label=f"{name} ({environment})", env=ENVIRONMENTS[environment], unset=_ALLOCATOR_VARIABLES)
+    args = ["--worker", name, "--steps", str(steps), "--warmup", str(warmup), "--threads", str(threads)]
+    env = dict(ENVIRONMENTS[environment])
+    if threads == 1:  # XLA's own pool too
+        env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    if memory:
+        args.append("--memory")
+    return run_process(__file__, args, label=f"{name} ({environment})", env=env, unset=_ALLOCATOR_VARIABLES + ["XLA_FLAGS"])
 
 
 def available(names: list[str]) -> list[str]:
@@ -345,20 +414,23 @@ def print_floor(steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", choices=sorted(CANDIDATES) + ["bandwidth"], help=argparse.SUPPRESS)
+    parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, help="process-level interleaved rounds (default 5, quick 2)")
     parser.add_argument("--steps", type=int, help="timed steps per worker (default 7, quick 3)")
     parser.add_argument("--warmup", type=int, help="untimed steps per worker (default 3, quick 2)")
+    parser.add_argument("--threads", type=int, default=0, help="torch (and XLA) threads per worker (default: as is)")
     parser.add_argument("--quick", action="store_true", help="the target candidates only, fewer rounds and steps")
     parser.add_argument("--only", nargs="+", choices=sorted(CANDIDATES), help="run these candidates only")
     parser.add_argument("--envs", nargs="+", choices=sorted(ENVIRONMENTS), default=list(ENVIRONMENTS),
                         help="allocator settings to run every candidate under (default: all)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory workers")
     args = parser.parse_args()
     defaults = (2, 3, 2) if args.quick else (5, 7, 3)
     args.rounds, args.steps, args.warmup = (
         given if given is not None else default for given, default in zip((args.rounds, args.steps, args.warmup), defaults)
     )
     if args.worker:
-        worker(args.worker, args.steps, args.warmup)
+        worker(args.worker, args.steps, args.warmup, args.threads, args.memory)
         return
     names = available(list(args.only or (QUICK if args.quick else CANDIDATES)))
 
@@ -367,7 +439,8 @@ def main() -> None:
     from benchmarks.common import report
 
     print(
-        f"GPT_41M tree, 41.7M float32 elements; torch {torch.__version__}, {os.cpu_count()} CPUs; {args.rounds} rounds x "
+        f"GPT_41M tree, 41.7M float32 elements; torch {torch.__version__}, {os.cpu_count()} CPUs, "
+        f"{args.threads or 'default'} threads per worker; {args.rounds} rounds x "
         f"{len(names)} candidates x {len(args.envs)} allocator settings, {args.warmup} warm-up + {args.steps} timed steps each"
     )
     for environment in args.envs:
@@ -375,23 +448,48 @@ def main() -> None:
     print_floor(args.steps)
     settings = [(name, environment) for name in names for environment in args.envs]
     times: dict[tuple[str, str], list[float]] = {s: [] for s in settings}
+    cpu: dict[tuple[str, str], list[float]] = {s: [] for s in settings}
+    faults: dict[tuple[str, str], list[float]] = {s: [] for s in settings}
     started = time.perf_counter()
     for r in range(args.rounds):
         for name, environment in settings:
-            answer = run_worker(name, environment, args.steps, args.warmup)
-            times[(name, environment)].append(statistics.median(answer["times"]) if answer else float("nan"))
-        print(f"  round {r + 1}/{args.rounds} done, {time.perf_counter() - started:.0f} s")
+            answer = run_worker(name, environment, args.steps, args.warmup, args.threads)
+            nan = float("nan")
+            times[(name, environment)].append(statistics.median(answer["times"]) if answer else nan)
+            cpu[(name, environment)].append(statistics.median(answer["cpu"]) if answer else nan)
+            faults[(name, environment)].append(statistics.median(answer["faults"]) if answer else nan)
+        print(f"  round {r + 1}/{args.rounds} done, {time.perf_counter() - started:.0f} s", flush=True)
 
     labels = {name: CANDIDATES[name][0] for name in names}
     for environment in args.envs:
         if BASELINE in names:
-            per_env = {labels[name]: times[(name, environment)] for name in names}
-            report(f"clip + AdamW + apply, one step, {environment} allocator", per_env, labels[BASELINE])
-    print("\nratios (median over rounds of per-round ratios, same allocator setting):")
-    for ours, theirs, target in TARGETS:
-        if ours in names and theirs in names:
-            ratios = ", ".join(f"{e} {_median_ratio(times[(ours, e)], times[(theirs, e)]):.3f}" for e in args.envs)
-            print(f"  {ours} / {theirs}: {ratios}" + (f" (target <= {target})" if target else ""))
+            for what, table in (("wall-clock", times), ("process CPU time", cpu)):
+                per_env = {labels[name]: table[(name, environment)] for name in names}
+                report(f"clip + AdamW + apply, one step, {environment} allocator, {what}", per_env, labels[BASELINE])
+        print(f"\nminor page faults per step ({environment}):")
+        for name in names:
+            print(f"  {name:26s} {statistics.median(faults[(name, environment)]):10.0f}")
+    for what, table in (("wall-clock", times), ("process CPU time", cpu)):
+        print(f"\nratios, {what} (median over rounds of per-round ratios, same allocator setting):")
+        for ours, theirs, target in TARGETS:
+            candidates = [n for n in PURE if n in names and n != "from-torch-pure"] if ours == "best-pure" else [ours]
+            if not candidates or theirs not in names or any(c not in names for c in candidates):
+                continue
+            parts = []
+            for e in args.envs:
+                best = min(candidates, key=lambda c: statistics.median(table[(c, e)]))
+                parts.append(f"{e} {_median_ratio(table[(best, e)], table[(theirs, e)]):.3f}" + (f" ({best})" if ours == "best-pure" else ""))
+            print(f"  {ours} / {theirs}: {', '.join(parts)}" + (f" (target <= {target})" if target else ""))
+    if not args.no_memory:
+        print(f"\npeak tensor memory of one step above its inputs (MB, torch's profiler; minimum = new params + new state, {TREE_BYTES / 1e6:.0f} MB a tree):")
+        for name in names:
+            if name == "optax":
+                print(f"  {name:26s} (XLA allocates outside torch: not measured)")
+                continue
+            answer = run_worker(name, "default", 1, args.warmup, args.threads, memory=True)
+            minimum = MINIMUM_TREES.get(name, 3) * TREE_BYTES / 1e6
+            peak = f"{answer['peak_mb']:8.0f}" if answer else "  failed"
+            print(f"  {name:26s} peak {peak}   minimum {minimum:6.0f}")
 
 
 def _median_ratio(a: list[float], b: list[float]) -> float:

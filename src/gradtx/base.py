@@ -9,6 +9,12 @@ A :class:`GradientTransformationExtraArgs` also takes keyword arguments beyond t
 ``value=`` the objective at ``params``, ``grad=`` its gradient, ``value_fn=`` the objective as a
 function of the params, and anything ``value_fn`` needs). Combinators forward such arguments to
 the transformations that take them, and only to those.
+
+A third value, ``inplace="updates"`` (:data:`DONATE_UPDATES`), donates the ``updates`` only: their
+buffers may be overwritten, the ``state`` must come back new. :func:`~gradtx.chain` uses it on a pure
+step to hand each member the fresh updates the member before it made, so the members after the first
+work in those buffers instead of allocating their own. A transformation takes that value only if it
+says so (:func:`supports_donated_updates`); the others are called pure.
 """
 
 from __future__ import annotations
@@ -68,6 +74,47 @@ class GradientTransformationExtraArgs(GradientTransformation):
     """
 
     update: TransformUpdateExtraArgsFn  # type: ignore[assignment]
+
+
+DONATE_UPDATES = "updates"
+"""The ``inplace`` value that donates the updates and not the state (see the module docstring)."""
+
+
+def donation(inplace: Any) -> tuple[bool, bool]:
+    """``(updates donated, state donated)`` for an ``update``'s ``inplace`` argument."""
+    if isinstance(inplace, str):
+        if inplace != DONATE_UPDATES:
+            raise ValueError(f"inplace must be a bool or {DONATE_UPDATES!r}, got {inplace!r}")
+        return True, False
+    return bool(inplace), bool(inplace)
+
+
+_TAKES_DONATED = "takes_donated_updates"
+_RETURNS_NEW = "returns_new_updates"
+
+
+def supports_donated_updates(update_fn: Callable, *, returns_new_updates: bool = True) -> Callable:
+    """Marks ``update_fn`` as one that takes ``inplace="updates"``, and returns it.
+
+    The mark promises: given ``inplace="updates"`` the function may overwrite the updates' buffers but
+    leaves its state's alone (the new state is new tensors), and every update it returns is either a
+    new tensor or one of the given update buffers. ``returns_new_updates=True`` promises more: called
+    pure, every update it returns is a new tensor held by nothing else (not an input, not its state),
+    so :func:`~gradtx.chain` may donate it to the next member.
+    """
+    setattr(update_fn, _TAKES_DONATED, True)
+    setattr(update_fn, _RETURNS_NEW, bool(returns_new_updates))
+    return update_fn
+
+
+def takes_donated_updates(tx: GradientTransformation) -> bool:
+    """Whether ``tx.update`` takes ``inplace="updates"`` (see :func:`supports_donated_updates`)."""
+    return bool(getattr(tx.update, _TAKES_DONATED, False))
+
+
+def returns_new_updates(tx: GradientTransformation) -> bool:
+    """Whether ``tx.update``, called pure, returns updates nothing else holds (see :func:`supports_donated_updates`)."""
+    return bool(getattr(tx.update, _RETURNS_NEW, False))
 
 
 class EmptyState(NamedTuple):
@@ -149,7 +196,7 @@ def identity() -> GradientTransformation:
         del params, inplace
         return updates, state
 
-    return GradientTransformation(init_empty_state, update_fn)
+    return GradientTransformation(init_empty_state, supports_donated_updates(update_fn, returns_new_updates=False))
 
 
 def stateless(fn: Callable[[Updates, Optional[Params]], Updates]) -> GradientTransformation:
@@ -167,7 +214,7 @@ def stateless_with_tree_map(fn: Callable[[torch.Tensor], torch.Tensor]) -> Gradi
     return stateless(lambda updates, params: tree_lib.tree_map(fn, updates))
 
 
-def apply_updates(params: Params, updates: Updates, *, inplace: bool = False) -> Params:
+def apply_updates(params: Params, updates: Updates, *, inplace: bool = False, donate_updates: bool = False) -> Params:
     """Returns ``params + updates``, each result cast back to its parameter's dtype.
 
     The sum is taken in the promoted dtype and rounded once into the parameter's (as optax's
@@ -175,9 +222,13 @@ def apply_updates(params: Params, updates: Updates, *, inplace: bool = False) ->
     parameter is not rounded to bfloat16 before it is added.
 
     Pure by default: neither tree is modified. With ``inplace=True`` the parameters are updated in
-    place (as a torch optimizer's ``step`` does) and the same tree is returned. A ``None`` update
-    leaves its parameter as it is. The trees must have the same structure; a mismatch is a
-    ``ValueError`` naming the first differing path.
+    place (as a torch optimizer's ``step`` does) and the same tree is returned. With
+    ``donate_updates=True`` the caller gives up ``updates`` (the fresh output of a pure ``update``,
+    say): each sum is written into its update's buffer where that buffer has the parameter's dtype,
+    device and strides, and the new parameters are those buffers; ``params`` are still left alone,
+    so the step stays pure and allocates no new parameter tree. Same numbers on every path.
+    A ``None`` update leaves its parameter as it is. The trees must have the same structure; a
+    mismatch is a ``ValueError`` naming the first differing path.
     """
     param_leaves, treedef = tree_lib.flatten(params)
     update_leaves = tree_lib.flatten_like(updates, treedef, params, what="updates")
@@ -201,11 +252,35 @@ def apply_updates(params: Params, updates: Updates, *, inplace: bool = False) ->
     if pairs:
         params_list = [param_leaves[i] for i in pairs]
         updates_list = [update_leaves[i].to(param_leaves[i].device) for i in pairs]
+        into_updates = donate_updates and not inplace and not tree_lib.needs_graph(params_list, updates_list)
         for indices, (group_params, group_updates) in tree_lib.grouped(params_list, updates_list):
-            summed = tree_lib.foreach_add(group_params, group_updates, inplace=inplace)
+            if into_updates:
+                summed = _sum_into_updates(group_params, group_updates)
+            else:
+                summed = tree_lib.foreach_add(group_params, group_updates, inplace=inplace)
             if inplace:  # where a graph is recorded the sums are new tensors: write them back
                 summed = [p if v is p else p.copy_(v) for p, v in zip(group_params, summed)]
             dtype = group_params[0].dtype
             for i, value in zip(indices, summed):
                 new_leaves[pairs[i]] = value if value.dtype == dtype else value.to(dtype)
     return params if inplace else tree_lib.unflatten(treedef, new_leaves)
+
+
+def _sum_into_updates(params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``params + updates`` of one (device, dtype) group of params, each sum in its donated update's
+    buffer where that buffer fits the parameter (dtype, strides), else in a new tensor.
+
+    ``u + p`` is ``p + u`` bit for bit (a float sum commutes), so the numbers are the pure path's.
+    """
+    fits = [u.dtype == p.dtype and u.stride() == p.stride() and u is not p for p, u in zip(params, updates)]
+    if all(fits):
+        torch._foreach_add_(updates, params)
+        return updates
+    out = list(updates)
+    chosen = [i for i, fit in enumerate(fits) if fit]
+    if chosen:
+        torch._foreach_add_([updates[i] for i in chosen], [params[i] for i in chosen])
+    others = [i for i, fit in enumerate(fits) if not fit]
+    for i, value in zip(others, tree_lib.foreach_add([params[i] for i in others], [updates[i] for i in others])):
+        out[i] = value
+    return out

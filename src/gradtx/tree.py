@@ -150,6 +150,9 @@ def check_tensors(tree: PyTree, tree_leaves: Sequence[Any], *, what: str, allow_
 def tensor_leaves(tree: PyTree, *, what: str) -> tuple[list[Any], TreeSpec, list[int]]:
     """Flattens ``tree``, checks its leaves, and returns the indices of the non-``None`` ones."""
     tree_leaves, treedef = flatten(tree)
+    kinds = set(map(type, tree_leaves))  # a C-level pass: the check costs little on many small leaves
+    if all(issubclass(kind, Tensor) for kind in kinds):
+        return tree_leaves, treedef, list(range(len(tree_leaves)))
     present = [i for i, leaf in enumerate(tree_leaves) if leaf is not None]
     if len(present) != len(tree_leaves) or not all(isinstance(tree_leaves[i], Tensor) for i in present):
         check_tensors(tree, tree_leaves, what=what)
@@ -404,6 +407,12 @@ def unitwise_norm(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x, 2, dim=tuple(range(1, x.ndim)), keepdim=True, dtype=dtype)
 
 
+def torch_groups(tensors: Sequence[Tensor]) -> list[list[int]]:
+    """The indices of each (device, dtype) group of ``tensors``, in ``clip_grad_norm_``'s order:
+    found once, they serve both :func:`total_norm` and :func:`scale_`."""
+    return _torch_group_order(tensors)
+
+
 def _torch_group_order(tensors: Sequence[Tensor]) -> list[list[int]]:
     """The indices of each (device, dtype) group, groups in the order ``clip_grad_norm_`` visits them.
 
@@ -418,33 +427,46 @@ def _torch_group_order(tensors: Sequence[Tensor]) -> list[list[int]]:
     return [list(indices) for _, indices in groups.values()]
 
 
-def total_norm(tensors: Sequence[Tensor], ord: float) -> Tensor:
+def total_norm(tensors: Sequence[Tensor], ord: float, *, groups: Optional[list[list[int]]] = None) -> Tensor:
     """The ``ord``-norm of all ``tensors`` seen as one vector, as ``torch.nn.utils.clip_grad_norm_`` computes it.
 
     Accumulates in float32 (float64 if any input is float64) so half-precision gradients neither
     overflow nor lose their sum. Returns a 0-d tensor on the first tensor's device. The per-tensor
     norms are stacked group by group, in torch's order, and only moved or cast when a group needs it.
+    ``groups``, when given, are those of :func:`torch_groups` for ``tensors``, already found.
     """
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
     device = tensors[0].device
-    groups = []
-    for indices in _torch_group_order(tensors):
-        group = [tensors[i] for i in indices]
-        groups.append(foreach_norm(group, ord, accumulation_dtype([group[0].dtype])))
-    dtype = accumulation_dtype([norms[0].dtype for norms in groups])
+    group_norms = []
+    for indices in groups if groups is not None else _torch_group_order(tensors):
+        group = list(tensors) if len(indices) == len(tensors) else [tensors[i] for i in indices]
+        group_norms.append(foreach_norm(group, ord, accumulation_dtype([group[0].dtype])))
+    dtype = accumulation_dtype([norms[0].dtype for norms in group_norms])
     stacked: list[Tensor] = []
-    for norms in groups:
+    for norms in group_norms:
         if norms[0].device != device or norms[0].dtype != dtype:
             norms = [n.to(device, dtype) for n in norms]
         stacked.extend(norms)
     return torch.linalg.vector_norm(torch.stack(stacked), ord)
 
 
-def scale_(tensors: Sequence[Tensor], factor: Tensor, *, inplace: bool) -> list[Tensor]:
-    """Multiplies every tensor by the 0-d ``factor`` (moved to each group's device), keeping dtypes."""
+def scale_(
+    tensors: Sequence[Tensor], factor: Tensor, *, inplace: bool, groups: Optional[list[list[int]]] = None
+) -> list[Tensor]:
+    """Multiplies every tensor by the 0-d ``factor`` (moved to each group's device), keeping dtypes.
+
+    ``groups``: the (device, dtype) groups of ``tensors`` as index lists, when already found."""
+    if groups is None:
+        found: Any = grouped(tensors)
+    elif len(groups) == 1:  # one group holds every tensor, in order
+        factor = factor.to(tensors[0].device)
+        results = foreach("mul", tensors, factor, inplace=inplace)
+        return results if inplace or factor.dtype == tensors[0].dtype else _keep_dtypes(tensors, results)
+    else:
+        found = ((indices, ([tensors[i] for i in indices],)) for indices in groups)
     out: list[Optional[Tensor]] = [None] * len(tensors)
-    for indices, (group,) in grouped(tensors):
+    for indices, (group,) in found:
         device_factor = factor.to(group[0].device)
         results = foreach("mul", group, device_factor, inplace=inplace)
         if not inplace and device_factor.dtype != group[0].dtype:  # a group is of one dtype: check once
@@ -456,6 +478,8 @@ def scale_(tensors: Sequence[Tensor], factor: Tensor, *, inplace: bool) -> list[
 
 def replace_present(tree_leaves: Sequence[Any], present: Sequence[int], values: Sequence[Any]) -> list[Any]:
     """A copy of ``tree_leaves`` with ``values`` placed at the ``present`` indices."""
+    if len(present) == len(tree_leaves):  # every leaf present: ``present`` is 0, 1, 2, ...
+        return list(values)
     out = list(tree_leaves)
     for i, value in zip(present, values):
         out[i] = value

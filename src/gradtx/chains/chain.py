@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace
+from gradtx.base import (
+    DONATE_UPDATES,
+    GradientTransformation,
+    GradientTransformationExtraArgs,
+    donation,
+    returns_new_updates,
+    supports_donated_updates,
+    takes_donated_updates,
+    takes_extra_args,
+    with_inplace,
+)
 
 _PARTS = "_gradtx_chain_parts"
 
@@ -18,6 +28,37 @@ def _flattened(transforms: tuple[GradientTransformation, ...]) -> tuple[Gradient
     return tuple(out)
 
 
+def _run(members, states, updates, params, inplace, extra_args) -> tuple[Any, list]:
+    """Runs the members in order. On a step that does not donate the state (pure, or
+    ``inplace="updates"``) updates that the chain owns, because the member before made them new
+    (or the caller donated them), go to the next member donated when it takes that; the state never is."""
+    owned, state_donated = donation(inplace)
+    new_states = []
+    for (update, extra, takes, returns_new), tx_state in zip(members, states):
+        if state_donated:
+            mode: Any = True
+        elif owned and takes:
+            mode = DONATE_UPDATES
+        else:
+            mode, owned = False, returns_new
+        if extra:
+            updates, tx_state = update(updates, tx_state, params, inplace=mode, **extra_args)
+        else:
+            updates, tx_state = update(updates, tx_state, params, inplace=mode)
+        new_states.append(tx_state)
+    return updates, new_states
+
+
+def _member(tx: GradientTransformation) -> tuple:
+    return with_inplace(tx), takes_extra_args(tx), takes_donated_updates(tx), returns_new_updates(tx)
+
+
+def _marked(update_fn, members) -> Any:
+    """The chain's own mark: it takes donated updates (it never writes its state's buffers then), and
+    returns new updates when its last member does."""
+    return supports_donated_updates(update_fn, returns_new_updates=bool(members) and members[-1][3])
+
+
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Applies ``transforms`` in order; the state is a tuple with one entry per transformation.
 
@@ -27,9 +68,14 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     members that take them (the :class:`~gradtx.GradientTransformationExtraArgs`), decided once
     here; the others never see them. The chain is itself a ``GradientTransformationExtraArgs`` when
     any member is; its ``update`` accepts (and then ignores) extra arguments either way.
+
+    A pure step allocates no more than it must: the updates a member returns new (see
+    :func:`~gradtx.base.supports_donated_updates`) are the chain's own, so the next member, if it
+    takes donated updates, works in their buffers (``inplace="updates"``: updates donated, state
+    not). Nothing the caller passed is written, and the numbers are those of the plain pure path.
     """
     parts = _flattened(transforms)
-    updaters = tuple((with_inplace(tx), takes_extra_args(tx)) for tx in parts)
+    members = tuple(_member(tx) for tx in parts)
 
     def init_fn(params: Any) -> tuple:
         return tuple(tx.init(params) for tx in parts)
@@ -37,18 +83,12 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def update_fn(updates, state, params: Optional[Any] = None, *, inplace: bool = False, **extra_args):
         if len(state) != len(parts):
             raise ValueError(f"chain: state has {len(state)} entries for {len(parts)} transformations")
-        new_state = []
-        for (update, extra), tx_state in zip(updaters, state):
-            if extra:
-                updates, tx_state = update(updates, tx_state, params, inplace=inplace, **extra_args)
-            else:
-                updates, tx_state = update(updates, tx_state, params, inplace=inplace)
-            new_state.append(tx_state)
+        updates, new_state = _run(members, state, updates, params, inplace, extra_args)
         return updates, tuple(new_state)
 
     setattr(init_fn, _PARTS, parts)
-    kind = GradientTransformationExtraArgs if any(extra for _, extra in updaters) else GradientTransformation
-    return kind(init_fn, update_fn)
+    kind = GradientTransformationExtraArgs if any(member[1] for member in members) else GradientTransformation
+    return kind(init_fn, _marked(update_fn, members))
 
 
 def named_chain(*named_transforms: tuple[str, GradientTransformation]) -> GradientTransformation:
@@ -63,19 +103,14 @@ def named_chain(*named_transforms: tuple[str, GradientTransformation]) -> Gradie
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"named_chain: {name!r} is a {type(tx).__name__}, expected GradientTransformation")
 
-    updaters = {name: (with_inplace(tx), takes_extra_args(tx)) for name, tx in named_transforms}
+    members = tuple(_member(tx) for _, tx in named_transforms)
 
     def init_fn(params: Any) -> dict:
         return {name: tx.init(params) for name, tx in named_transforms}
 
     def update_fn(updates, state, params: Optional[Any] = None, *, inplace: bool = False, **extra_args):
-        new_state = {}
-        for name, (update, extra) in updaters.items():
-            if extra:
-                updates, new_state[name] = update(updates, state[name], params, inplace=inplace, **extra_args)
-            else:
-                updates, new_state[name] = update(updates, state[name], params, inplace=inplace)
-        return updates, new_state
+        updates, new_states = _run(members, [state[name] for name in names], updates, params, inplace, extra_args)
+        return updates, dict(zip(names, new_states))
 
-    kind = GradientTransformationExtraArgs if any(extra for _, extra in updaters.values()) else GradientTransformation
-    return kind(init_fn, update_fn)
+    kind = GradientTransformationExtraArgs if any(member[1] for member in members) else GradientTransformation
+    return kind(init_fn, _marked(update_fn, members))

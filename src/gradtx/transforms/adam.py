@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.base import EmptyState, GradientTransformation
+from gradtx.base import EmptyState, GradientTransformation, donation, supports_donated_updates
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.scaling import ScaleByScheduleState
 from gradtx.transforms.weight_decay import WeightDecaySchedule
@@ -152,7 +152,9 @@ class _Adam:
 
     def update(self, updates, state, *, inplace, lr_scale=None, decay=None):
         """``lr_scale`` (a number or 0-d tensor) multiplies the Adam direction; ``decay`` is
-        ``(factor, flags, params)``: ``factor * param`` is added where ``flags`` is true."""
+        ``(factor, flags, params)``: ``factor * param`` is added where ``flags`` is true.
+        ``inplace`` as in ``update``: ``True``, ``False`` or ``"updates"`` (only they are donated)."""
+        own_updates, inplace = donation(inplace)  # from here on ``inplace`` is about the state
         leaves = fe.leaves_of(updates, what=self.owner)
         mu = leaves.aligned(state.mu, what=f"{self.owner}: state.mu")
         nu = leaves.aligned(state.nu, what=f"{self.owner}: state.nu")
@@ -165,10 +167,10 @@ class _Adam:
             m = first_moment(m, g, self.b1, inplace=inplace)
             v = second_moment(v, g, self.b2, inplace=inplace)
             if self.nesterov:
-                numer = nesterov_numerator(g, m, fe.on(s.nesterov_ratio, g), inplace=inplace)
+                numer = nesterov_numerator(g, m, fe.on(s.nesterov_ratio, g), inplace=own_updates)
                 into = None
             else:
-                numer, into = m, (g if inplace else None)
+                numer, into = m, (g if own_updates else None)
             d = denominator(v, fe.on(s.eps, g), fe.on(s.root_shift, g), g[0].dtype, into=into)
             out = divide(numer, self.nesterov, d, fe.on(step, g))
             chosen = [i for i, flag in enumerate(decayed) if flag]
@@ -221,7 +223,7 @@ def scale_by_adam(
         del params
         return adam.update(updates, state, inplace=inplace)
 
-    return GradientTransformation(adam.init, update_fn)
+    return GradientTransformation(adam.init, supports_donated_updates(update_fn))
 
 
 def fused_adam(
@@ -261,10 +263,11 @@ def fused_adam(
 
     def update_fn(updates, state, params=None, *, inplace=False):
         adam_state, lr_state = state[0], state[-1]
+        _, own_state = donation(inplace)
         if lr_is_schedule:
             lr = fe.schedule_value(learning_rate, lr_state.count)
             lr_scale: Any = -lr
-            lr_state = ScaleByScheduleState(count=fe.increment(lr_state.count, inplace=inplace))
+            lr_state = ScaleByScheduleState(count=fe.increment(lr_state.count, inplace=own_state))
         else:
             lr_scale = None if learning_rate is None else -learning_rate
         decay, decay_state = None, None
@@ -274,7 +277,7 @@ def fused_adam(
                 raise ValueError(f"{adam.owner}: params are required for weight decay (pass them to update)")
             if decay_is_schedule:
                 wd: Any = fe.schedule_value(weight_decay, decay_state.count)
-                decay_state = WeightDecaySchedule(count=fe.increment(decay_state.count, inplace=inplace))
+                decay_state = WeightDecaySchedule(count=fe.increment(decay_state.count, inplace=own_state))
             else:
                 wd = weight_decay
             if not (isinstance(wd, float) and wd == 0.0):
@@ -291,7 +294,7 @@ def fused_adam(
             return new_updates, (new_adam_state, decay_state, lr_state)
         return new_updates, (new_adam_state, lr_state)
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, supports_donated_updates(update_fn))
 
 
 # --------------------------------------------------------------------------- AMSGrad

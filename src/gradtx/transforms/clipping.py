@@ -17,7 +17,7 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import EmptyState, GradientTransformation, init_empty_state
+from gradtx.base import EmptyState, GradientTransformation, donation, init_empty_state, supports_donated_updates
 from gradtx.tree import unitwise_norm
 
 _EPS = 1e-6  # the same epsilon as torch.nn.utils.clip_grad_norm_
@@ -90,12 +90,11 @@ def clip_by_global_norm(
         dtype, device = _norm_state_dtype(params)
         return ClipByGlobalNormState(norm=torch.zeros((), dtype=dtype, device=device))
 
-    def coefficient(updates, tree_leaves, present) -> tuple[Tensor, Tensor]:
-        grads = [tree_leaves[i] for i in present]
-        if sharding.is_sharded(grads, spec):
+    def coefficient(updates, grads, groups=None) -> tuple[Tensor, Tensor]:
+        if groups is None and sharding.is_sharded(grads, spec):
             norm = sharding.global_norm(updates, spec, norm_type=norm_type)
         else:
-            norm = tree_lib.total_norm(grads, norm_type)
+            norm = tree_lib.total_norm(grads, norm_type, groups=groups)
         if error_if_nonfinite and not bool(torch.isfinite(norm)):
             raise RuntimeError(
                 f"clip_by_global_norm: the total norm of order {norm_type} of the gradients is non-finite "
@@ -109,10 +108,18 @@ def clip_by_global_norm(
 
     def update_fn(updates, state, params=None, *, inplace=False):
         del params, state
+        own_updates, _ = donation(inplace)  # the state is new either way
         tree_leaves, treedef, present = tree_lib.tensor_leaves(updates, what="clip_by_global_norm")
-        coef, norm = coefficient(updates, tree_leaves, present)
-        local_grads, rewrap = sharding.locals_of([tree_leaves[i] for i in present])
-        clipped = rewrap(tree_lib.scale_(local_grads, coef, inplace=inplace))
+        grads = tree_leaves if len(present) == len(tree_leaves) else [tree_leaves[i] for i in present]
+        if grads and not sharding.is_sharded(grads, spec):
+            # plain tensors: one grouping serves the norm and the scaling
+            groups = tree_lib.torch_groups(grads)
+            coef, norm = coefficient(updates, grads, groups)
+            clipped = tree_lib.scale_(grads, coef, inplace=own_updates, groups=groups)
+        else:
+            coef, norm = coefficient(updates, grads)
+            local_grads, rewrap = sharding.locals_of(grads)
+            clipped = rewrap(tree_lib.scale_(local_grads, coef, inplace=own_updates))
         new_updates = tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, clipped))
         return new_updates, ClipByGlobalNormState(norm=norm)
 
@@ -124,12 +131,12 @@ def clip_by_global_norm(
         """
         del params, state
         tree_leaves, _, present = tree_lib.tensor_leaves(updates, what="clip_by_global_norm")
-        coef, norm = coefficient(updates, tree_leaves, present)
+        coef, norm = coefficient(updates, [tree_leaves[i] for i in present])
         return coef, ClipByGlobalNormState(norm=norm)
 
     update_fn.scalar_factor = scalar_factor
     update_fn.sharding_spec = spec  # lets gradtx.wrap(..., spec=) catch a clip that was given none
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, supports_donated_updates(update_fn))
 
 
 def _clamp_all(tensors: list[Tensor], low: float, high: float, *, inplace: bool) -> list[Tensor]:
@@ -144,15 +151,16 @@ def clip_by_value(max_delta: float) -> GradientTransformation:
 
     def update_fn(updates, state, params=None, *, inplace=False):
         del params
+        own_updates, _ = donation(inplace)  # stateless
         tree_leaves, treedef, present = tree_lib.tensor_leaves(updates, what="clip_by_value")
         grads = [tree_leaves[i] for i in present]
         clipped: list[Optional[Tensor]] = [None] * len(grads)
         for indices, (group,) in tree_lib.grouped(grads):
-            for i, value in zip(indices, _clamp_all(group, -max_delta, max_delta, inplace=inplace)):
+            for i, value in zip(indices, _clamp_all(group, -max_delta, max_delta, inplace=own_updates)):
                 clipped[i] = value
         return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, clipped)), state
 
-    return GradientTransformation(init_empty_state, update_fn)
+    return GradientTransformation(init_empty_state, supports_donated_updates(update_fn))
 
 
 clip = clip_by_value

@@ -6,7 +6,7 @@ a :class:`~gradtx.GradientTransformationExtraArgs`.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor

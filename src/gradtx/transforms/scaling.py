@@ -14,7 +14,14 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import EmptyState, GradientTransformation, identity, init_empty_state
+from gradtx.base import (
+    EmptyState,
+    GradientTransformation,
+    donation,
+    identity,
+    init_empty_state,
+    supports_donated_updates,
+)
 from gradtx.transforms import _foreach as fe
 
 Schedule = Callable[[Tensor], Union[float, Tensor]]
@@ -28,11 +35,12 @@ def scale(step_size: Union[float, Tensor]) -> GradientTransformation:
 
     def update_fn(updates, state, params=None, *, inplace=False):
         del params
+        own_updates, _ = donation(inplace)  # stateless
         leaves = fe.leaves_of(updates, what="scale")
-        (scaled,) = fe.map_groups(lambda g: (fe.mul(g, fe.on(step_size, g), inplace=inplace),), leaves.tensors, outputs=1)
+        (scaled,) = fe.map_groups(lambda g: (fe.mul(g, fe.on(step_size, g), inplace=own_updates),), leaves.tensors, outputs=1)
         return leaves.rebuild(scaled), state
 
-    return GradientTransformation(init_empty_state, update_fn)
+    return GradientTransformation(init_empty_state, supports_donated_updates(update_fn))
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -54,12 +62,13 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
 
     def update_fn(updates, state, params=None, *, inplace=False):
         del params
+        own_updates, own_state = donation(inplace)
         leaves = fe.leaves_of(updates, what="scale_by_schedule")
         step_size = fe.schedule_value(step_size_fn, state.count)
-        (scaled,) = fe.map_groups(lambda g: (fe.mul(g, fe.on(step_size, g), inplace=inplace),), leaves.tensors, outputs=1)
-        return leaves.rebuild(scaled), ScaleByScheduleState(count=fe.increment(state.count, inplace=inplace))
+        (scaled,) = fe.map_groups(lambda g: (fe.mul(g, fe.on(step_size, g), inplace=own_updates),), leaves.tensors, outputs=1)
+        return leaves.rebuild(scaled), ScaleByScheduleState(count=fe.increment(state.count, inplace=own_state))
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, supports_donated_updates(update_fn))
 
 
 def scale_by_learning_rate(

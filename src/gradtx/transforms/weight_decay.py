@@ -7,7 +7,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.base import EmptyState, GradientTransformation
+from gradtx.base import EmptyState, GradientTransformation, donation, supports_donated_updates
 from gradtx.transforms import _foreach as fe
 
 ScalarOrSchedule = Union[float, Callable[[Tensor], Any]]
@@ -40,9 +40,10 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Optional[Any
     def update_fn(updates, state, params=None, *, inplace=False):
         if params is None:
             raise ValueError("add_decayed_weights: params are required (pass them to update)")
+        inplace, own_state = donation(inplace)  # from here on ``inplace`` is about the updates
         if is_schedule:
             factor: Any = fe.schedule_value(weight_decay, state.count)
-            state = WeightDecaySchedule(count=fe.increment(state.count, inplace=inplace))
+            state = WeightDecaySchedule(count=fe.increment(state.count, inplace=own_state))
         elif isinstance(weight_decay, float) and weight_decay == 0.0:
             return updates, state
         else:
@@ -74,7 +75,8 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Optional[Any
         (new_updates,) = fe.map_groups(group, leaves.tensors, param_values, flags, outputs=1)
         return leaves.rebuild(new_updates), state
 
-    return GradientTransformation(init_fn, update_fn)
+    # a zero decay or a mask passes updates through as they are: new updates only when donated
+    return GradientTransformation(init_fn, supports_donated_updates(update_fn, returns_new_updates=False))
 
 
 AddDecayedWeightsState = EmptyState
