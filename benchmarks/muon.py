@@ -53,7 +53,7 @@ DTensor runs, seen by a dispatch mode). Last, in one process, the per-rank kerne
 ``scale_by_muon`` against pytorch-optimizer's float32 Newton-Schulz on one layer's matrices.
 
 Run:  python benchmarks/muon.py            (4 layers of width 192, 13 rounds; about 4 minutes on 2 cores)
-      python benchmarks/muon.py --quick    (width 64, 3 rounds: under a minute)
+      python benchmarks/muon.py --quick    (width 64, 3 rounds: about a minute)
 """
 
 from __future__ import annotations
@@ -330,7 +330,9 @@ def worker(rank: int, store_path: str, width: int, layers: int, rounds: int) -> 
 
     # the peers' long-lived optimizers (their steps go on from step to step, as in training)
     def stepper(make, values, grads):
-        """A step on the same gradients each time (HeavyBall drops ``p.grad`` after a step)."""
+        """A step on the same gradients each time (HeavyBall drops ``p.grad`` after a step); the
+        peers write into their gradients, so they get copies."""
+        grads = {k: g.clone() for k, g in grads.items()}
         params = with_grads(values, grads)
         opt = make(params)
 
