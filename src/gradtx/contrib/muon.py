@@ -153,10 +153,24 @@ def _fans(shape: Sequence[int], dim_nums: MuonDimensionNumbers) -> tuple[int, in
 # --------------------------------------------------------------------------- Newton-Schulz
 
 
-def _ns_step(x: Tensor, a: Tensor, c: Tensor) -> Tensor:
-    """``c0 X + (c1 A + c2 A A) X`` with ``A = X X^H``."""
+def _ns_step(x: Tensor, a: Tensor, c: Any) -> Tensor:
+    """``c0 X + (c1 A + c2 A A) X`` with ``A = X X^H``.
+
+    With the coefficients as numbers (nothing to differentiate), two fused multiply-adds
+    (``baddbmm``) instead of four passes of scalings and additions."""
+    if isinstance(c, tuple):
+        b = torch.baddbmm(a, a, a, beta=c[1], alpha=c[2])
+        return torch.baddbmm(x, b, x, beta=c[0])
     b = c[1] * a + c[2] * (a @ a)
     return c[0] * x + b @ x
+
+
+def _coefficient_rows(coeffs: Tensor, ns_steps: int, x: Tensor) -> list[Any]:
+    """One ``(c0, c1, c2)`` per step: Python numbers where no graph or compilation needs tensors."""
+    rows = [coeffs] * int(ns_steps) if coeffs.ndim == 1 else list(coeffs.unbind(0))
+    if coeffs.device.type == "cpu" and not torch.compiler.is_compiling() and not tree_lib.needs_graph(coeffs, x):
+        return [tuple(float(v) for v in row.tolist()) for row in rows]
+    return [row.to(device=x.device, dtype=x.dtype) for row in rows]
 
 
 def _orthogonalize(x: Tensor, coeffs: Tensor, ns_steps: int, preconditioning: str, eps: Any) -> Tensor:
@@ -168,8 +182,7 @@ def _orthogonalize(x: Tensor, coeffs: Tensor, ns_steps: int, preconditioning: st
         x = x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + eps)
     elif preconditioning == "spectral":
         x = x / (torch.linalg.matrix_norm(x, ord=2, keepdim=True) + eps)
-    coeffs = coeffs.to(device=x.device, dtype=x.dtype)
-    rows = [coeffs] * int(ns_steps) if coeffs.ndim == 1 else list(coeffs.unbind(0))
+    rows = _coefficient_rows(coeffs, ns_steps, x)
     for i, c in enumerate(rows):
         if i == 0 and preconditioning == "aol":
             a = x @ x.mH
