@@ -16,7 +16,7 @@ NOT_ONE_GRAPH = {
     "dpsgd": "draws its noise from a torch.Generator whose state lives on the host",
     "lbfgs": "its memory slot is a data-dependent index into the history",
     "scale_by_backtracking_linesearch": "decides each trial step on the host (a line search)",
-    "sophia": "decides on the host whether to refresh the Hessian, whose probes come from a host-side torch.Generator",
+    "contrib.sophia": "decides on the host whether to refresh the Hessian, whose probes come from a host-side torch.Generator",
 }
 
 
