@@ -103,6 +103,7 @@ so those cases use one array.
 """
 
 import argparse
+import functools
 import inspect
 import os
 import sys
@@ -153,11 +154,18 @@ gtu = _Recorder(_gradtx_tree_utils)
 gpr = _Recorder(_gradtx_projections)
 
 
+_STATE_NAMES = {}  # gradtx class -> its public names (an alias such as MultiTransformState = PartitionState too)
+for _n in dir(_gradtx):
+    if not _n.startswith("_") and isinstance(getattr(_gradtx, _n), type):
+        _STATE_NAMES.setdefault(getattr(_gradtx, _n), []).append(_n)
+
+
 def note_state_types(node):
-    """Records the gradtx state classes (NamedTuples) met in a state: running a case covers them."""
+    """Records the gradtx state classes (NamedTuples) met in a state: running a case covers them,
+    under every public name gradtx gives the class (optax's per-transform names for an empty state,
+    ``AdaptiveGradClipState`` or ``ScaleState``, are gradtx's ``EmptyState``)."""
+    gtx.used.update(_STATE_NAMES.get(type(node), ()))
     if isinstance(node, tuple) and hasattr(node, "_fields"):
-        if getattr(_gradtx, type(node).__name__, None) is type(node):
-            gtx.used.add(type(node).__name__)
         children = list(node)
     elif isinstance(node, dict):
         children = list(node.values())
@@ -184,25 +192,118 @@ grads = [{k: rng.standard_normal(s).astype(DTYPE) for k, s in shapes.items()} fo
 values = np.random.default_rng(1).uniform(1.0, 2.0, len(grads)).astype(DTYPE)  # losses, for value=
 
 
-def run_optax(tx, with_value=False):
+def run_optax(tx, with_value=False, gs=grads):
     p = {k: jnp.asarray(v) for k, v in params0.items()}
     state = tx.init(p)
-    for g, value in zip(grads, values):
+    for g, value in zip(gs, values):
         extra = {"value": jnp.asarray(value)} if with_value else {}
         updates, state = tx.update({k: jnp.asarray(v) for k, v in g.items()}, state, p, **extra)
         p = optax.apply_updates(p, updates)
-    return {k: np.asarray(v) for k, v in p.items()}
+    return {k: np.asarray(v) for k, v in p.items()}, state
 
 
-def run_gtx(tx, inplace, with_value=False):
+def run_gtx(tx, inplace, with_value=False, gs=grads):
     p = {k: torch.tensor(v) for k, v in params0.items()}
     state = tx.init(p)
-    for g, value in zip(grads, values):
+    for g, value in zip(gs, values):
         extra = {"value": torch.tensor(value)} if with_value else {}
         updates, state = tx.update({k: torch.tensor(v) for k, v in g.items()}, state, p, inplace=inplace, **extra)
         p = apply_updates(p, updates)
     note_state_types(state)
-    return {k: v.numpy() for k, v in p.items()}
+    return {k: v.numpy() for k, v in p.items()}, state
+
+
+# ----------------------------------------------------------------------------- comparing outputs
+# The sections below compare whole outputs (trees, numbers, dtypes, state fields), not only params.
+
+
+def _key_name(entry):
+    """A path entry of either library as a plain value: dict key, index, attribute, or 'Tuple.field'."""
+    if hasattr(entry, "tuple_name") and hasattr(entry, "name"):
+        return f"{entry.tuple_name}.{entry.name}"
+    for attr in ("key", "idx", "name"):
+        if hasattr(entry, attr) and type(entry).__module__.startswith("jax"):
+            return getattr(entry, attr)
+    return entry
+
+
+def _is_dtype(x):
+    return isinstance(x, (torch.dtype, np.dtype)) or (isinstance(x, type) and issubclass(x, np.generic))
+
+
+def _dtype_name(x):
+    return str(x).replace("torch.", "") if isinstance(x, torch.dtype) else np.dtype(x).name
+
+
+def _as_numpy(x):
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        return x.numpy() if x.dtype != torch.bfloat16 else x.float().numpy()
+    return np.asarray(x)
+
+
+def _norm_out(out):
+    """Any output as a flat list of numpy arrays and strings (dtypes, paths), in a common leaf order."""
+    if isinstance(out, str):
+        return [out]
+    if _is_dtype(out):
+        return [_dtype_name(out)]
+    if isinstance(out, (torch.Generator,)) or type(out).__name__ == "PRNGKeyArray":
+        return ["<key>"]
+    if isinstance(out, list) and out and isinstance(out[0], tuple) and len(out[0]) == 2 and isinstance(out[0][0], tuple):
+        flat = []  # a list of (path, value), as tree_get_all_with_path returns
+        for path, value in out:
+            flat.append("/".join(str(_key_name(e)) for e in path))
+            flat.extend(_norm_out(value))
+        return flat
+    if isinstance(out, (torch.Tensor, jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+        return [_as_numpy(out)]
+    if out is None:
+        return []
+    if isinstance(out, tuple) and hasattr(out, "_fields"):
+        return [v for child in out for v in _norm_out(child)]
+    if isinstance(out, dict):
+        return [v for k in sorted(out) for v in _norm_out(out[k])]
+    if isinstance(out, (tuple, list)):
+        return [v for child in out for v in _norm_out(child)]
+    return [f"<{type(out).__name__}>"]
+
+
+def _leaf_err(a, b, normwise=False):
+    """Largest ``|a - b| / (|b| + 1e-6)`` (``normwise``: over ``max |b| + 1e-6``, the array's scale);
+    equal values (inf, NaN included) count 0; inf where they cannot match."""
+    if isinstance(a, str) or isinstance(b, str):
+        return 0.0 if a == b else float("inf")
+    if a.shape != b.shape:
+        return float("inf")
+    if a.dtype.kind != b.dtype.kind and not {a.dtype.kind, b.dtype.kind} <= {"i", "u"}:
+        return float("inf")
+    if a.dtype.kind in "fc" and a.dtype != b.dtype:
+        return float("inf")
+    if a.size == 0:
+        return 0.0
+    a64 = a.astype(np.complex128 if a.dtype.kind == "c" else np.float64)
+    b64 = b.astype(np.complex128 if b.dtype.kind == "c" else np.float64)
+    same = (a64 == b64) | (np.isnan(a64) & np.isnan(b64))
+    with np.errstate(invalid="ignore"):
+        scale = np.max(np.abs(np.where(np.isfinite(b64), b64, 0))) if normwise else np.abs(b64)
+        rel = np.abs(a64 - b64) / (scale + 1e-6)
+    rel = np.where(same, 0.0, np.where(np.isnan(rel), np.inf, rel))
+    return float(np.max(rel))
+
+
+def compare(got, ref):
+    """Max relative error between two outputs (inf where structure, shape, dtype or a string differs)."""
+    g, r = _norm_out(got), _norm_out(ref)
+    if len(g) != len(r):
+        return float("inf")
+    return max([_leaf_err(a, b) for a, b in zip(g, r)], default=0.0)
+
+
+def report(name, err, label=""):
+    global worst
+    worst = max(worst, err)
+    print(f"{name:16s} {label:14s} max rel err {err:.2e}" + ("  <-- above 1e-5" if err > 1e-5 else ""))
 
 
 sched_o, sched_t = optax.linear_schedule(1e-2, 1e-3, 5), gtx.linear_schedule(1e-2, 1e-3, 5)
@@ -350,10 +451,57 @@ CATALOGUE = {
  "muon_spectral": ("contrib.muon", lambda m: m.contrib.muon(1e-2, preconditioning="spectral", ns_steps=3)),
  "muon_aol": ("contrib.muon", lambda m: m.contrib.muon(1e-2, preconditioning="aol")),
  "muon_schatten": ("contrib.muon", lambda m: m.contrib.muon(1e-2, preconditioning="schatten")),
+ # combinators, wrappers and the remaining transformations
+ "clip_gnorm": ("clip_by_global_norm", lambda m: m.chain(m.clip_by_global_norm(1.0), m.sgd(0.1))),  # clips every step (norms 6 to 8): see the module docstring
+ "clip_gnorm_idle": ("clip_by_global_norm", lambda m: m.chain(m.clip_by_global_norm(100.0), m.sgd(0.1))),  # never clips
+ "freeze": ("freeze", lambda m: m.chain(m.freeze({"w": False, "b": True, "s": False}), m.adam(1e-2))),
+ "selective": ("selective_transform", lambda m: m.selective_transform(m.adam(1e-2), freeze_mask={"w": False, "b": True, "s": True})),
+ "multi_transform": ("multi_transform", lambda m: m.multi_transform({"a": m.adam(1e-2), "s": m.sgd(0.1, 0.9)}, {"w": "a", "b": "s", "s": "a"})),
+ "multi_transf_fn": ("multi_transform", lambda m: m.multi_transform({"a": m.adam(1e-2), "z": m.set_to_zero()}, lambda p: {k: "z" if k == "s" else "a" for k in p})),
+ "partition": ("partition", lambda m: m.partition({"a": m.lion(1e-2), "s": m.sgd(0.1, 0.9, True)}, {"w": "s", "b": "a", "s": "a"})),
+ "named_chain": ("named_chain", lambda m: m.named_chain(("clip", m.clip(0.5)), ("adam", m.adam(1e-2)))),
+ "stateless": ("stateless", lambda m: m.chain(m.stateless(lambda u, p: {k: 0.5 * u[k] + 0.1 * p[k] for k in u}), m.sgd(0.1))),
+ "stateless_tree_map": ("stateless_with_tree_map", lambda m: m.chain(m.stateless_with_tree_map(lambda g, p=None: 0.3 * g * g * g), m.sgd(0.1))),
+ "inject_hyper": ("inject_hyperparams", lambda m: m.inject_hyperparams(m.adam)(learning_rate=m.linear_schedule(1e-2, 1e-3, 5), b1=0.8)),
+ "inject_hyper_static": ("inject_hyperparams", lambda m: m.inject_hyperparams(m.sgd, static_args="nesterov")(0.1, momentum=m.linear_schedule(0.5, 0.9, 4), nesterov=True)),
+ "inject_stateful": ("inject_stateful_hyperparams", lambda m: m.inject_stateful_hyperparams(m.sgd)(learning_rate=m.linear_schedule(0.1, 0.01, 4), momentum=0.9)),  # gradtx's takes stateless schedules only (no WrappedSchedule)
+ "monitor": ("monitor", lambda m: m.chain(m.monitor({"norm": m.global_norm, "ema": m.measure_with_ema(m.global_norm, 0.8)}), m.sgd(0.1))),
+ "measure_ema_nodeb": ("measure_with_ema", lambda m: m.chain(m.sgd(0.1), m.monitor({"ema": m.measure_with_ema(m.global_norm, 0.5, debias=False, accumulator_dtype=_dtype_of(m))}))),
+ "snapshot": ("snapshot", lambda m: m.chain(m.sgd(0.1, 0.9), m.snapshot("norm", m.global_norm))),
+ "scale_by_adam": ("scale_by_adam", lambda m: m.chain(m.scale_by_adam(b1=0.8, b2=0.9, eps_root=1e-4), m.scale(-0.01))),
+ "scale_by_adam_nest": ("scale_by_adam", lambda m: m.chain(m.scale_by_adam(nesterov=True), m.scale(-0.01))),
+ "scale_by_schedule": ("scale_by_schedule", lambda m: m.chain(m.scale_by_schedule(m.exponential_decay(0.1, 2, 0.5)), m.scale(-1.0))),
+ "scale_by_sm3": ("scale_by_sm3", lambda m: m.masked(m.chain(m.scale_by_sm3(b1=0.5), m.scale(-0.01)), {"w": True, "b": True, "s": False})),
+ "add_noise_eta0": ("add_noise", lambda m: m.chain(m.add_noise(0.0, 0.55, 0), m.sgd(0.1))),  # deterministic part only: random below
+ "noisy_sgd_eta0": ("noisy_sgd", lambda m: m.noisy_sgd(0.1, eta=0.0, key=0)),
+ "apply_if_finite": ("apply_if_finite", lambda m: m.apply_if_finite(m.adam(1e-2), 2)),  # NaN/inf steps 2, 3 and 6 skipped
+ "multi_steps": ("MultiSteps", lambda m: m.MultiSteps(m.adam(1e-2), 3, accumulator_dtype=_dtype_of(m))),
+ "multi_steps_sum": ("MultiSteps", lambda m: m.MultiSteps(m.sgd(0.1, 0.9), lambda step: 2, use_grad_mean=False, accumulator_dtype=_dtype_of(m)).gradient_transformation()),
+ "multi_steps_large": ("skip_large_updates", lambda m: m.MultiSteps(m.adam(1e-2), 2, should_skip_update_fn=functools.partial(m.skip_large_updates, max_squared_norm=45.0), accumulator_dtype=_dtype_of(m))),  # steps 0, 4, 5 skipped
+ "multi_steps_nan": ("skip_not_finite", lambda m: m.MultiSteps(m.adam(1e-2), 2, should_skip_update_fn=m.skip_not_finite, accumulator_dtype=_dtype_of(m))),  # NaN/inf steps skipped
 }
 if "optimizers" not in RUN:
     cases, CATALOGUE = {}, {}
 WITH_VALUE = {"momo", "momo_adapt_lb", "momo_adam", "momo_adam_adapt_lb"}  # cases whose update takes value=
+# Gradients with a NaN at step 2, an inf at step 3 and a NaN at step 6, for the wrappers that skip them.
+grads_nan = [{k: v.copy() for k, v in g.items()} for g in grads]
+grads_nan[2]["w"][1, 2], grads_nan[3]["b"][4], grads_nan[6]["s"] = np.nan, np.inf, np.asarray(np.nan, DTYPE)
+NAN_CASES = {"apply_if_finite", "multi_steps_nan"}
+def _injected(state):
+    """An injected state's count, hyperparams (as float64: optax keeps a scheduled one in float32 even
+    under x64) and inner state; optax's also has ``hyperparams_states``, gradtx's has not."""
+    return state.count, {k: np.asarray(_as_numpy(v), np.float64) for k, v in state.hyperparams.items()}, state.inner_state
+
+
+STATE_PART = {"inject_hyper": _injected, "inject_hyper_static": _injected, "inject_stateful": _injected}
+# Cases whose final state is compared too (the measurements, counters and accumulators), whole.
+STATE_CASES = {"monitor", "measure_ema_nodeb", "snapshot", "inject_hyper", "inject_hyper_static", "inject_stateful",
+               "apply_if_finite", "multi_steps", "multi_steps_sum", "multi_steps_large", "multi_steps_nan", "scale_by_sm3", "partition", "named_chain"}
+
+
+def _dtype_of(m):
+    """The run's float dtype in the library of module ``m`` (accumulator_dtype= arguments)."""
+    return jnp.dtype(DTYPE) if m is optax else (torch.float64 if ARGS.float64 else torch.float32)
 
 
 def _has(module, dotted):
@@ -371,17 +519,39 @@ for _name, (_attr, _make) in CATALOGUE.items():
         print(f"{_name:16s} skipped: {_attr} missing from optax or gradtx")
 cases = {name: pair for name, pair in cases.items() if ARGS.only in name}
 worst = 0
+# The classes: a GradientTransformation in optax is one in gradtx, and one that takes extra arguments
+# in gradtx (GradientTransformationExtraArgs) does in optax. Not the converse: optax 0.2.8 makes
+# every chain and alias a GradientTransformationExtraArgs; gradtx only those whose parts take some.
+_kind_differs, _n_extra = [], 0
 for name, (o, t) in cases.items():
-    ref = run_optax(o, name in WITH_VALUE)
+    if isinstance(o, optax.GradientTransformation):
+        _n_extra += isinstance(t, gtx.GradientTransformationExtraArgs)
+        if not isinstance(t, gtx.GradientTransformation):
+            _kind_differs.append(f"{name} (not a GradientTransformation)")
+        elif isinstance(t, gtx.GradientTransformationExtraArgs) and not isinstance(o, optax.GradientTransformationExtraArgs):
+            _kind_differs.append(f"{name} (ExtraArgs in gradtx only)")
+    gs = grads_nan if name in NAN_CASES else grads
+    ref, ref_state = run_optax(o, name in WITH_VALUE, gs)
     for inplace in (False, True):
         try:
-            got = run_gtx(t, inplace, name in WITH_VALUE)
+            got, got_state = run_gtx(t, inplace, name in WITH_VALUE, gs)
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"{name:16s} inplace={inplace!s:5s} ERROR {e!r}")
             continue
         err = max(float(np.max(np.abs(got[k] - ref[k]) / (np.abs(ref[k]) + 1e-6))) for k in ref)
+        state_note = ""
+        if name in STATE_CASES:  # every array of the state, in the same leaf order (inf if the structures differ)
+            part = STATE_PART.get(name, lambda state: state)
+            err_state = compare(part(got_state), part(ref_state))
+            state_note = f" (params {err:.1e}, state {err_state:.1e})"
+            err = max(err, err_state)
         worst = max(worst, err)
-        print(f"{name:16s} inplace={inplace!s:5s} max rel err {err:.2e}" + ("  <-- above 1e-5" if err > 1e-5 else ""))
+        print(f"{name:16s} inplace={inplace!s:5s} max rel err {err:.2e}{state_note}" + ("  <-- above 1e-5" if err > 1e-5 else ""))
+if cases:
+    print(f"{'kinds':16s} GradientTransformation classes of {len(cases)} cases ({_n_extra} ExtraArgs in gradtx): "
+          + (f"DIFFER for {len(_kind_differs)}: {', '.join(_kind_differs)}  <-- disagreement" if _kind_differs else "consistent"))
+    if _kind_differs:
+        worst = float("inf")
 if hasattr(optax, "lookahead") and "optimizers" in RUN:  # its params and updates are (fast, slow) pairs
     def run_lookahead(module, tx, to, back, inplace=None):
         p = to(params0)
@@ -493,108 +663,97 @@ def _helper_cases():
     lo, lt = (lambda w, x, y: ((x @ w - y) ** 2).mean()), (lambda w, x, y: ((x @ w - y) ** 2).mean())
     yield "micro_grad", optax.microbatching.micro_grad(lo, batch_argnums=(1, 2), microbatch_size=3, transform_fn=lambda g: g / jnp.maximum(1.0, jnp.linalg.norm(g)))(jnp.asarray(w), jnp.asarray(xs), jnp.asarray(ys)), gtx.microbatching.micro_grad(lt, batch_argnums=(1, 2), microbatch_size=3, transform_fn=lambda g: g / torch.clamp(torch.linalg.norm(g), min=1.0))(torch.tensor(w), torch.tensor(xs), torch.tensor(ys))
 
+    # tree helpers and numerics
+    yield "global_norm", optax.global_norm(j(g)), gtx.global_norm(t(g))
+    yield "incremental_update", optax.incremental_update(j(g), j(m), 0.3), gtx.incremental_update(t(g), t(m), 0.3)
+    for step in (6, 7):  # a multiple of the period takes the new tensors, any other step keeps the old
+        yield f"periodic_update_{step}", optax.periodic_update(j(g), j(m), jnp.asarray(step), 3), gtx.periodic_update(t(g), t(m), torch.tensor(step), 3)
+    for c in (5, 2**31 - 1):  # saturates at int32's largest value
+        yield f"safe_increment_{c}", optax.safe_increment(jnp.asarray(c, jnp.int32)), gtx.safe_increment(torch.tensor(c, dtype=torch.int32))
+        yield f"safe_i32_incr_{c}", optax.safe_int32_increment(jnp.asarray(c, jnp.int32)), gtx.safe_int32_increment(torch.tensor(c, dtype=torch.int32))
+    yield "safe_increment_f", optax.safe_increment(jnp.asarray(2.5, DTYPE)), gtx.safe_increment(torch.tensor(2.5, dtype=_dtype_of(gtx)))
+    x, zero = g["w"], np.zeros((5, 7), DTYPE)
+    for label, kw in (("", {}), ("_ord1_ax0", {"ord": 1, "axis": 0}), ("_inf_keep", {"ord": np.inf, "axis": 1, "keepdims": True}), ("_fro", {"ord": "fro"})):
+        yield f"safe_norm{label}", optax.safe_norm(jnp.asarray(x), 0.5, **kw), gtx.safe_norm(torch.tensor(x), 0.5, **kw)
+    yield "safe_norm_zero", optax.safe_norm(jnp.asarray(zero), 0.5, axis=1), gtx.safe_norm(torch.tensor(zero), 0.5, axis=1)
+    yield "safe_norm_small", optax.safe_norm(jnp.asarray(0.01 * x), 0.5, axis=1), gtx.safe_norm(torch.tensor(0.01 * x), 0.5, axis=1)  # some rows below min_norm
+    yield "safe_rms", optax.safe_root_mean_squares(jnp.asarray(x), 0.1), gtx.safe_root_mean_squares(torch.tensor(x), 0.1)
+    yield "safe_rms_zero", optax.safe_root_mean_squares(jnp.asarray(zero), 0.1), gtx.safe_root_mean_squares(torch.tensor(zero), 0.1)
+    ws_o, ws_t = optax.WrappedSchedule(optax.linear_schedule(0.1, 0.01, 4)), gtx.WrappedSchedule(gtx.linear_schedule(0.1, 0.01, 4))
+    so_, st_, vo, vt = ws_o.init(), ws_t.init(), [], []
+    for _ in range(6):  # its value at the state's count, then the count moves on
+        vo.append(ws_o(so_)), vt.append(ws_t(st_))
+        so_, st_ = ws_o.update(so_), ws_t.update(st_)
+    yield "wrapped_schedule", [*vo, so_.count], [*vt, st_.count]
+    # per-example clipping: a batch of 6 examples' gradients, two leaves, norms on both sides of the clip
+    batch = [r.standard_normal((6, 5, 7)).astype(DTYPE) * np.asarray([0.1, 0.5, 1, 2, 4, 8], DTYPE)[:, None, None],
+             r.standard_normal((6, 7)).astype(DTYPE)]
+    yield "per_ex_global_clip", optax.per_example_global_norm_clip([jnp.asarray(b) for b in batch], 5.0), gtx.per_example_global_norm_clip([torch.tensor(b) for b in batch], 5.0)
+    for uniform in (True, False):
+        yield f"per_ex_layer_clip_{'u' if uniform else 'nu'}", optax.per_example_layer_norm_clip([jnp.asarray(b) for b in batch], 5.0, uniform), gtx.per_example_layer_norm_clip([torch.tensor(b) for b in batch], 5.0, uniform)
+
 
 for _name, _ref, _got in _helper_cases():
     _ref = [np.asarray(v) for v in jax.tree.leaves(_ref)]
     _got = [v.detach().numpy() for v in gtx.tree.leaves(_got) if v is not None]  # None: an empty node in JAX
     _err = max(float(np.max(np.abs(a - b) / (np.abs(b) + 1e-6))) for a, b in zip(_got, _ref))
+    if len(_got) != len(_ref) or any(a.shape != b.shape for a, b in zip(_got, _ref)):
+        _err = float("inf")
     if _name != "inv_pth_root_p3":
         worst = max(worst, _err)
     print(f"{_name:16s} max rel err {_err:.2e}" + ("  <-- above 1e-5" if _err > 1e-5 else ""))
+if "optimizers" in RUN:
+    # init_empty_state: an empty state of the same name
+    _eo, _et = optax.init_empty_state(params0), gtx.init_empty_state({k: torch.tensor(v) for k, v in params0.items()})
+    report("init_empty_state", 0.0 if type(_eo).__name__ == type(_et).__name__ and len(_et) == len(_eo) == 0 else float("inf"), "(structure)")
+
+    # Gradients through scale_gradient (identity forward, gradient times scale), safe_norm and
+    # safe_root_mean_squares (finite gradients where the norm is below its floor, 0 included):
+    # jax.grad against torch.autograd on the same function, written once for both.
+    def _grad_pair(fn, x):
+        ref = jax.grad(lambda v: fn(optax, jnp, v))(jnp.asarray(x))
+        v = torch.tensor(x, requires_grad=True)
+        got, = torch.autograd.grad(fn(gtx, torch, v), v)
+        return compare(got, ref)
+
+    _x = grads[0]["w"]
+    _half_zero = np.where(np.arange(5)[:, None] < 2, 0.0, _x).astype(DTYPE)  # two rows of zeros
+    for _label, _fn, _arg in (
+        ("scale_gradient", lambda m, xp, v: (xp.sin(m.scale_gradient({"a": v}, 0.3)["a"]) * v).sum(), _x),
+        ("scale_grad_neg", lambda m, xp, v: (m.scale_gradient(v * v, -2.0) * v).sum(), _x),
+        ("safe_norm_grad", lambda m, xp, v: (m.safe_norm(v, 1.0, axis=1) ** 2).sum(), _half_zero),
+        ("safe_norm_grad0", lambda m, xp, v: m.safe_norm(v, 0.5), np.zeros_like(_x)),
+        ("safe_rms_grad", lambda m, xp, v: m.safe_root_mean_squares(v, 1.5) + m.safe_root_mean_squares(v, 0.1), _x),
+        ("safe_rms_grad0", lambda m, xp, v: m.safe_root_mean_squares(v, 0.1), np.zeros_like(_x)),
+    ):
+        report(_label, _grad_pair(_fn, _arg), "(gradient)")
+
+    # add_noise and noisy_sgd are random (JAX keys and torch generators draw different numbers):
+    # eta=0 above compares their deterministic part number for number; here, on zero gradients
+    # (a 400 x 500 leaf), each step's noise must have mean 0 and the standard deviation
+    # sqrt(eta / (step + 1) ** gamma) (noisy_sgd: times the learning rate), within six standard
+    # errors, in both libraries.
+    _zeros = np.zeros((400, 500), DTYPE)
+    for _label, _make, _sd in (
+        ("add_noise", lambda m: m.add_noise(0.3, 0.55, 0), lambda k: np.sqrt(0.3 / (k + 1) ** 0.55)),
+        ("noisy_sgd", lambda m: m.noisy_sgd(0.1, eta=0.5, gamma=0.8, key=0), lambda k: 0.1 * np.sqrt(0.5 / (k + 1) ** 0.8)),
+    ):
+        _ok = True
+        for _lib, _m, _to in (("optax", optax, jnp.asarray), ("gradtx", gtx, torch.tensor)):
+            _tx = _make(_m)
+            _state = _tx.init({"a": _to(_zeros)})
+            for _k in range(4):
+                _u, _state = _tx.update({"a": _to(_zeros)}, _state, {"a": _to(_zeros)})
+                _a = _as_numpy(_u["a"]).astype(np.float64)
+                _n = _a.size
+                _ok &= abs(_a.mean()) <= 6 * _sd(_k) / np.sqrt(_n) and abs(_a.std() - _sd(_k)) <= 6 * _sd(_k) / np.sqrt(2 * _n)
+            if _lib == "gradtx":
+                note_state_types(_state)
+        print(f"{_label + '_stats':16s} {_label:14s} noise mean/std per step {'within 6 standard errors of the law' if _ok else 'OUT OF RANGE'} in both (random: not compared number for number)"
+              + ("" if _ok else "  <-- disagreement"))
+        if not _ok:
+            worst = float("inf")
 # ---- end of the top-level helpers
-# ----------------------------------------------------------------------------- comparing outputs
-# The sections below compare whole outputs (trees, numbers, dtypes, state fields), not only params.
-
-
-def _key_name(entry):
-    """A path entry of either library as a plain value: dict key, index, attribute, or 'Tuple.field'."""
-    if hasattr(entry, "tuple_name") and hasattr(entry, "name"):
-        return f"{entry.tuple_name}.{entry.name}"
-    for attr in ("key", "idx", "name"):
-        if hasattr(entry, attr) and type(entry).__module__.startswith("jax"):
-            return getattr(entry, attr)
-    return entry
-
-
-def _is_dtype(x):
-    return isinstance(x, (torch.dtype, np.dtype)) or (isinstance(x, type) and issubclass(x, np.generic))
-
-
-def _dtype_name(x):
-    return str(x).replace("torch.", "") if isinstance(x, torch.dtype) else np.dtype(x).name
-
-
-def _as_numpy(x):
-    if isinstance(x, torch.Tensor):
-        x = x.detach()
-        return x.numpy() if x.dtype != torch.bfloat16 else x.float().numpy()
-    return np.asarray(x)
-
-
-def _norm_out(out):
-    """Any output as a flat list of numpy arrays and strings (dtypes, paths), in a common leaf order."""
-    if isinstance(out, str):
-        return [out]
-    if _is_dtype(out):
-        return [_dtype_name(out)]
-    if isinstance(out, (torch.Generator,)) or type(out).__name__ == "PRNGKeyArray":
-        return ["<key>"]
-    if isinstance(out, list) and out and isinstance(out[0], tuple) and len(out[0]) == 2 and isinstance(out[0][0], tuple):
-        flat = []  # a list of (path, value), as tree_get_all_with_path returns
-        for path, value in out:
-            flat.append("/".join(str(_key_name(e)) for e in path))
-            flat.extend(_norm_out(value))
-        return flat
-    if isinstance(out, (torch.Tensor, jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
-        return [_as_numpy(out)]
-    if out is None:
-        return []
-    if isinstance(out, tuple) and hasattr(out, "_fields"):
-        return [v for child in out for v in _norm_out(child)]
-    if isinstance(out, dict):
-        return [v for k in sorted(out) for v in _norm_out(out[k])]
-    if isinstance(out, (tuple, list)):
-        return [v for child in out for v in _norm_out(child)]
-    return [f"<{type(out).__name__}>"]
-
-
-def _leaf_err(a, b, normwise=False):
-    """Largest ``|a - b| / (|b| + 1e-6)`` (``normwise``: over ``max |b| + 1e-6``, the array's scale);
-    equal values (inf, NaN included) count 0; inf where they cannot match."""
-    if isinstance(a, str) or isinstance(b, str):
-        return 0.0 if a == b else float("inf")
-    if a.shape != b.shape:
-        return float("inf")
-    if a.dtype.kind != b.dtype.kind and not {a.dtype.kind, b.dtype.kind} <= {"i", "u"}:
-        return float("inf")
-    if a.dtype.kind in "fc" and a.dtype != b.dtype:
-        return float("inf")
-    if a.size == 0:
-        return 0.0
-    a64 = a.astype(np.complex128 if a.dtype.kind == "c" else np.float64)
-    b64 = b.astype(np.complex128 if b.dtype.kind == "c" else np.float64)
-    same = (a64 == b64) | (np.isnan(a64) & np.isnan(b64))
-    with np.errstate(invalid="ignore"):
-        scale = np.max(np.abs(np.where(np.isfinite(b64), b64, 0))) if normwise else np.abs(b64)
-        rel = np.abs(a64 - b64) / (scale + 1e-6)
-    rel = np.where(same, 0.0, np.where(np.isnan(rel), np.inf, rel))
-    return float(np.max(rel))
-
-
-def compare(got, ref):
-    """Max relative error between two outputs (inf where structure, shape, dtype or a string differs)."""
-    g, r = _norm_out(got), _norm_out(ref)
-    if len(g) != len(r):
-        return float("inf")
-    return max([_leaf_err(a, b) for a, b in zip(g, r)], default=0.0)
-
-
-def report(name, err, label=""):
-    global worst
-    worst = max(worst, err)
-    print(f"{name:16s} {label:14s} max rel err {err:.2e}" + ("  <-- above 1e-5" if err > 1e-5 else ""))
-
-
 # ----------------------------------------------------------------------------- extra arguments
 # Optimizers that take the objective through update's extra arguments (value=, grad=, value_fn=):
 # a regularised, ill-conditioned logistic regression, written once for jax.numpy and torch, 10 steps.
@@ -1025,7 +1184,8 @@ def _uncovered(module_o, module_t, used):
     functions, others = [], []
     for n in sorted(set(names) - used):
         value = getattr(module_t, n)
-        named = inspect.isfunction(value) or (inspect.isclass(value) and value.__module__.startswith("gradtx"))
+        named = inspect.isfunction(value) or (inspect.isclass(value) and value.__module__.startswith("gradtx")
+                                               and not getattr(value, "_is_protocol", False))  # a Protocol: a type
         (functions if named else others).append(n)
     return names, functions, others
 
@@ -1040,6 +1200,6 @@ for label, module_o, module_t, recorder in (
     print(f"{label}: {len(names)} names shared with gradtx, {len(names) - len(functions) - len(others)} covered")
     print(f"  functions and classes no case covers ({len(functions)}): {', '.join(functions) or 'none'}")
     if others:
-        print(f"  type aliases (nothing to compare) ({len(others)}): {', '.join(others)}")
+        print(f"  type aliases and protocols (nothing to compare) ({len(others)}): {', '.join(others)}")
 
 print("worst", worst)
