@@ -177,6 +177,7 @@ def note_state_types(node):
         note_state_types(child)
 
 warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*optax.* is deprecated")
+warnings.filterwarnings("ignore", category=DeprecationWarning, message="inject_stateful_hyperparams is deprecated")
 jax.config.update("jax_platforms", "cpu")
 if ARGS.float64:
     jax.config.update("jax_enable_x64", True)
@@ -461,7 +462,7 @@ CATALOGUE = {
  "partition": ("partition", lambda m: m.partition({"a": m.lion(1e-2), "s": m.sgd(0.1, 0.9, True)}, {"w": "s", "b": "a", "s": "a"})),
  "named_chain": ("named_chain", lambda m: m.named_chain(("clip", m.clip(0.5)), ("adam", m.adam(1e-2)))),
  "stateless": ("stateless", lambda m: m.chain(m.stateless(lambda u, p: {k: 0.5 * u[k] + 0.1 * p[k] for k in u}), m.sgd(0.1))),
- "stateless_tree_map": ("stateless_with_tree_map", lambda m: m.chain(m.stateless_with_tree_map(lambda g, p=None: 0.3 * g * g * g), m.sgd(0.1))),
+ "stateless_tree_map": ("stateless_with_tree_map", lambda m: m.chain(m.stateless_with_tree_map(lambda g, p: 0.3 * g * g * g + 0.1 * p), m.sgd(0.1))),
  "inject_hyper": ("inject_hyperparams", lambda m: m.inject_hyperparams(m.adam)(learning_rate=m.linear_schedule(1e-2, 1e-3, 5), b1=0.8)),
  "inject_hyper_static": ("inject_hyperparams", lambda m: m.inject_hyperparams(m.sgd, static_args="nesterov")(0.1, momentum=m.linear_schedule(0.5, 0.9, 4), nesterov=True)),
  "inject_stateful": ("inject_stateful_hyperparams", lambda m: m.inject_stateful_hyperparams(m.sgd)(learning_rate=m.linear_schedule(0.1, 0.01, 4), momentum=0.9)),  # gradtx's takes stateless schedules only (no WrappedSchedule)
@@ -707,6 +708,18 @@ if "optimizers" in RUN:
     _eo, _et = optax.init_empty_state(params0), gtx.init_empty_state({k: torch.tensor(v) for k, v in params0.items()})
     report("init_empty_state", 0.0 if type(_eo).__name__ == type(_et).__name__ and len(_et) == len(_eo) == 0 else float("inf"), "(structure)")
 
+    # clip_by_global_norm: gradtx scales by torch's clip_grad_norm_ coefficient max_norm / (norm + 1e-6),
+    # optax by max_norm / norm (when norm > max_norm): one clipped step, their ratio against the
+    # predicted norm / (norm + 1e-6), whose distance from 1 (1.3e-7 to 1.6e-7 here) the 8 steps carry.
+    _g0 = grads[0]
+    _n0 = float(np.sqrt(sum(float((v.astype(np.float64) ** 2).sum()) for v in _g0.values())))
+    _uo = optax.clip_by_global_norm(1.0).update({k: jnp.asarray(v) for k, v in _g0.items()}, optax.EmptyState())[0]
+    _ut = gtx.clip_by_global_norm(1.0).update({k: torch.tensor(v) for k, v in _g0.items()}, gtx.EmptyState())[0]
+    _ratio = _as_numpy(_ut["w"]).astype(np.float64) / _as_numpy(_uo["w"]).astype(np.float64)
+    _pred = _n0 / (_n0 + 1e-6)
+    _err = float(np.max(np.abs(_ratio - _pred)))
+    print(f"{'clip_gnorm_coef':16s} {'(one step)':14s} gradtx/optax update ratio - 1: {float(np.median(_ratio)) - 1:.2e}, "
+          f"predicted -1e-6 / (norm + 1e-6) = {_pred - 1:.2e}, max deviation from it {_err:.1e}")
     # Gradients through scale_gradient (identity forward, gradient times scale), safe_norm and
     # safe_root_mean_squares (finite gradients where the norm is below its floor, 0 included):
     # jax.grad against torch.autograd on the same function, written once for both.
@@ -831,7 +844,11 @@ def run_objective(lib, make, mode, steps=10, inplace=None):
             kwargs.update(value=value, grad=grad, value_fn=fn_kw, X=X, y=y)
         elif mode == "value":
             kwargs.update(value=value)
-        updates, state = tx.update(grad, state, p, **kwargs)
+        # inplace=True donates the updates' buffers: the chain may overwrite them (sgd scales them in
+        # place), so the updates given must not be the very tensors passed as grad=, which the line
+        # search reads after the earlier transformations ran
+        donated = {k: v.clone() for k, v in grad.items()} if inplace else grad
+        updates, state = tx.update(donated, state, p, **kwargs)
         p = m.apply_updates(p, updates)
     if lib != "optax":
         note_state_types(state)
