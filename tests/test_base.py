@@ -68,6 +68,34 @@ def test_stateless_with_tree_map_skips_none():
     assert updates["frozen"] is None and torch.equal(updates["w"], -torch.ones(2))
 
 
+def test_stateless_with_tree_map_passes_params_to_two_argument_functions():
+    # optax's convention: fn(update, param), param None when update gets no params
+    params = {"w": torch.tensor([1.0, -2.0], dtype=torch.float64), "b": torch.tensor(3.0, dtype=torch.float64)}
+    grads = {"w": torch.tensor([0.5, 0.25], dtype=torch.float64), "b": torch.tensor(-1.0, dtype=torch.float64)}
+    tx = gtx.stateless_with_tree_map(lambda g, p: g + 0.1 * p)
+    updates, state = tx.update(grads, tx.init(params), params)
+    assert state == gtx.EmptyState()
+    torch.testing.assert_close(updates["w"], torch.tensor([0.6, 0.05], dtype=torch.float64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(updates["b"], torch.tensor(-0.7, dtype=torch.float64), rtol=0, atol=1e-15)
+
+    seen = []
+    tx = gtx.stateless_with_tree_map(lambda g, p: seen.append(p) or 2 * g)
+    updates, _ = tx.update(grads, gtx.EmptyState())
+    assert seen == [None, None] and torch.equal(updates["w"], 2 * grads["w"])
+
+    tx = gtx.stateless_with_tree_map(lambda g, p=None: g if p is None else g * p)  # a default still gets the param
+    updates, _ = tx.update(grads, gtx.EmptyState(), params)
+    torch.testing.assert_close(updates["w"], torch.tensor([0.5, -0.5], dtype=torch.float64))
+
+
+def test_stateless_with_tree_map_one_argument_and_builtin_functions():
+    grads = {"w": torch.tensor([1.0, -2.0]), "b": torch.tensor(-3.0)}
+    params = {"w": torch.zeros(2), "b": torch.zeros(())}
+    for fn in (lambda g: g.abs(), torch.abs):
+        updates, _ = gtx.stateless_with_tree_map(fn).update(grads, gtx.EmptyState(), params)
+        assert torch.equal(updates["w"], torch.tensor([1.0, 2.0])) and torch.equal(updates["b"], torch.tensor(3.0))
+
+
 # --------------------------------------------------------------------------- apply_updates
 
 

@@ -209,9 +209,34 @@ def stateless(fn: Callable[[Updates, Optional[Params]], Updates]) -> GradientTra
     return GradientTransformation(init_empty_state, update_fn)
 
 
-def stateless_with_tree_map(fn: Callable[[torch.Tensor], torch.Tensor]) -> GradientTransformation:
-    """Makes a transformation applying ``fn`` to every (non-``None``) leaf."""
-    return stateless(lambda updates, params: tree_lib.tree_map(fn, updates))
+def _positional_arity(fn: Callable) -> int:
+    """How many positional arguments ``fn`` takes (2 for ``*args``); 1 where it cannot be told."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # some builtins have no signature
+        return 1
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+        return 2
+    return sum(p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in parameters)
+
+
+def stateless_with_tree_map(
+    fn: Union[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]],
+) -> GradientTransformation:
+    """Makes a transformation applying ``fn`` to every (non-``None``) leaf.
+
+    ``fn(update, param)`` as in optax, with ``param`` ``None`` when ``update`` is called without
+    params; a function of one positional argument is called as ``fn(update)``.
+    """
+    if _positional_arity(fn) < 2:
+        return stateless(lambda updates, params: tree_lib.tree_map(fn, updates))
+
+    def apply(updates, params):
+        if params is None:
+            return tree_lib.tree_map(lambda u: fn(u, None), updates)
+        return tree_lib.tree_map(fn, updates, params)
+
+    return stateless(apply)
 
 
 def apply_updates(params: Params, updates: Updates, *, inplace: bool = False, donate_updates: bool = False) -> Params:
