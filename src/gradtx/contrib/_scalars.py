@@ -56,14 +56,12 @@ def keep(buffers: Sequence[Tensor], values: Sequence[Tensor], donate: bool) -> l
     """``values``, written into the donated ``buffers`` when ``donate`` (same numbers either way)."""
     if not donate:
         return list(values)
-    return [b.copy_(v) for b, v in zip(buffers, values)]
+    return fe.copy_into(buffers, values)
 
 
 def on(value: Tensor, like: Tensor) -> Tensor:
     """A 0-d factor in the dtype and on the device of ``like``."""
-    if value.dtype != like.dtype or value.device != like.device:
-        return value.to(device=like.device, dtype=like.dtype)
-    return value
+    return fe.on(value, (like,))
 
 
 def safe_sqrt(x: Tensor) -> Tensor:
