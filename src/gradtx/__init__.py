@@ -19,6 +19,7 @@ from gradtx.base import (
     Updates,
     with_extra_args_support,
 )
+from gradtx.compiled_step import compile_step
 from gradtx.transforms import (
     adaptive_grad_clip,
     AdaptiveGradClipState,
@@ -398,6 +399,7 @@ __all__ = [
     "apply_updates",
     "bias_correction",
     "centralize",
+    "compile_step",
     "chain",
     "clip",
     "clip_by_block_rms",

@@ -127,7 +127,7 @@ def _adam_scalars(b1: Any, b2: Any, eps: Any, eps_root: Any, nesterov: bool, cou
         c_b = (1.0 - b1) / bc1
         hat, ratio = c_a, c_b / c_a
     root_shift = eps_root * bc2 if isinstance(eps_root, Tensor) or eps_root else None
-    return _Scalars(hat, hat * sqrt_bc2, eps * sqrt_bc2, root_shift, ratio)
+    return _Scalars(*fe.realized(hat, hat * sqrt_bc2, eps * sqrt_bc2, root_shift, ratio))
 
 
 # --------------------------------------------------------------------------- Adam

@@ -1,0 +1,94 @@
+"""A whole pure step, ``update`` then ``apply_updates``, as one ``torch.compile`` graph whose large
+outputs are written into buffers recycled from the caller's earlier outputs.
+
+What ``jax.jit`` with donated buffers gives an optax user, without donating anything: Inductor
+writes the new params and state straight into buffers from a :class:`~gradtx.buffer_pool.BufferPool`
+(its graph takes them as inputs and stores into them in the same loop that computes the values),
+so a step allocates nothing large and page-faults nothing once it has run twice. The inputs are
+never written, and no output shares memory with anything the caller still holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from gradtx import tree as tree_lib
+from gradtx.base import GradientTransformation, apply_updates
+from gradtx.buffer_pool import BufferPool, recyclable
+
+Step = Callable[..., tuple[Any, Any]]
+
+
+def _write_outputs(leaves: list[Any], outs: list[Optional[Tensor]], inputs: list[Any]) -> list[Any]:
+    """``leaves`` with each one that fits its buffer in ``outs`` copied there (inside the graph, so
+    Inductor stores it there directly). A leaf that is one of the inputs, passed through unchanged,
+    keeps its identity (no copy)."""
+    result = list(leaves)
+    for index, (value, out) in enumerate(zip(leaves, outs)):
+        if out is None or not isinstance(value, Tensor) or value.requires_grad or any(value is x for x in inputs):
+            continue  # nothing to write into, a graph to keep, or an input passed through
+        if value.shape == out.shape and value.dtype == out.dtype and value.device == out.device:
+            out.copy_(value)
+            result[index] = out
+    return result
+
+
+def compile_step(
+    tx: GradientTransformation, *, recycle: bool = True, **compile_options: Any
+) -> Step:
+    """``step(updates, state, params, **extra_args) -> (new_params, new_state)``: ``tx.update``
+    followed by :func:`~gradtx.apply_updates`, compiled as one graph.
+
+    Pure: ``updates``, ``state`` and ``params`` are left as they are, and the results share no
+    memory with anything the caller still references. With ``recycle=True`` (the default), the large
+    CPU outputs are written into buffers the step handed out two calls before and the caller has
+    dropped since (``params, state = step(grads, state, params)`` drops them): after two steps a
+    step allocates nothing large, which on a CPU saves it page-faulting its new trees in every time.
+    Between steps the process then keeps the buffers of the step before (what a pure step holds at
+    its peak anyway); ``step.clear()`` lets them go. Where a graph is recorded (an input requires
+    grad, or a ``torch.func`` transform is active) the outputs are new tensors, as autograd needs.
+
+    ``compile_options`` go to ``torch.compile`` (``fullgraph=True`` unless given). Example::
+
+        >>> import torch, gradtx as gtx
+        >>> step = gtx.compile_step(gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(1e-3)))
+        >>> params = {"w": torch.ones(3)}
+        >>> state = gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(1e-3)).init(params)
+        >>> params, state = step({"w": torch.full((3,), 0.5)}, state, params)
+        >>> params["w"]
+        tensor([0.9990, 0.9990, 0.9990])
+    """
+    compile_options.setdefault("fullgraph", True)
+    if compile_options.get("backend", "inductor") == "inductor":
+        # A new moment is read twice, by the update and by the store into its buffer; left
+        # unrealized, Inductor recomputes it in a loop of its own (two more passes over memory).
+        compile_options["options"] = {"realize_reads_threshold": 1, **compile_options.get("options", {})}
+    pool = BufferPool()
+
+    def body(updates: Any, state: Any, params: Any, outs: list[Optional[Tensor]], extra_args: dict) -> tuple[Any, Any]:
+        new_updates, new_state = tx.update(updates, state, params, **extra_args)
+        new_params = apply_updates(params, new_updates)
+        param_leaves, param_def = tree_lib.flatten(new_params)
+        state_leaves, state_def = tree_lib.flatten(new_state)
+        inputs = tree_lib.leaves(params) + tree_lib.leaves(state) + tree_lib.leaves(updates)
+        leaves = _write_outputs(param_leaves + state_leaves, outs, inputs)
+        n = len(param_leaves)
+        return tree_lib.unflatten(param_def, leaves[:n]), tree_lib.unflatten(state_def, leaves[n:])
+
+    compiled = torch.compile(body, **compile_options)
+
+    def step(updates: Any, state: Any, params: Any, **extra_args: Any) -> tuple[Any, Any]:
+        templates = tree_lib.leaves(params) + tree_lib.leaves(state)
+        inputs = templates + tree_lib.leaves(updates) + tree_lib.leaves(extra_args)
+        if recycle and not tree_lib.needs_graph(inputs):
+            outs = pool.take([t if recyclable(t) else None for t in templates])
+        else:
+            outs = [None] * len(templates)
+        return compiled(updates, state, params, outs, extra_args)
+
+    step.clear = pool.clear  # type: ignore[attr-defined]
+    step.pool = pool  # type: ignore[attr-defined]
+    return step

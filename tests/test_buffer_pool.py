@@ -1,0 +1,155 @@
+"""``BufferPool``: a storage goes out again only once nothing but the pool references it, so a
+tensor the caller can still reach (directly, through a view, a NumPy array or a storage object, or
+from another process through shared memory) is never handed out to be overwritten."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradtx.buffer_pool import RECYCLE_MIN_BYTES, BufferPool, recyclable
+
+BIG = RECYCLE_MIN_BYTES // 4  # float32 elements of the smallest pooled buffer
+
+
+def _template(n: int = BIG, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.empty(n, dtype=dtype)
+
+
+def test_buffers_have_the_templates_shape_strides_and_dtype():
+    pool = BufferPool()
+    templates = [torch.empty(256, 512).t(), torch.empty(BIG, dtype=torch.float64), None]
+    buffers = pool.take(templates)
+    assert buffers[2] is None
+    for buffer, template in zip(buffers[:2], templates[:2]):
+        assert buffer.shape == template.shape and buffer.stride() == template.stride()
+        assert buffer.dtype == template.dtype and buffer.device == template.device
+
+
+def test_a_dropped_buffer_is_reused_two_calls_later():
+    pool = BufferPool()
+    first = pool.take([_template()])[0]
+    address = first.data_ptr()
+    second = pool.take([_template()])[0]  # ``first`` is still held: a new buffer
+    assert second.data_ptr() != address
+    del first
+    third = pool.take([_template()])[0]
+    assert third.data_ptr() == address
+    assert second.data_ptr() != third.data_ptr()
+
+
+@pytest.mark.parametrize(
+    "keep",
+    [
+        lambda t: t,
+        lambda t: t[1:],  # a view
+        lambda t: t.view(2, -1),
+        lambda t: t.detach(),
+        lambda t: t.numpy(),
+        lambda t: t.untyped_storage(),
+    ],
+    ids=["tensor", "slice", "reshaped view", "detached", "numpy", "storage"],
+)
+def test_anything_still_referencing_a_buffer_keeps_it_out_of_the_pool(keep):
+    pool = BufferPool()
+    buffer = pool.take([_template()])[0]
+    buffer.fill_(7.0)
+    address = buffer.data_ptr()
+    held = keep(buffer)
+    del buffer
+    for _ in range(3):
+        other = pool.take([_template()])[0]
+        assert other.data_ptr() != address
+        other.fill_(-1.0)
+    values = torch.empty(0).set_(held) if isinstance(held, torch.UntypedStorage) else torch.as_tensor(held)
+    assert values.eq(7.0).all()
+
+
+def test_a_buffer_moved_to_shared_memory_is_never_reused():
+    pool = BufferPool()
+    buffer = pool.take([_template()])[0]
+    buffer.share_memory_()  # another process may map it, whatever the count here says
+    address = buffer.data_ptr()
+    del buffer
+    for _ in range(3):
+        assert pool.take([_template()])[0].data_ptr() != address
+
+
+def test_only_large_plain_cpu_tensors_are_pooled():
+    class Subclass(torch.Tensor):
+        pass
+
+    assert recyclable(torch.empty(BIG))
+    assert recyclable(torch.nn.Parameter(torch.empty(BIG)))
+    assert not recyclable(torch.empty(BIG - 1))
+    assert not recyclable(torch.empty(BIG).as_subclass(Subclass))
+    assert not recyclable(None)
+    assert not recyclable(torch.empty(BIG, device="meta"))
+
+
+def test_the_pool_keeps_at_most_two_calls_worth():
+    pool = BufferPool()
+    nbytes = BIG * 4
+    for _ in range(10):
+        held = pool.take([_template(), _template()])
+    assert pool.kept_bytes() <= 4 * nbytes
+    del held
+    pool.clear()
+    assert pool.kept_bytes() == 0
+
+
+def test_threads_never_share_a_live_buffer():
+    pool = BufferPool()
+    live: dict[int, int] = {}
+    lock = threading.Lock()
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        for i in range(60):
+            buffers = pool.take([_template(), _template()])
+            with lock:
+                for b in buffers:
+                    if b.data_ptr() in live:
+                        errors.append(f"thread {seed} step {i}: buffer of thread {live[b.data_ptr()]} handed out")
+                    live[b.data_ptr()] = seed
+            for b in buffers:
+                b.fill_(float(seed))
+            for b in buffers:
+                if not b.eq(float(seed)).all():
+                    errors.append(f"thread {seed} step {i}: buffer overwritten")
+            with lock:
+                for b in buffers:
+                    del live[b.data_ptr()]
+            del buffers
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.lists(st.booleans(), min_size=3, max_size=3)), min_size=1, max_size=12))
+def test_a_held_buffer_is_never_handed_out_again(calls):
+    """Random calls, each taking 1-3 buffers of two sizes and then dropping some of what is held:
+    every buffer still held keeps its contents, whatever the pool handed out since."""
+    pool = BufferPool()
+    held: list[tuple[torch.Tensor, float]] = []
+    value = 0.0
+    for count, drops in calls:
+        sizes = [BIG if i % 2 == 0 else 2 * BIG for i in range(count)]
+        for buffer in pool.take([_template(n) for n in sizes]):
+            value += 1.0
+            buffer.fill_(value)
+            held.append((buffer, value))
+        held = [pair for pair, drop in zip(held, drops + [False] * len(held)) if not drop]
+        for buffer, expected in held:
+            assert buffer.eq(expected).all()
+        addresses = [b.data_ptr() for b, _ in held]
+        assert len(addresses) == len(set(addresses))
