@@ -82,23 +82,32 @@ def test_the_generated_code_allocates_no_large_buffer():
     assert f"empty_strided_cpu(({2 * BIG}, )" not in code
 
 
-def _pow_count(n_leaves: int) -> int:
+def _count_in_code(make_tx, n_leaves: int, word: str) -> int:
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
-    tx = gtx.adam(1e-3)
+    tx = make_tx()
     params = {str(i): torch.randn(64 + i) for i in range(n_leaves)}
     grads = {k: torch.ones_like(v) for k, v in params.items()}
     state = tx.init(params)
-    compiled = torch.compile(lambda g, s: tx.update(g, s), fullgraph=True)
-    _, codes = run_and_get_code(compiled, grads, state)
-    return "\n".join(codes).count("std::pow")
+    compiled = torch.compile(lambda g, s, p: tx.update(g, s, p), fullgraph=True)
+    _, codes = run_and_get_code(compiled, grads, state, params)
+    return "\n".join(codes).count(word)
 
 
-def test_adams_per_step_factors_are_computed_once_per_compiled_step():
-    """Inductor would inline ``1 - b ** count`` into every leaf's loop (a float64 ``pow`` per
-    vector); the factors are one small buffer instead, so their code does not grow with the tree."""
-    one, four = _pow_count(1), _pow_count(4)
+@pytest.mark.parametrize(
+    ("make_tx", "word"),
+    [
+        (lambda: gtx.adam(1e-3), "std::pow"),
+        (lambda: gtx.adamw(gtx.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100), weight_decay=0.1), "std::cos"),
+    ],
+    ids=["bias corrections", "cosine schedule"],
+)
+def test_per_step_factors_are_computed_once_per_compiled_step(make_tx, word):
+    """Inductor would inline ``1 - b ** count`` or a schedule's cosine into every leaf's loop (a
+    float64 ``pow`` or ``cos`` per vector); the factors are one small buffer instead, so their
+    code does not grow with the tree."""
+    one, four = _count_in_code(make_tx, 1, word), _count_in_code(make_tx, 4, word)
     assert 0 < one == four
 
 

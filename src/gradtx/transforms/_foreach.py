@@ -127,28 +127,37 @@ def number_or_tensor(value: Any) -> Union[float, Tensor]:
 
 
 def schedule_value(schedule: Callable[[Tensor], Any], count: Tensor) -> Tensor:
-    return as_scalar_tensor(schedule(count), count)
+    """A schedule's value at ``count`` as a 0-d float64 tensor (computed once per compiled step)."""
+    return realized(as_scalar_tensor(schedule(count), count))[0]
 
 
-def realized(*scalars: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+def realized(*scalars: Any) -> tuple[Any, ...]:
     """The per-step 0-d factors of an update, computed once per step under ``torch.compile``.
 
     Inductor inlines a scalar expression into every loop that reads it, so a factor such as
-    ``1 - b2 ** count`` would be re-evaluated (a ``pow`` in float64) for every vector of every
-    leaf: the compiled AdamW step ran 2.5x slower for it. Stacking the factors makes them one small
-    buffer that the loops load from. Eager mode, where each factor is one small kernel anyway, gets
-    them back unchanged; ``None`` entries pass through.
+    ``1 - b2 ** count``, or a cosine schedule's value, would be re-evaluated (in float64) for
+    every vector of every leaf: the compiled AdamW step ran 2.5x slower for it. Stacking the
+    factors makes them one small buffer that the loops load from. The 0-d tensors that share the
+    first one's dtype and device are stacked; anything else (numbers, ``None``, other tensors)
+    passes through, and so does everything in eager mode, where each factor is a small kernel anyway.
     """
-    present = [s for s in scalars if isinstance(s, Tensor)]
-    if not present or not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling():
         return scalars
-    first = present[0]
-    if len(present) != sum(s is not None for s in scalars) or any(
-        s.dtype != first.dtype or s.device != first.device or s.dim() != 0 for s in present
-    ):
-        return scalars  # mixed kinds (a float, another dtype): left as they are
-    stacked = iter(torch.stack(present).unbind(0))
-    return tuple(None if s is None else next(stacked) for s in scalars)
+    first = next((s for s in scalars if isinstance(s, Tensor) and s.dim() == 0), None)
+    chosen = [
+        i for i, s in enumerate(scalars)
+        if isinstance(s, Tensor) and s.dim() == 0 and s.dtype == first.dtype and s.device == first.device
+    ] if first is not None else []
+    if not chosen:
+        return scalars
+    stacked = [scalars[i] for i in chosen]
+    if len(stacked) == 1:  # Inductor folds a one-input stack away; a second entry keeps it a buffer
+        stacked.append(torch.zeros_like(stacked[0]))
+    values = torch.stack(stacked).unbind(0)
+    result = list(scalars)
+    for i, value in zip(chosen, values):
+        result[i] = value
+    return tuple(result)
 
 
 # --------------------------------------------------------------------------- groups

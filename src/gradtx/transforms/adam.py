@@ -162,6 +162,7 @@ class _Adam:
         s = _adam_scalars(self.b1, self.b2, self.eps, self.eps_root, self.nesterov, count)
         step = s.step if lr_scale is None else s.step * lr_scale
         factor, flags, param_values = decay if decay is not None else (None, [False] * len(mu), [None] * len(mu))
+        step, factor = fe.realized(step, factor)  # a scheduled learning rate joins them here
 
         def group(g, m, v, decayed, p):
             m = first_moment(m, g, self.b1, inplace=inplace)
