@@ -41,7 +41,11 @@ Pure gradtx candidates: ``gradtx-pure`` (``apply_updates(params, updates)``), ``
 (``apply_updates(params, updates, donate_updates=True)``: the sums go into the updates' buffers, which
 the step itself made) and ``gradtx-compiled`` (the whole pure step in one ``torch.compile(fullgraph=True)``
 function). In every pure chain, the members after the clip work in the buffers of the updates the
-clip made (``inplace="updates"``), never in the state's.
+clip made (``inplace="updates"``), never in the state's. ``gradtx-compile-step`` is
+``gtx.compile_step(tx)``: the same compiled step, with the new params and state stored by the
+generated loop straight into buffers recycled from the outputs the loop dropped two steps before;
+its memory line adds the bytes those buffers keep between steps (the caller's current trees and
+the previous step's, which a pure step holds at its peak anyway).
 """
 
 from __future__ import annotations
@@ -189,6 +193,7 @@ def gradtx_compile_step() -> Callable[[], None]:
     def step():
         box["params"], box["state"] = step_fn(grads, box["state"], box["params"])
 
+    step.pool = step_fn.pool  # the memory report adds what the pool keeps between steps
     return step
 
 
@@ -360,7 +365,10 @@ def worker(name: str, steps: int, warmup: int, threads: int, memory: bool) -> No
         for _ in range(warmup):
             step()
         if memory:
-            print(json.dumps({"name": name, "peak_mb": _peak_bytes(step) / 1e6}))
+            answer = {"name": name, "peak_mb": _peak_bytes(step) / 1e6}
+            if hasattr(step, "pool"):  # recycled buffers: allocated steps before, kept between steps
+                answer["kept_mb"] = step.pool.kept_bytes() / 1e6
+            print(json.dumps(answer))
             return
         times, cpu, faults = [], [], []
         for _ in range(steps):
@@ -507,7 +515,8 @@ def main() -> None:
             answer = run_worker(name, "default", 1, args.warmup, args.threads, memory=True)
             minimum = MINIMUM_TREES.get(name, 3) * TREE_BYTES / 1e6
             peak = f"{answer['peak_mb']:8.0f}" if answer else "  failed"
-            print(f"  {name:26s} peak {peak}   minimum {minimum:6.0f}")
+            kept = f"   recycled buffers kept between steps {answer['kept_mb']:.0f}" if answer and "kept_mb" in answer else ""
+            print(f"  {name:26s} peak {peak}   minimum {minimum:6.0f}{kept}")
 
 
 def _median_ratio(a: list[float], b: list[float]) -> float:
