@@ -229,9 +229,18 @@ def test_inductor_options_given_are_kept(monkeypatch):
         return real_compile(fn, **options)
 
     monkeypatch.setattr(torch, "compile", spy)
-    gtx.compile_step(gtx.sgd(0.1), options={"max_fusion_size": 8})
+    gtx.compile_step(gtx.sgd(0.1), options={"max_fusion_size": 8})  # compiled lazily: nothing runs
     assert seen["fullgraph"] is True
     assert seen["options"] == {"realize_reads_threshold": 1, "max_fusion_size": 8}
     seen.clear()
     gtx.compile_step(gtx.sgd(0.1), backend="eager", fullgraph=False)
     assert seen == {"backend": "eager", "fullgraph": False}
+
+
+def test_the_docstring_example_runs():
+    import doctest
+
+    import gradtx.compiled_step as module
+
+    results = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert results.attempted >= 5 and results.failed == 0

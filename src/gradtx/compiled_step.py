@@ -10,7 +10,7 @@ never written, and no output shares memory with anything the caller still holds.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -18,8 +18,6 @@ from torch import Tensor
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, apply_updates
 from gradtx.buffer_pool import BufferPool, recyclable
-
-Step = Callable[..., tuple[Any, Any]]
 
 
 def _write_outputs(leaves: list[Any], outs: list[Optional[Tensor]], inputs: list[Any]) -> list[Any]:
@@ -36,9 +34,38 @@ def _write_outputs(leaves: list[Any], outs: list[Optional[Tensor]], inputs: list
     return result
 
 
-def compile_step(
-    tx: GradientTransformation, *, recycle: bool = True, **compile_options: Any
-) -> Step:
+class CompiledStep:
+    """The callable :func:`compile_step` returns; ``pool`` holds its recycled output buffers."""
+
+    def __init__(self, tx: GradientTransformation, recycle: bool, compile_options: dict[str, Any]) -> None:
+        self.tx, self.recycle, self.pool = tx, recycle, BufferPool()
+        self._compiled = torch.compile(self._body, **compile_options)
+
+    def _body(self, updates: Any, state: Any, params: Any, outs: list[Optional[Tensor]], extra_args: dict) -> tuple[Any, Any]:
+        new_updates, new_state = self.tx.update(updates, state, params, **extra_args)
+        new_params = apply_updates(params, new_updates)
+        param_leaves, param_def = tree_lib.flatten(new_params)
+        state_leaves, state_def = tree_lib.flatten(new_state)
+        inputs = tree_lib.leaves(params) + tree_lib.leaves(state) + tree_lib.leaves(updates)
+        leaves = _write_outputs(param_leaves + state_leaves, outs, inputs)
+        n = len(param_leaves)
+        return tree_lib.unflatten(param_def, leaves[:n]), tree_lib.unflatten(state_def, leaves[n:])
+
+    def __call__(self, updates: Any, state: Any, params: Any, **extra_args: Any) -> tuple[Any, Any]:
+        templates = tree_lib.leaves(params) + tree_lib.leaves(state)
+        inputs = templates + tree_lib.leaves(updates) + tree_lib.leaves(extra_args)
+        if self.recycle and not tree_lib.needs_graph(inputs):
+            outs = self.pool.take([t if recyclable(t) else None for t in templates])
+        else:
+            outs = [None] * len(templates)
+        return self._compiled(updates, state, params, outs, extra_args)
+
+    def clear(self) -> None:
+        """Lets go of the recycled buffers kept between steps (see :meth:`BufferPool.clear`)."""
+        self.pool.clear()
+
+
+def compile_step(tx: GradientTransformation, *, recycle: bool = True, **compile_options: Any) -> CompiledStep:
     """``step(updates, state, params, **extra_args) -> (new_params, new_state)``: ``tx.update``
     followed by :func:`~gradtx.apply_updates`, compiled as one graph.
 
@@ -66,29 +93,4 @@ def compile_step(
         # A new moment is read twice, by the update and by the store into its buffer; left
         # unrealized, Inductor recomputes it in a loop of its own (two more passes over memory).
         compile_options["options"] = {"realize_reads_threshold": 1, **compile_options.get("options", {})}
-    pool = BufferPool()
-
-    def body(updates: Any, state: Any, params: Any, outs: list[Optional[Tensor]], extra_args: dict) -> tuple[Any, Any]:
-        new_updates, new_state = tx.update(updates, state, params, **extra_args)
-        new_params = apply_updates(params, new_updates)
-        param_leaves, param_def = tree_lib.flatten(new_params)
-        state_leaves, state_def = tree_lib.flatten(new_state)
-        inputs = tree_lib.leaves(params) + tree_lib.leaves(state) + tree_lib.leaves(updates)
-        leaves = _write_outputs(param_leaves + state_leaves, outs, inputs)
-        n = len(param_leaves)
-        return tree_lib.unflatten(param_def, leaves[:n]), tree_lib.unflatten(state_def, leaves[n:])
-
-    compiled = torch.compile(body, **compile_options)
-
-    def step(updates: Any, state: Any, params: Any, **extra_args: Any) -> tuple[Any, Any]:
-        templates = tree_lib.leaves(params) + tree_lib.leaves(state)
-        inputs = templates + tree_lib.leaves(updates) + tree_lib.leaves(extra_args)
-        if recycle and not tree_lib.needs_graph(inputs):
-            outs = pool.take([t if recyclable(t) else None for t in templates])
-        else:
-            outs = [None] * len(templates)
-        return compiled(updates, state, params, outs, extra_args)
-
-    step.clear = pool.clear  # type: ignore[attr-defined]
-    step.pool = pool  # type: ignore[attr-defined]
-    return step
+    return CompiledStep(tx, recycle, compile_options)
