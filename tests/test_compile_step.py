@@ -100,13 +100,14 @@ def _count_in_code(make_tx, n_leaves: int, word: str) -> int:
     [
         (lambda: gtx.adam(1e-3), "std::pow"),
         (lambda: gtx.adamw(gtx.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100), weight_decay=0.1), "std::cos"),
+        (lambda: gtx.chain(gtx.clip_by_global_norm(1.0), gtx.sgd(0.1)), "min_propagate_nan"),
     ],
-    ids=["bias corrections", "cosine schedule"],
+    ids=["bias corrections", "cosine schedule", "clip coefficient"],
 )
 def test_per_step_factors_are_computed_once_per_compiled_step(make_tx, word):
-    """Inductor would inline ``1 - b ** count`` or a schedule's cosine into every leaf's loop (a
-    float64 ``pow`` or ``cos`` per vector); the factors are one small buffer instead, so their
-    code does not grow with the tree."""
+    """Inductor would inline ``1 - b ** count``, a schedule's cosine or the clip's ``min(1, c /
+    norm)`` into every leaf's loop (evaluated per vector); the factors are one small buffer
+    instead, so their code does not grow with the tree."""
     one, four = _count_in_code(make_tx, 1, word), _count_in_code(make_tx, 4, word)
     assert 0 < one == four
 

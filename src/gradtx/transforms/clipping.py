@@ -18,6 +18,7 @@ from torch import Tensor
 from gradtx import sharding
 from gradtx import tree as tree_lib
 from gradtx.base import EmptyState, GradientTransformation, donation, init_empty_state, supports_donated_updates
+from gradtx.transforms import _foreach as fe
 from gradtx.tree import unitwise_norm
 
 _EPS = 1e-6  # the same epsilon as torch.nn.utils.clip_grad_norm_
@@ -103,8 +104,10 @@ def clip_by_global_norm(
             )
         if isinstance(max_norm, Tensor):
             # a float divided by a tensor is the reciprocal times the float: the same numbers
-            return torch.clamp(torch.reciprocal(norm + _EPS) * max_norm.to(norm.device, norm.dtype), max=1.0), norm
-        return torch.clamp(max_norm / (norm + _EPS), max=1.0), norm
+            coef = torch.clamp(torch.reciprocal(norm + _EPS) * max_norm.to(norm.device, norm.dtype), max=1.0)
+        else:
+            coef = torch.clamp(max_norm / (norm + _EPS), max=1.0)
+        return fe.realized(coef, norm)  # compiled: the coefficient is computed once, not per vector
 
     def update_fn(updates, state, params=None, *, inplace=False):
         del params, state
