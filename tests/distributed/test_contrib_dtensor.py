@@ -76,7 +76,7 @@ MIXED = {
 def optimizers_on_a_tree_mixing_dtensor_and_plain_leaves(world):
     """A tree with DTensor leaves and a plain (replicated, un-wrapped) one, as hand-written tensor
     parallelism or a partly wrapped model gives: each rank's result is its piece of the dense one."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     mesh = world.mesh((2,), ("dp",))
     layout = {"fsdp.weight": [Shard(0)], "tp.weight": [Shard(1)]}  # "bias" stays a plain tensor
