@@ -8,6 +8,8 @@ once; one graph serves every step; where a graph is recorded the step is differe
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -245,3 +247,22 @@ def test_the_docstring_example_runs():
 
     results = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert results.attempted >= 5 and results.failed == 0
+
+
+@pytest.mark.parametrize(
+    ("grads", "error", "message"),
+    [
+        ({"w": torch.ones(3)}, ValueError, "leaf 'b' is missing"),
+        ({"w": torch.ones(3), "b": torch.ones(4)}, ValueError, "leaf 'b' has update shape (4,) but parameter shape (2,)"),
+        ({"w": torch.ones(3), "b": 2.0}, TypeError, "leaf 'b' is a float"),
+    ],
+    ids=["missing leaf", "wrong shape", "not a tensor"],
+)
+def test_mismatched_gradients_are_a_clear_error_before_tracing(grads, error, message):
+    counters.clear()
+    tx = gtx.adam(1e-3)
+    step = gtx.compile_step(tx, backend="eager")
+    params = {"w": torch.ones(3), "b": torch.ones(2)}
+    with pytest.raises(error, match=re.escape(message)):
+        step(grads, tx.init(params), params)
+    assert counters["stats"]["calls_captured"] == 0  # raised before Dynamo saw the step

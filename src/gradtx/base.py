@@ -239,6 +239,30 @@ def stateless_with_tree_map(
     return stateless(apply)
 
 
+def paired_leaves(params: Params, updates: Updates, *, owner: str) -> tuple[list[Any], list[Any], Any, list[int]]:
+    """The leaves of ``params`` and of ``updates`` (same structure, tensors or ``None``), their
+    structure, and the indices where an update meets its parameter. A mismatch (structure, a leaf
+    that is not a tensor, an update for a ``None`` parameter, another shape) is a ``ValueError`` or
+    ``TypeError`` naming the leaf's path, raised before any computation."""
+    param_leaves, treedef = tree_lib.flatten(params)
+    update_leaves = tree_lib.flatten_like(updates, treedef, params, what="updates")
+    tree_lib.check_tensors(params, param_leaves, what="params", allow_none=True)
+    tree_lib.check_tensors(updates, update_leaves, what="updates", allow_none=True)
+    pairs = []
+    for index, (param, update) in enumerate(zip(param_leaves, update_leaves)):
+        if update is None:
+            continue
+        if param is None:
+            raise ValueError(f"{owner}: leaf {tree_lib.path_at(params, index)!r} has an update but no parameter (None)")
+        if update.shape != param.shape:
+            raise ValueError(
+                f"{owner}: leaf {tree_lib.path_at(params, index)!r} has update shape {tuple(update.shape)} "
+                f"but parameter shape {tuple(param.shape)}"
+            )
+        pairs.append(index)
+    return param_leaves, update_leaves, treedef, pairs
+
+
 def apply_updates(params: Params, updates: Updates, *, inplace: bool = False, donate_updates: bool = False) -> Params:
     """Returns ``params + updates``, each result cast back to its parameter's dtype.
 
@@ -255,24 +279,7 @@ def apply_updates(params: Params, updates: Updates, *, inplace: bool = False, do
     A ``None`` update leaves its parameter as it is. The trees must have the same structure; a
     mismatch is a ``ValueError`` naming the first differing path.
     """
-    param_leaves, treedef = tree_lib.flatten(params)
-    update_leaves = tree_lib.flatten_like(updates, treedef, params, what="updates")
-    tree_lib.check_tensors(params, param_leaves, what="params", allow_none=True)
-    tree_lib.check_tensors(updates, update_leaves, what="updates", allow_none=True)
-    pairs = []
-    for index, (param, update) in enumerate(zip(param_leaves, update_leaves)):
-        if update is None:
-            continue
-        if param is None:
-            raise ValueError(
-                f"apply_updates: leaf {tree_lib.path_at(params, index)!r} has an update but no parameter (None)"
-            )
-        if update.shape != param.shape:
-            raise ValueError(
-                f"apply_updates: leaf {tree_lib.path_at(params, index)!r} has update shape {tuple(update.shape)} "
-                f"but parameter shape {tuple(param.shape)}"
-            )
-        pairs.append(index)
+    param_leaves, update_leaves, treedef, pairs = paired_leaves(params, updates, owner="apply_updates")
     new_leaves = list(param_leaves)
     if pairs:
         params_list = [param_leaves[i] for i in pairs]

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, apply_updates
+from gradtx.base import GradientTransformation, apply_updates, paired_leaves
 from gradtx.buffer_pool import BufferPool, recyclable
 
 
@@ -52,6 +52,9 @@ class CompiledStep:
         return tree_lib.unflatten(param_def, leaves[:n]), tree_lib.unflatten(state_def, leaves[n:])
 
     def __call__(self, updates: Any, state: Any, params: Any, **extra_args: Any) -> tuple[Any, Any]:
+        # Checked here, where a mismatch is a plain error naming the leaf; inside the graph the
+        # tracer would report it as an unsupported exception.
+        paired_leaves(params, updates, owner="compile_step")
         templates = tree_lib.leaves(params) + tree_lib.leaves(state)
         inputs = templates + tree_lib.leaves(updates) + tree_lib.leaves(extra_args)
         if self.recycle and not tree_lib.needs_graph(inputs):
