@@ -46,6 +46,11 @@ def leaves(tree: PyTree) -> list[Any]:
     return optree.tree_leaves(tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
 
 
+def leaves_until(tree: PyTree, stop: Callable[[Any], bool]) -> list[Any]:
+    """The leaves of ``tree``, where a node for which ``stop`` is true counts as one leaf."""
+    return optree.tree_leaves(tree, is_leaf=stop, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
+
+
 def structure(tree: PyTree) -> TreeSpec:
     return optree.tree_structure(tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
 

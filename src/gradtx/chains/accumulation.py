@@ -27,6 +27,7 @@ from torch import Tensor
 from gradtx import sharding
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace
+from gradtx.chains import step_gates
 from gradtx.chains._select import safe_increment, where_or_zero, where_tree, zeros_like_tree
 
 PyTree = Any
@@ -327,7 +328,13 @@ class MultiSteps:
         for indices, (group_accs, group_grads) in tree_lib.grouped(accs, grads):
             if self._use_grad_mean:
                 weight = 1.0 / (mini_step.to(group_accs[0].device) + 1).to(group_accs[0].dtype)
-                new = tree_lib.foreach("lerp", group_accs, group_grads, weight, inplace=inplace)
+                if not inplace and torch.compiler.is_compiling():
+                    # the out-of-place foreach lerp reads a tensor weight on the host (a graph break);
+                    # the in-place one on fresh copies gives the same numbers in the graph
+                    group_accs, inplace_here = [a.clone() for a in group_accs], True
+                else:
+                    inplace_here = inplace
+                new = tree_lib.foreach("lerp", group_accs, group_grads, weight, inplace=inplace_here)
             else:
                 new = tree_lib.foreach_add(group_accs, group_grads, inplace=inplace)
             for i, value in zip(indices, new):
@@ -351,5 +358,21 @@ class MultiSteps:
         A ``GradientTransformationExtraArgs`` when the inner transformation takes extra arguments.
         """
         kind = GradientTransformationExtraArgs if self._opt_takes_extra_args else GradientTransformation
-        return kind(self.init, self.update)
+
+        def update(updates, state: MultiStepsState, params=None, *, inplace: bool = False, **extra_args):
+            return self.update(updates, state, params, inplace=inplace, **extra_args)
+
+        update.__qualname__ = update.__name__ = "MultiSteps"
+        update.__doc__ = self.update.__doc__
+        return kind(self.init, step_gates.set_gate(update, self.step_gate()))
+
+    def step_gate(self) -> step_gates.StepGate:
+        """Whether a call applied the inner transformation: its ``gradient_step`` advanced (and, when
+        the inner transformation skips steps itself, it applied that one too)."""
+        return step_gates.wrapping(
+            lambda state: step_gates.copied(state.gradient_step),
+            lambda before, new: new.gradient_step != before.to(new.gradient_step.device),
+            step_gates.gate_of(self._opt),
+            lambda state: state.inner_opt_state,
+        )
 

@@ -15,6 +15,7 @@ from gradtx.base import (
     takes_extra_args,
     with_inplace,
 )
+from gradtx.chains import step_gates
 
 _PARTS = "_gradtx_chain_parts"
 
@@ -88,7 +89,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     setattr(init_fn, _PARTS, parts)
     kind = GradientTransformationExtraArgs if any(member[1] for member in members) else GradientTransformation
-    return kind(init_fn, _marked(update_fn, members))
+    gate = step_gates.sequence([step_gates.gate_of(tx) for tx in parts], lambda state: state)
+    return kind(init_fn, step_gates.set_gate(_marked(update_fn, members), gate))
 
 
 def named_chain(*named_transforms: tuple[str, GradientTransformation]) -> GradientTransformation:
@@ -113,4 +115,7 @@ def named_chain(*named_transforms: tuple[str, GradientTransformation]) -> Gradie
         return updates, dict(zip(names, new_states))
 
     kind = GradientTransformationExtraArgs if any(member[1] for member in members) else GradientTransformation
-    return kind(init_fn, _marked(update_fn, members))
+    gate = step_gates.sequence(
+        [step_gates.gate_of(tx) for _, tx in named_transforms], lambda state: [state[name] for name in names]
+    )
+    return kind(init_fn, step_gates.set_gate(_marked(update_fn, members), gate))

@@ -21,6 +21,7 @@ from torch import Tensor
 from gradtx import sharding
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace
+from gradtx.chains import step_gates
 from gradtx.chains._select import counter, safe_increment, where_or_zero, where_tree
 
 PyTree = Any
@@ -101,4 +102,13 @@ def apply_if_finite(
         return out_updates, ApplyIfFiniteState(notfinite_count, isfinite, total_notfinite, inner_state)
 
     update_fn.sharding_spec = spec  # lets gradtx.wrap(..., spec=) catch a wrapper that was given none
+    step_gates.set_gate(
+        update_fn,
+        step_gates.wrapping(
+            lambda state: None,
+            lambda _, new: new.last_finite | (new.notfinite_count > max_consecutive_errors),
+            step_gates.gate_of(inner),
+            lambda state: state.inner_state,
+        ),
+    )
     return (GradientTransformationExtraArgs if extra else GradientTransformation)(init_fn, update_fn)
