@@ -314,12 +314,38 @@ def _chunked_norm(tensor: Tensor, ord: float, dtype: torch.dtype) -> Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(chunks, ord, dtype=dtype)), ord)
 
 
+def stored_values(tensor: Tensor) -> Tensor:
+    """The elements a sparse tensor stores (its coalesced values: duplicates summed), or ``tensor`` itself.
+
+    For ``ord > 0`` a sparse tensor's norm is that of these values (the implicit zeros add nothing),
+    and it is finite exactly when they are.
+    """
+    if tensor.layout == torch.strided:
+        return tensor
+    if tensor.layout == torch.sparse_coo:
+        return tensor.coalesce().values()
+    return tensor.values()
+
+
 def foreach_norm(tensors: Sequence[Tensor], ord: float, dtype: torch.dtype) -> list[Tensor]:
     """Per-tensor ``ord``-norms of same-(device, dtype) tensors, accumulated and returned in ``dtype``.
 
     On CPU, torch upcasts a whole half-precision tensor to accumulate in ``dtype``; large contiguous
-    ones are taken in chunks instead, so no gradient-sized copy is made.
+    ones are taken in chunks instead, so no gradient-sized copy is made. Sparse tensors (an
+    ``Embedding(sparse=True)`` gradient) have the norm of their stored values; torch has no norm
+    kernel for them, which is how they are found: at no cost to dense ones.
     """
+    try:
+        return _dense_foreach_norm(tensors, ord, dtype)
+    except NotImplementedError:
+        if all(t.layout == torch.strided for t in tensors):
+            raise
+    if ord <= 0:
+        raise ValueError(f"the {ord}-norm of a sparse gradient is not defined by its stored values; use ord > 0")
+    return _dense_foreach_norm([stored_values(t) for t in tensors], ord, dtype)
+
+
+def _dense_foreach_norm(tensors: Sequence[Tensor], ord: float, dtype: torch.dtype) -> list[Tensor]:
     if tensors[0].is_complex():
         # torch's norms of complex tensors take |z| in the real dtype (complex64 -> float32) and accept
         # no real ``dtype``: what clip_grad_norm_ computes, without one
@@ -505,6 +531,7 @@ def all_finite(tree: PyTree, *, device: Optional[torch.device] = None) -> Tensor
     dtype = accumulation_dtype([t.dtype for t in tensors])  # float64 extremes must not overflow
     extremes = []
     for t in tensors:
+        t = stored_values(t)
         low, high = torch.aminmax(torch.view_as_real(t) if t.is_complex() else t)
         extremes.append(torch.stack([low, high]).to(device=target, dtype=dtype))
     return torch.isfinite(torch.cat(extremes)).all()

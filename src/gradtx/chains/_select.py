@@ -66,7 +66,18 @@ def where_tree(condition: Tensor, if_true: PyTree, if_false: PyTree, *, what: st
 def where_or_zero(condition: Tensor, tree: PyTree) -> PyTree:
     """Each tensor leaf where ``condition`` holds, zeros (same dtype) where not; ``None`` stays ``None``."""
     selector = _OnDevice(condition)
-    return tree_lib.tree_map(lambda t: torch.where(selector.on(t.device), t, 0), tree)
+    return tree_lib.tree_map(lambda t: _where_or_zero(selector.on(t.device), t), tree)
+
+
+def _where_or_zero(condition: Tensor, tensor: Tensor) -> Tensor:
+    if tensor.layout == torch.strided:
+        return torch.where(condition, tensor, 0)
+    if tensor.layout != torch.sparse_coo:
+        raise TypeError(f"a {tensor.layout} update cannot be selected (sparse COO and dense can)")
+    # a sparse tensor selects its stored values: the implicit zeros are zeros either way
+    coalesced = tensor.coalesce()
+    values = torch.where(condition, coalesced.values(), 0)
+    return torch.sparse_coo_tensor(coalesced.indices(), values, coalesced.shape, is_coalesced=True)
 
 
 def _same(a: Any, b: Any) -> bool:

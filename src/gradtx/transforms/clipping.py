@@ -143,8 +143,25 @@ def clip_by_global_norm(
 
 
 def _clamp_all(tensors: list[Tensor], low: float, high: float, *, inplace: bool) -> list[Tensor]:
-    clamped = tree_lib.foreach("clamp_min", tensors, low, inplace=inplace)
-    return tree_lib.foreach("clamp_max", clamped, high, inplace=True)
+    try:
+        clamped = tree_lib.foreach("clamp_min", tensors, low, inplace=inplace)
+        return tree_lib.foreach("clamp_max", clamped, high, inplace=True)
+    except NotImplementedError:  # torch has no clamp for sparse tensors: found at no cost to dense ones
+        if all(t.layout == torch.strided for t in tensors):
+            raise
+    # clamping is idempotent, so dense tensors already clamped in place above may be clamped again
+    return [_clamp_one(t, low, high) for t in tensors]
+
+
+def _clamp_one(tensor: Tensor, low: float, high: float) -> Tensor:
+    """``tensor`` clamped; a sparse COO tensor by its coalesced values (duplicates summed first)."""
+    if tensor.layout == torch.strided:
+        return tensor.clamp(low, high)
+    if tensor.layout != torch.sparse_coo:
+        raise TypeError(f"clip_by_value: a {tensor.layout} gradient is not supported (sparse COO and dense are)")
+    coalesced = tensor.coalesce()
+    values = coalesced.values().clamp(low, high)
+    return torch.sparse_coo_tensor(coalesced.indices(), values, coalesced.shape, is_coalesced=True)
 
 
 def clip_by_value(max_delta: float) -> GradientTransformation:
