@@ -156,28 +156,64 @@ def test_older_checkpoints_with_a_top_level_entry_load():
     assert leaves_equal(target.tx_state, opt.tx_state)
 
 
-def test_set_state_dict_of_a_flattened_state_dict_warns_that_the_chain_state_is_missing():
-    import warnings
-
+@pytest.mark.parametrize("source", ["a copy", "dcp.load into a fresh dict"])
+def test_a_flattened_state_dict_that_is_not_the_live_one_keeps_the_chain_state(source, tmp_path):
+    """torchtitan's setting (flatten_optimizer_state_dict=True): the chain's state survives a round trip
+    through a dict other than the live one, and the run resumes as if uninterrupted."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    straight = mlp()
+    straight_opt = make(straight)
+    train(straight, straight_opt, range(6))
 
     model = mlp()
     opt = make(model)
     train(model, opt, range(3))
-    flat = StateDictOptions(flatten_optimizer_state_dict=True)
     _, optim_sd = get_state_dict(model, opt, options=flat)
     target_model = mlp(seed=3)
     target = make(target_model)
-    with pytest.warns(UserWarning, match="flatten_optimizer_state_dict"):
-        set_state_dict(
-            target_model, target, model_state_dict=model.state_dict(), optim_state_dict=optim_sd, options=flat
-        )
+    if source == "a copy":
+        loaded = copy.deepcopy(optim_sd)
+    else:
+        dcp.save({"optim": optim_sd}, checkpoint_id=str(tmp_path))
+        _, loaded = get_state_dict(target_model, target, options=flat)
+        loaded = copy.deepcopy(loaded)  # not the live tensors: dcp.load writes into this copy only
+        dcp.load({"optim": loaded}, checkpoint_id=str(tmp_path))
+    set_state_dict(target_model, target, model_state_dict=model.state_dict(), optim_state_dict=loaded, options=flat)
+    assert leaves_equal(target.tx_state, opt.tx_state)
+    train(target_model, target, range(3, 6))
+    for p, q in zip(target_model.parameters(), straight.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_a_state_dict_without_the_chain_state_warns_and_keeps_the_current_one():
+    import warnings
+
+    model = mlp()
+    opt = make(model)
+    train(model, opt, range(3))
+    bare = opt.optimizer.state_dict()  # the inner optimizer's own: no chain state in it
+    target_model = mlp(seed=3)
+    target = make(target_model)
+    before = copy.deepcopy(target.tx_state)
+    with pytest.warns(UserWarning, match="no transformation state"):
+        set_state_dict(target_model, target, model_state_dict=model.state_dict(), optim_state_dict=_by_name(model, bare))
+    assert leaves_equal(target.tx_state, before)
 
     _, optim_sd = get_state_dict(model, opt)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         set_state_dict(target_model, target, model_state_dict=model.state_dict(), optim_state_dict=optim_sd)
     assert leaves_equal(target.tx_state, opt.tx_state)
+
+
+def _by_name(model: nn.Module, state_dict: dict) -> dict:
+    """An optimizer state dict keyed by parameter name, as get_state_dict returns it."""
+    names = [name for name, _ in model.named_parameters()]
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state_dict["param_groups"]]
+    groups = [{k: v for k, v in g.items() if k != STATE_KEY} for g in groups]
+    return {"state": {names[i]: v for i, v in state_dict["state"].items()}, "param_groups": groups}
 
 
 def test_a_users_step_with_zero_gradients_and_learning_rate_still_advances_the_chain():

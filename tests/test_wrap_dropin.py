@@ -198,12 +198,17 @@ def test_a_wrapped_zero_redundancy_optimizer_consolidates_its_state(tmp_path):
 # --------------------------------------------------------------------------- step hooks
 
 
-def test_process_wide_step_hooks_fire_once_per_step_with_the_wrapper():
+@pytest.mark.parametrize("scheduler", [None, "on the inner optimizer, before wrapping", "on the wrapper"])
+def test_process_wide_step_hooks_fire_once_per_step_with_the_wrapper(scheduler):
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     model = mlp()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    if scheduler == "on the inner optimizer, before wrapping":  # it patches the inner optimizer's step
+        sched = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
     opt = gtx.wrap(inner, gtx.clip_by_global_norm(1.0))
+    if scheduler == "on the wrapper":
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     calls = []
     handles = [
         register_optimizer_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o))),
@@ -214,10 +219,14 @@ def test_process_wide_step_hooks_fire_once_per_step_with_the_wrapper():
             opt.zero_grad()
             loss_of(model, step).backward()
             opt.step()
+            if scheduler is not None:
+                sched.step()  # no "scheduler stepped before the optimizer" warning: the step was seen
     finally:
         for handle in handles:
             handle.remove()
     assert calls == [("pre", opt), ("post", opt)] * 2
+    if scheduler is not None:
+        assert sched.optimizer._opt_called and opt.param_groups[0]["lr"] == pytest.approx(0.025)
 
 
 def hook_trace(wrapped: bool) -> tuple[list, list[torch.Tensor]]:

@@ -4,7 +4,9 @@ Each rank trains its FSDP2-sharded model (``fully_shard``: parameters and gradie
 with a wrapped optimizer whose chain keeps counters (a clip, a scheduled scale, accumulation over 2
 calls, a finite check). At step k the run saves with ``get_state_dict`` + ``dcp.save`` and goes on;
 fresh model and optimizer objects then load with ``dcp.load`` + ``set_state_dict`` and go on too.
-Both must end bit for bit where the uninterrupted run does, on every rank.
+Both must end bit for bit where the uninterrupted run does, on every rank. And a wrapped optimizer
+built before the model is sharded, its parameters swapped for DTensor shards afterwards as
+accelerate does, trains on with its chain's state following the parameters.
 """
 
 from __future__ import annotations
@@ -98,6 +100,62 @@ def check(rank: int, mesh, inner: str, checkpoint_dir: str) -> None:
         assert torch.equal(got, want), f"{inner}: the resumed run differs from the uninterrupted one"
 
 
+def accelerate_style_prepare(model: nn.Module, opt, mesh) -> nn.Module:
+    """What accelerate's FSDP2 preparation does to an optimizer that exists already: its parameters
+    become placeholders remembering the old addresses, the model is sharded, and accelerate's own
+    ``fsdp2_switch_optimizer_parameters`` puts the new DTensor parameters in their place."""
+    from accelerate.utils.fsdp_utils import fsdp2_switch_optimizer_parameters
+
+    old = {name: p.data_ptr() for name, p in model.named_parameters()}
+    for group in opt.param_groups:
+        for i, p in enumerate(group["params"]):
+            placeholder = torch.empty(1, dtype=p.dtype, device=p.device)
+            placeholder.data_ptr = p.data_ptr()
+            group["params"][i] = placeholder
+    model = shard(model, mesh)
+    new = dict(model.named_parameters())
+    fsdp2_switch_optimizer_parameters(opt, {ptr: new[name] for name, ptr in old.items()})
+    return model
+
+
+def check_accelerate_swap(rank: int, mesh) -> None:
+    """A wrapped optimizer built before the model is sharded (HF Trainer + accelerate + FSDP2): the
+    chain's per-parameter state (a momentum trace) follows the swap to DTensor shards, keeps its
+    values, and the run equals a dense one on the whole batch."""
+    import gradtx as gtx
+
+    def make(model):
+        # a stateless inner optimizer: accelerate does not move an inner optimizer's state (it prepares
+        # before the first step); the chain's momentum is what must follow the parameters here
+        tx = gtx.chain(gtx.clip_by_global_norm(0.5), gtx.trace(decay=0.9))
+        return gtx.wrap(torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1), tx, model=model)
+
+    def data(step: int, r: int):
+        gen = torch.Generator().manual_seed(100 * step + r)
+        return torch.randn(4, 6, generator=gen), torch.randint(0, 3, (4,), generator=gen)
+
+    def step_on(model, opt, batches) -> None:
+        opt.zero_grad()
+        x, y = (torch.cat(parts) for parts in zip(*batches))
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    dense, model = make_model(0), make_model(0)
+    dense_opt, opt = make(dense), make(model)
+    for m, o in ((dense, dense_opt), (model, opt)):  # one step before sharding, the same on every rank
+        step_on(m, o, [data(0, 0)])
+    model = accelerate_style_prepare(model, opt, mesh)
+    for step in range(1, 4):
+        step_on(model, opt, [data(step, rank)])
+        step_on(dense, dense_opt, [data(step, r) for r in range(WORLD)])  # FSDP2 averages the ranks' means
+    trace = opt.tx_state[1].trace
+    assert all(type(t).__name__ == "DTensor" for t in trace.values())
+    for got, want in zip(full_params(model), dense.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    for name, t in trace.items():
+        torch.testing.assert_close(t.full_tensor(), dense_opt.tx_state[1].trace[name], rtol=1e-5, atol=1e-6)
+
+
 def worker(rank: int, init_file: str, checkpoint_root: str) -> None:
     timeout = datetime.timedelta(seconds=30)
     dist.distributed_c10d.default_pg_timeout = timeout
@@ -107,6 +165,7 @@ def worker(rank: int, init_file: str, checkpoint_root: str) -> None:
         mesh = dist.device_mesh.init_device_mesh("cpu", (WORLD,))  # no axis names, as fully_shard's default
         for inner in ("adamw", "sgd"):
             check(rank, mesh, inner, os.path.join(checkpoint_root, inner))
+        check_accelerate_swap(rank, mesh)
         dist.barrier()
     finally:
         gc.collect()

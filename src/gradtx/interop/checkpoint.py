@@ -46,9 +46,10 @@ def split_chain_state(state_dict: dict[str, Any]) -> tuple[Optional[dict[str, An
         saved = saved["tx_state"]
     groups = state_dict.get("param_groups")
     if groups and isinstance(groups[0], dict) and STATE_KEY in groups[0]:
-        first = dict(groups[0])
-        saved = first.pop(STATE_KEY)
-        state_dict["param_groups"] = [first, *groups[1:]]
+        first = groups[0]
+        groups = [{k: v for k, v in g.items() if k != STATE_KEY} if g is first or STATE_KEY in g else g for g in groups]
+        saved = first[STATE_KEY]
+        state_dict["param_groups"] = groups
     return saved, state_dict
 
 

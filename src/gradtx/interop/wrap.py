@@ -28,18 +28,32 @@ Drop-in details. Attributes the wrapper does not define are read from the inner 
 (``consolidate_state_dict``, schedule-free ``train`` / ``eval``, ...). Step hooks, torch's
 process-wide ones included, fire once per step with the wrapper. ``GradScaler``'s fused contract
 (``grad_scale`` / ``found_inf`` set on the optimizer) is offered only without a transformation,
-since a transformation must see unscaled gradients. Under ``torch.compile`` the chain's state is
-written in place, so it survives compilation. Opacus's ``DPOptimizer`` rebuilds ``.grad`` in its
-own step: wrap the optimizer it wraps instead (``DPOptimizer(gradtx.wrap(opt, tx), ...)``), so the
-transformation sees the privatized gradient.
+since a transformation must see unscaled gradients. The chain's state survives ``torch.compile``,
+and a state read through ``tx_state`` is never changed by later steps, eager or compiled. Opacus's
+``DPOptimizer`` rebuilds ``.grad`` in its own step: wrap the optimizer it wraps instead
+(``DPOptimizer(gradtx.wrap(opt, tx), ...)``), so the transformation sees the privatized gradient.
+
+Skipped steps. A step the transformation skips (a ``MultiSteps`` mini-step, a non-finite step under
+``apply_if_finite``) does not step the inner optimizer at all: its ``step`` is not called, so its
+parameters, state, step counts and own hooks stay exactly as they were, as in the pure path
+(:attr:`ChainedOptimizer.last_step_skipped` tells; see :mod:`gradtx.chains.step_gates`). The decision
+is read on the host once per step (as ``GradScaler`` reads ``found_inf``); on the CPU counters of
+``MultiSteps`` that costs no device synchronisation.
+
+State follows the parameters. When the optimizer's parameters change after ``wrap`` (accelerate's
+FSDP2 preparation swaps them for DTensor shards; ``model.double()`` or ``model.to(device)`` change
+their dtype or device), the chain's state is built anew by ``tx.init`` for the new parameters, and
+every old state leaf whose path and logical shape are unchanged keeps its values, converted to the
+dtype, device and layout ``tx.init`` gives it (a DTensor keeps this rank's slice).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -47,7 +61,8 @@ from torch.optim import optimizer as torch_optimizer
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, takes_extra_args, with_inplace
+from gradtx.base import DONATE_UPDATES, GradientTransformation, takes_donated_updates, takes_extra_args, with_inplace
+from gradtx.chains import step_gates
 from gradtx.chains.accumulation import MultiSteps
 from gradtx.chains.chain import _PARTS
 from gradtx.interop.checkpoint import STATE_KEY, called_by_checkpoint, from_plain, in_checkpoint_init_step, split_chain_state, to_plain
@@ -64,6 +79,8 @@ _HOOK_DICTS = (
 )
 
 
+_MISSING = object()
+
 _AMP_ATTRS = ("grad_scale", "found_inf")
 """What ``GradScaler`` sets on an optimizer with ``_step_supports_amp_scaling`` before its step."""
 
@@ -79,6 +96,45 @@ def _check_members_take_spec(tx: GradientTransformation) -> None:
                 f"pieces only; pass the spec to it as well (e.g. gtx.{name}(..., spec)). wrap's spec= is "
                 "used by clip_grad_by_norm and clip_grad_by_value; members of the chain take their own"
             )
+
+
+def _check_gates(state: Any, gate: Optional[step_gates.StepGate]) -> None:
+    """A ``MultiSteps`` or ``apply_if_finite`` that only some leaves go through (inside ``partition``,
+    ``masked``, ...) would skip part of a step; the inner optimizer can only skip whole steps."""
+    if step_gates.ungated_skippers(state, gate):
+        raise ValueError(
+            "wrap: the transformation holds a MultiSteps or apply_if_finite inside a combinator other than chain "
+            "(partition, masked, inject_hyperparams, ...), so it would skip the step for some parameters only, "
+            "while the inner optimizer would still step all of them. Put MultiSteps / apply_if_finite at the top "
+            "of the chain (they may wrap anything), so a skipped step skips the inner optimizer's step"
+        )
+
+
+class _Prepared(NamedTuple):
+    """What :meth:`ChainedOptimizer.step` does after the transformation ran."""
+
+    args: tuple[Any, ...]
+    amp: dict[str, Tensor]
+    run_inner: bool = True
+    result: Any = None
+
+
+def _replaying(loss: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
+    """A closure returning ``loss`` on its first call (already evaluated) and calling ``closure`` after."""
+    pending = [loss]
+
+    def replay() -> Any:
+        if pending:
+            return pending.pop()
+        return closure()
+
+    return replay
+
+
+def _scheduler_tracked_step(raw_step: Callable[..., Any], inner: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    """``raw_step(inner, ...)``, first marking the call as a learning-rate scheduler's step patch does."""
+    inner._opt_called = True  # type: ignore[attr-defined]
+    return raw_step(inner, *args, **kwargs)
 
 
 def _is_dp_optimizer(optimizer: torch.optim.Optimizer) -> bool:
@@ -156,10 +212,20 @@ class ChainedOptimizer(torch.optim.Optimizer):
             setattr(self, hooks, OrderedDict())
         self._patch_step_function()
         self._names, self._params = self._name_params()
+        self._remember_layouts()
+        # The state lives in a list, not in an attribute: under torch.compile an attribute written on an
+        # optimizer is dropped, a list entry written is kept. The second entry says whether the state
+        # was handed out (``tx_state``): it is then never written in place again.
+        self._state_box: list[Any] = [None, False]
         with torch.no_grad():
             self._tx_state = None if tx is None else tx.init(self._param_tree())
+        self._keep_state_slot()
         self._tx_update = None if tx is None else with_inplace(tx)
         self._fold_plan = self._plan_fold(tx)
+        self._gate = None if tx is None else step_gates.gate_of(tx)
+        self._last_step_skipped: Optional[bool] = None
+        if tx is not None:
+            _check_gates(self._tx_state, self._gate)
 
     # ------------------------------------------------------------------ shared with the inner optimizer
 
@@ -218,9 +284,45 @@ class ChainedOptimizer(torch.optim.Optimizer):
             ) from None
 
     @property
+    def last_step_skipped(self) -> Optional[bool]:
+        """Whether the last :meth:`step` skipped the inner optimizer's step (None before the first).
+
+        A step is skipped when the transformation skipped it (a ``MultiSteps`` mini-step, a
+        non-finite step under ``apply_if_finite``) or when ``found_inf`` was set. The inner
+        optimizer then learns nothing of it: its ``step`` is not called, so its parameters, state,
+        step counts and own hooks stay as they were, exactly as the pure path leaves them.
+        """
+        return self._last_step_skipped
+
+    @property
     def tx_state(self) -> Any:
-        """The transformation's current state (e.g. ``tx_state[0].norm``: the last pre-clip norm)."""
-        return self._tx_state
+        """The transformation's current state (e.g. ``tx_state[0].norm``: the last pre-clip norm).
+
+        What this returns is never changed afterwards, by eager or compiled steps alike: a step
+        after it was read computes a new state instead of updating this one in place (so keep it
+        for logging at no cost; a step that follows no read reuses the state's buffers).
+        """
+        self._state_box[1] = True
+        return self._state_box[0]
+
+    @property
+    def _tx_state(self) -> Any:
+        return self._state_box[0]
+
+    @_tx_state.setter
+    def _tx_state(self, state: Any) -> None:
+        self._state_box[0] = state
+        self._state_box[1] = False
+
+    def _donation(self, tx: GradientTransformation) -> Any:
+        """How ``tx`` may be called on the state: donated, unless it was handed out (then updates only).
+
+        Compiled steps never donate the state: whether it was handed out would be one more guard,
+        and reading it every step would compile the step twice.
+        """
+        if not torch.compiler.is_compiling() and not self._state_box[1]:
+            return True
+        return DONATE_UPDATES if takes_donated_updates(tx) else False
 
     # ------------------------------------------------------------------ names
 
@@ -268,14 +370,43 @@ class ChainedOptimizer(torch.optim.Optimizer):
         return OrderedDict((name, param.grad) for name, param in zip(self._names, self._params))
 
     def _sync_params(self) -> None:
-        """Re-derives names (and re-initialises new state) if the param groups were changed."""
+        """Follows the parameters: re-derives names, and the state, when they changed since the last call.
+
+        A change is another set of parameter objects (``add_param_group``, accelerate's FSDP2
+        preparation swapping them for DTensor shards) or a parameter whose dtype or device changed
+        in place (``model.double()``, ``model.to(device)``). The state is then built anew by
+        ``tx.init`` for the current parameters, and every old leaf whose path and logical shape are
+        unchanged keeps its value, converted to the dtype, device and layout ``tx.init`` gave that
+        leaf (see :func:`_carry_over`).
+        """
         current = [p for group in self.param_groups for p in group["params"]]
-        if len(current) == len(self._params) and all(a is b for a, b in zip(current, self._params)):
+        if (
+            len(current) == len(self._params)
+            and all(a is b for a, b in zip(current, self._params))
+            and [p.dtype for p in current] == self._dtypes
+            and [p.device for p in current] == self._devices
+        ):
             return
         self._names, self._params = self._name_params()
+        self._remember_layouts()
+        self._keep_state_slot()
         if self.tx is not None:
             with torch.no_grad():
                 self._tx_state = _carry_over(self._tx_state, self.tx.init(self._param_tree()))
+
+    def _keep_state_slot(self) -> None:
+        """Makes sure the first param group has the key the chain's state travels under (see :meth:`state_dict`).
+
+        The live group holds ``None`` there (no reference to the state); :meth:`state_dict` fills in
+        the state. The key must be in the live group because torch's checkpoint code rebuilds a
+        flattened optimizer state dict from the keys the live param groups have.
+        """
+        if self.tx is not None and self.param_groups:
+            self.param_groups[0][STATE_KEY] = None
+
+    def _remember_layouts(self) -> None:
+        self._dtypes = [p.dtype for p in self._params]
+        self._devices = [p.device for p in self._params]
 
     def _write_back(self, updates: dict[str, Optional[Tensor]]) -> None:
         for name, param in zip(self._names, self._params):
@@ -304,7 +435,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         factor_fn = getattr(last.update, "scalar_factor", None)
         if factor_fn is None:
             return None
-        return tuple(with_inplace(p) for p in head), factor_fn, parts is not None
+        return tuple((with_inplace(p), p) for p in head), factor_fn, parts is not None
 
     def _can_fold(self, grads: list[Tensor]) -> bool:
         inner = self.optimizer
@@ -332,49 +463,34 @@ class ChainedOptimizer(torch.optim.Optimizer):
         present = [g for g in grads.values() if g is not None]
         if allow_fold and not extra_args and self._can_fold(present):
             head, factor_fn, is_chain = self._fold_plan
+            kept = self._gate.before(self._tx_state) if self._gate is not None else None
             states = list(self._tx_state) if is_chain else [self._tx_state]
             updates = grads
-            for i, update in enumerate(head):
-                updates, states[i] = update(updates, states[i], params, inplace=True)
+            for i, (update, part) in enumerate(head):
+                updates, states[i] = update(updates, states[i], params, inplace=self._donation(part))
             factor, states[-1] = factor_fn(updates, states[-1], params)
-            self._store_state(tuple(states) if is_chain else states[0])
+            new_state = tuple(states) if is_chain else states[0]
+            self._store_state(new_state)
             self._write_back(updates)
+            if self._gate is not None and not bool(self._gate.applied(kept, new_state)):
+                self._last_step_skipped = True
+                return None
             if factor.dtype == torch.float32:
                 return torch.reciprocal(factor)
             # The fused kernels take a float32 scale; apply a wider one as a separate pass instead.
             self._scale_grads(factor)
             return None
-        updates, new_state = self._tx_update(grads, self._tx_state, params, inplace=True, **extra_args)
+        kept = self._gate.before(self._tx_state) if self._gate is not None else None
+        updates, new_state = self._tx_update(grads, self._tx_state, params, inplace=self._donation(self.tx), **extra_args)
         self._store_state(new_state)
         self._write_back(updates)
+        if self._gate is not None:
+            self._last_step_skipped = not bool(self._gate.applied(kept, new_state))
         return None
 
     def _store_state(self, new_state: Any) -> None:
-        """Makes ``new_state`` the transformation's state.
-
-        ``torch.compile`` does not keep attribute writes on an optimizer made inside a compiled
-        function (the new state would be silently dropped), but it does keep in-place writes to
-        tensors. So under compilation, when the structure is unchanged, every new tensor is copied
-        into the tensor it replaces (nothing to do for those updated in place already) and the
-        attribute keeps its objects: keep ``tx_state`` tensors across compiled steps with ``.clone()``.
-        Eager steps replace the state (a logged ``tx_state.norm`` stays that step's).
-        """
-        if not torch.compiler.is_compiling():
-            self._tx_state = new_state
-            return
-        old_leaves, old_def = tree_lib.flatten(self._tx_state)
-        new_leaves, new_def = tree_lib.flatten(new_state)
-        if old_def != new_def or not all(_fits(old, new) for old, new in zip(old_leaves, new_leaves)):
-            self._tx_state = new_state
-            return
-        old_ids = {id(t) for t in old_leaves if isinstance(t, Tensor)}
-        pending = []
-        for old, new in zip(old_leaves, new_leaves):
-            if isinstance(new, Tensor) and new is not old:
-                # a new leaf that is another old leaf (states swapping buffers) is read before it is overwritten
-                pending.append((old, new.clone() if id(new) in old_ids else new))
-        for old, new in pending:
-            old.copy_(new)
+        """Makes ``new_state`` the transformation's state (kept under ``torch.compile`` too: see ``_state_box``)."""
+        self._tx_state = new_state
 
     def _scale_grads(self, factor: Tensor) -> None:
         grads = [p.grad for p in self._params if p.grad is not None]
@@ -391,8 +507,16 @@ class ChainedOptimizer(torch.optim.Optimizer):
         """
         inner = self.optimizer
         step = getattr(type(inner), "step", None)
-        if not getattr(step, "hooked", False) or "step" in inner.__dict__:
+        if not getattr(step, "hooked", False):
             return None
+        patched = inner.__dict__.get("step")
+        if patched is not None:
+            if not getattr(patched, "_wrapped_by_lr_sched", False):
+                return None
+            # A learning-rate scheduler built on the inner optimizer before wrapping replaced its step
+            # by one that records the call and then runs torch's hooked step: record it here, and run
+            # the step without torch's hooks, which fire for the wrapper.
+            return functools.partial(_scheduler_tracked_step, getattr(step, "__wrapped__", None))
         return getattr(step, "__wrapped__", None)
 
     @staticmethod
@@ -428,27 +552,26 @@ class ChainedOptimizer(torch.optim.Optimizer):
                 "chain holding one) receives value=, grad=, value_fn=, ..."
             )
 
-    def _prepare_step(
-        self, closure: Optional[Callable[[], Any]] = None, **extra_args: Any
-    ) -> Optional[tuple[tuple[Any, ...], dict[str, Tensor]]]:
-        """Runs the transformation (or wraps ``closure`` to run it).
+    def _prepare_step(self, closure: Optional[Callable[[], Any]] = None, **extra_args: Any) -> _Prepared:
+        """Runs the transformation (or wraps ``closure`` to run it); says whether the inner step runs.
 
         ``extra_args`` go to the transformation's update; with a ``closure`` and a transformation that
         takes extra arguments, the loss the closure returns is also passed as ``value=`` (unless given).
 
-        Returns the inner step's arguments and the amp attributes to set on it, or None when
-        ``found_inf`` says to skip the step (with a transformation: see :meth:`step`).
+        The inner step is skipped when ``found_inf`` says so (with a transformation: see :meth:`step`)
+        or when the transformation skipped the step (its gate, see :mod:`gradtx.chains.step_gates`).
         """
+        self._last_step_skipped = False
         amp = self._amp_attrs()
         if amp and self.tx is not None:
             if "found_inf" in amp and bool(amp["found_inf"]):
-                return None
+                self._last_step_skipped = True
+                return _Prepared((), {}, run_inner=False)
             if "grad_scale" in amp:
                 self._sync_params()
                 self._scale_grads(torch.reciprocal(amp["grad_scale"].double()).float())
             amp = {}
         if closure is not None:
-
             forward_value = self.tx is not None and takes_extra_args(self.tx) and "value" not in extra_args
 
             def transformed_closure():
@@ -458,9 +581,18 @@ class ChainedOptimizer(torch.optim.Optimizer):
                 self._transform(allow_fold=False, extra_args={**extra_args, **value})
                 return loss
 
-            return (transformed_closure,), amp
+            if self._gate is None:
+                return _Prepared((transformed_closure,), amp)
+            # A gated chain decides before the inner step whether there is one: the first evaluation
+            # runs here, and the inner step's first call of the closure gets its loss.
+            loss = transformed_closure()
+            if self._last_step_skipped:
+                return _Prepared((), {}, run_inner=False, result=loss)
+            return _Prepared((_replaying(loss, transformed_closure),), amp)
         grad_scale = self._transform(allow_fold=not amp, extra_args=extra_args)
-        return (), ({"grad_scale": grad_scale} if grad_scale is not None else amp)
+        if self._last_step_skipped:
+            return _Prepared((), {}, run_inner=False)
+        return _Prepared((), {"grad_scale": grad_scale} if grad_scale is not None else amp)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """``step(closure=None, **extra_args)``: transforms the gradients, writes them back to ``.grad``,
@@ -495,14 +627,15 @@ class ChainedOptimizer(torch.optim.Optimizer):
             prepared = self._prepare_step(*args[1:], **kwargs)
             inner = self.optimizer
             raw = self._raw_inner_step()
-            if prepared is None:
-                out = None  # what a fused kernel does with found_inf: nothing at all
+            if not prepared.run_inner:
+                # a skipped step (found_inf, or the chain skipped it): the inner optimizer does not step
+                out = prepared.result
             elif raw is None:
-                inner_args, amp = prepared
+                inner_args, amp = prepared.args, prepared.amp
                 out = self._call_with_amp(inner, inner.step, inner_args, {}, amp) if amp else inner.step(*inner_args)
             else:
                 # the inner optimizer's own hooks, called as torch's wrapper calls them (inner first in args)
-                inner_args, amp = (inner, *prepared[0]), prepared[1]
+                inner_args, amp = (inner, *prepared.args), prepared.amp
                 inner_kwargs: dict[str, Any] = {}
                 for hook in inner._optimizer_step_pre_hooks.values():
                     result = hook(inner, inner_args, inner_kwargs)
@@ -564,17 +697,23 @@ class ChainedOptimizer(torch.optim.Optimizer):
                         "parameter of the model given as model="
                     )
         self.optimizer.add_param_group(param_group)
+        self._keep_state_slot()
         self._sync_params()
 
     def state_dict(self) -> dict[str, Any]:
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
+        self._keep_state_slot()
         state_dict = self.optimizer.state_dict()
         if self.tx is not None:
             plain = to_plain(self._tx_state)
+            live = self.param_groups
             groups = list(state_dict["param_groups"])
             if groups:
-                groups[0] = {**groups[0], STATE_KEY: plain}
+                # every entry of the first group carries it: the group may be listed more than once
+                for i, group in enumerate(live[: len(groups)]):
+                    if group is live[0]:
+                        groups[i] = {**groups[i], STATE_KEY: plain}
                 state_dict = {**state_dict, "param_groups": groups}
             else:
                 state_dict = {**state_dict, STATE_KEY: {"tx_state": plain}}
@@ -605,25 +744,34 @@ class ChainedOptimizer(torch.optim.Optimizer):
             new_tx_state = from_plain(saved, self._tx_state)
         elif self.tx is not None and called_by_checkpoint("_load_optim_state_dict"):
             warnings.warn(
-                "wrap: the state dict set_state_dict passed has no transformation state, so the chain keeps "
-                "its current state; set_state_dict(..., StateDictOptions(flatten_optimizer_state_dict=True)) "
-                "drops it (load without flattening), as does a checkpoint saved from the bare inner optimizer",
+                "wrap: the state dict set_state_dict passed has no transformation state (a checkpoint saved "
+                "from the bare inner optimizer?), so the chain keeps its current state",
                 stacklevel=2,
             )
         self.optimizer.load_state_dict(state_dict)
+        self._keep_state_slot()
         if new_tx_state is not None:
             self._tx_state = new_tx_state
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
     def __repr__(self) -> str:
-        inner = repr(self.optimizer).replace("\n", "\n  ")
+        first = self.param_groups[0] if self.param_groups else {}
+        slot = first.pop(STATE_KEY, _MISSING)  # the state's slot is no hyperparameter: not shown
+        try:
+            inner = repr(self.optimizer).replace("\n", "\n  ")
+        finally:
+            if slot is not _MISSING:
+                first[STATE_KEY] = slot
         return f"{type(self).__name__} (\n  tx: {_describe(self.tx)}\n  optimizer: {inner}\n)"
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        if "_tx_state" in state:  # pickled before the state moved into ``_state_box``
+            state["_state_box"] = [state.pop("_tx_state"), False]
         self.__dict__.update(state)
         for hooks in _HOOK_DICTS:
             if hooks not in self.__dict__:
@@ -651,28 +799,22 @@ def wrap(
     return ChainedOptimizer(optimizer, tx, model=model, spec=spec, fold=fold)
 
 
-def _fits(old: Any, new: Any) -> bool:
-    """Whether state leaf ``new`` can be written into ``old``: same tensor layout, or equal non-tensors."""
-    if isinstance(old, Tensor) and isinstance(new, Tensor):
-        return (
-            old.shape == new.shape
-            and old.dtype == new.dtype
-            and old.device == new.device
-            and type(old) is type(new)
-            and not old.requires_grad
-        )
-    if isinstance(old, Tensor) or isinstance(new, Tensor):
-        return False
-    return old is new or (type(old) is type(new) and old == new)
-
-
 def _carry_over(old: Any, new: Any) -> Any:
-    """``new`` with the leaves of ``old`` kept wherever a path and shape are unchanged."""
+    """``new`` (a fresh state) with the values of ``old`` kept wherever a leaf's path and logical shape
+    are unchanged, each in the dtype, device and layout of ``new``'s leaf at that path."""
     old_by_path = dict(zip(tree_lib.paths(old), tree_lib.leaves(old)))
     new_leaves, treedef = tree_lib.flatten(new)
     kept = []
     for path, leaf in zip(tree_lib.paths(new), new_leaves):
         previous = old_by_path.get(path)
-        same = isinstance(leaf, Tensor) and isinstance(previous, Tensor) and previous.shape == leaf.shape
-        kept.append(previous if same else leaf)
+        if not (isinstance(leaf, Tensor) and isinstance(previous, Tensor) and previous.shape == leaf.shape):
+            kept.append(leaf)
+            continue
+        try:
+            kept.append(sharding.dtensor.relayout(previous, leaf))
+        except ValueError as error:
+            raise ValueError(
+                f"wrap: the parameters changed layout, and the transformation's state {path!r} cannot follow: {error}"
+            ) from None
     return tree_lib.unflatten(treedef, kept)
+

@@ -134,3 +134,34 @@ def reduced_like(tensor: Any, local_result: Tensor, dim: int) -> Any:
     return DTensor.from_local(
         local_result, tensor.device_mesh, placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
     )
+
+
+def relayout(value: Tensor, template: Tensor) -> Tensor:
+    """``value`` (the same logical tensor) in ``template``'s dtype, device and layout.
+
+    A plain tensor becomes a DTensor with ``template``'s mesh and placements by keeping this rank's
+    slice of it (no communication: every rank is assumed to hold the same full value, as ranks do
+    before their parameters are sharded); a DTensor laid out otherwise is gathered first (a
+    collective every rank makes). Raises ``ValueError`` when the result's local shape is not
+    ``template``'s (a sharding this rank cannot reproduce by slicing).
+    """
+    if is_dtensor(value) and not (
+        is_dtensor(template)
+        and value.device_mesh == template.device_mesh  # type: ignore[attr-defined]
+        and value.placements == template.placements  # type: ignore[attr-defined]
+    ):
+        value = value.full_tensor()  # type: ignore[attr-defined]
+    if not is_dtensor(template):
+        return value.to(dtype=template.dtype, device=template.device)
+    if not is_dtensor(value):
+        from torch.distributed.tensor import distribute_tensor
+
+        value = value.to(dtype=template.dtype, device=local(template).device)
+        value = distribute_tensor(value, template.device_mesh, template.placements, src_data_rank=None)  # type: ignore[attr-defined]
+    else:
+        value = value.to(dtype=template.dtype)
+    if local(value).shape != local(template).shape:
+        raise ValueError(
+            f"the local piece would be {tuple(local(value).shape)} where the new layout has {tuple(local(template).shape)}"
+        )
+    return value
