@@ -225,3 +225,77 @@ def test_a_users_step_with_zero_gradients_and_learning_rate_still_advances_the_c
         p.grad = torch.zeros_like(p)
     opt.step()  # looks like DCP's initialising step, but is the user's
     assert int(opt.tx_state.inner_state.mini_step) == 1
+
+
+def _inner_case(what: str):
+    """``(optimizer factory, a corruption of a good state dict, whether it must be refused)``."""
+
+    def set_state(key, value):
+        def corrupt_it(sd):
+            sd["state"][0][key] = value
+            return sd
+
+        return corrupt_it
+
+    def drop_group_key(key):
+        def corrupt_it(sd):
+            del sd["param_groups"][0][key]
+            return sd
+
+        return corrupt_it
+
+    def step_as_number(sd):
+        for entry in sd["state"].values():
+            entry["step"] = float(entry["step"])
+        return sd
+
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    adafactor = lambda ps: torch.optim.Adafactor(ps, lr=1e-2)  # noqa: E731
+    return {
+        "adamw exp_avg of another size": (adamw, set_state("exp_avg", torch.zeros(3)), True),
+        "sgd momentum buffer of another size": (sgd, set_state("momentum_buffer", torch.zeros(16, 5)), True),
+        "a group without lr": (adamw, drop_group_key("lr"), True),
+        "a group without betas": (adamw, drop_group_key("betas"), True),
+        "adafactor row_var of another size": (adafactor, set_state("row_var", torch.zeros(7)), True),
+        "an older group without foreach": (adamw, drop_group_key("foreach"), False),
+        "an older state with a number for step": (adamw, step_as_number, False),
+    }[what]
+
+
+@pytest.mark.parametrize(
+    "what",
+    [
+        "adamw exp_avg of another size",
+        "sgd momentum buffer of another size",
+        "a group without lr",
+        "a group without betas",
+        "adafactor row_var of another size",
+        "an older group without foreach",
+        "an older state with a number for step",
+    ],
+)
+@pytest.mark.parametrize("target_has_state", [False, True], ids=["fresh target", "trained target"])
+def test_an_inner_state_that_does_not_fit_is_refused_before_anything_loads(what, target_has_state):
+    make_inner, corrupt_it, refused = _inner_case(what)
+    model = mlp()
+    opt = gtx.wrap(make_inner(model.parameters()), stateful_chain(), model=model)
+    train(model, opt, range(4))
+    bad = corrupt_it(copy.deepcopy(opt.state_dict()))
+
+    other = mlp(seed=3)
+    target = gtx.wrap(make_inner(other.parameters()), stateful_chain(), model=other)
+    if target_has_state:
+        train(other, target, range(2))
+    inner_before = copy.deepcopy(target.optimizer.state_dict())
+    chain_before = copy.deepcopy(target.tx_state)
+    if not refused:
+        target.load_state_dict(bad)
+        train(other, target, range(4, 6))  # and the next steps run
+        return
+    with pytest.raises(ValueError, match="wrap: .*(state dict|param group)"):
+        target.load_state_dict(bad)
+    after = target.optimizer.state_dict()
+    assert leaves_equal(after["state"], inner_before["state"])
+    assert after["param_groups"] == inner_before["param_groups"]
+    assert leaves_equal(target.tx_state, chain_before)

@@ -114,3 +114,87 @@ def from_plain(saved: dict[str, Any], template: Any) -> Any:
             value = value.to(device=current.device, copy=True)
         new.append(value)
     return tree_lib.unflatten(treedef, new)
+
+
+def check_inner_fits(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Raises ``ValueError`` when ``optimizer.load_state_dict(state_dict)`` would load something its
+    next step cannot use, before anything is loaded.
+
+    Checked: the param groups' number and sizes (as torch checks them), that every hyperparameter
+    of ``optimizer.defaults`` is in each loaded group once the optimizer's own ``__setstate__`` has
+    filled in what older checkpoints lack, and that each loaded state tensor has the shape the
+    optimizer gives that entry. The expected shapes come from a probe: a copy of the optimizer, its
+    parameters replaced by meta tensors and its groups by the loaded ones, stepped once on meta zero
+    gradients (no memory, no compute). Where the probe cannot run (an optimizer that needs a closure
+    or reads values on the host), the live state of the same parameter is the reference, if any.
+    """
+    groups = optimizer.param_groups
+    saved_groups = state_dict.get("param_groups")
+    if not isinstance(saved_groups, (list, tuple)) or not isinstance(state_dict.get("state"), dict):
+        raise ValueError("wrap: an optimizer state dict needs a 'state' dict and a 'param_groups' list")
+    if len(saved_groups) != len(groups):
+        raise ValueError(f"wrap: the state dict has {len(saved_groups)} param groups, the optimizer {len(groups)}")
+    for i, (group, saved) in enumerate(zip(groups, saved_groups)):
+        if len(saved.get("params", ())) != len(group["params"]):
+            raise ValueError(
+                f"wrap: param group {i} of the state dict has {len(saved.get('params', ()))} parameters, "
+                f"the optimizer's has {len(group['params'])}"
+            )
+    probe = _probe(optimizer, saved_groups)
+    if probe is not None:
+        for i, group in enumerate(probe.param_groups):
+            missing = sorted(k for k in optimizer.defaults if k not in group)
+            if missing:
+                raise ValueError(
+                    f"wrap: param group {i} of the state dict lacks the hyperparameter {missing[0]!r} "
+                    f"of {type(optimizer).__name__}, which its step reads"
+                )
+    live_params = [p for group in groups for p in group["params"]]
+    saved_ids = [pid for saved in saved_groups for pid in saved["params"]]
+    probe_params = [p for group in probe.param_groups for p in group["params"]] if probe is not None else []
+    for index, (pid, param) in enumerate(zip(saved_ids, live_params)):
+        entry = state_dict["state"].get(pid)
+        if not isinstance(entry, dict):
+            continue
+        expected = probe.state.get(probe_params[index], {}) if probe is not None else {}
+        reference = expected or optimizer.state.get(param, {})
+        for key, value in entry.items():
+            want = reference.get(key)
+            if isinstance(value, Tensor) and isinstance(want, Tensor) and value.shape != want.shape:
+                raise ValueError(
+                    f"wrap: the state dict's {key!r} of parameter {index} (shape {tuple(param.shape)}) is "
+                    f"{tuple(value.shape)}, where {type(optimizer).__name__} keeps {tuple(want.shape)}"
+                )
+
+
+def _probe(optimizer: torch.optim.Optimizer, saved_groups: Any) -> Optional[torch.optim.Optimizer]:
+    """A copy of ``optimizer`` on meta parameters with the saved groups' hyperparameters, stepped once;
+    None when it cannot be built or stepped."""
+    import copy
+    from collections import defaultdict
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not all(isinstance(p, Tensor) for p in params):
+        return None
+    metas = [torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad) for p in params]
+    memo: dict[int, Any] = {id(p): m for p, m in zip(params, metas)}
+    memo[id(optimizer.state)] = defaultdict(dict)
+    try:
+        probe = copy.deepcopy(optimizer, memo)
+        groups, start = [], 0
+        for group, saved in zip(probe.param_groups, saved_groups):
+            count = len(group["params"])
+            hyper = {k: copy.deepcopy(v) for k, v in saved.items() if k not in ("params", STATE_KEY)}
+            groups.append({**hyper, "params": metas[start : start + count]})
+            start += count
+        probe.__setstate__({"state": defaultdict(dict), "param_groups": groups})
+    except Exception:  # noqa: BLE001 - an optimizer that cannot be copied this way is checked less
+        return None
+    for meta in metas:
+        meta.grad = torch.zeros_like(meta)
+    step = getattr(type(probe).step, "__wrapped__", type(probe).step)  # without torch's step hooks
+    try:
+        step(probe)
+    except Exception:  # noqa: BLE001 - a step that reads a value on the host fails on meta tensors,
+        pass  # usually after it made its state: the entries it made are the optimizer's own shapes
+    return probe

@@ -65,7 +65,7 @@ from gradtx.base import DONATE_UPDATES, GradientTransformation, takes_donated_up
 from gradtx.chains import step_gates
 from gradtx.chains.accumulation import MultiSteps
 from gradtx.chains.chain import _PARTS
-from gradtx.interop.checkpoint import STATE_KEY, called_by_checkpoint, from_plain, in_checkpoint_init_step, split_chain_state, to_plain
+from gradtx.interop.checkpoint import STATE_KEY, called_by_checkpoint, check_inner_fits, from_plain, in_checkpoint_init_step, split_chain_state, to_plain
 from gradtx.transforms.clipping import clip_by_global_norm, clip_by_value
 
 
@@ -727,9 +727,11 @@ class ChainedOptimizer(torch.optim.Optimizer):
         """Loads the inner optimizer's state and the transformation's, all or nothing.
 
         The transformation's part is checked against the current state (paths, shapes, dtypes)
-        and copied before the inner optimizer is touched, and it replaces the current state only
-        once the inner optimizer has loaded: a state dict that does not fit leaves this optimizer
-        as it was. A state dict without the transformation's entry (saved from the bare inner
+        and copied before the inner optimizer is touched, and the inner part is checked against
+        what the inner optimizer keeps (param groups, hyperparameters, state shapes: see
+        :func:`~gradtx.interop.checkpoint.check_inner_fits`); the transformation's state is replaced
+        only once the inner optimizer has loaded: a state dict that does not fit leaves this
+        optimizer as it was. A state dict without the transformation's entry (saved from the bare inner
         optimizer) leaves the transformation's state as it is.
         """
         state_dict = dict(state_dict)
@@ -739,6 +741,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
                 state_dict = result
         saved, state_dict = split_chain_state(state_dict)
         self._sync_params()
+        check_inner_fits(self.optimizer, state_dict)
         new_tx_state = None
         if saved is not None and self.tx is not None:
             new_tx_state = from_plain(saved, self._tx_state)
