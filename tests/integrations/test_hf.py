@@ -119,3 +119,62 @@ def test_trainer_resume_from_checkpoint_equals_the_uninterrupted_run(tmp_path):
     assert int(opt.tx_state[1].count) == STEPS  # the schedule's counter came back with the checkpoint
     for p, q in zip(resumed.parameters(), model.parameters()):
         assert torch.equal(p, q)
+
+
+class PoisonGradient(transformers.TrainerCallback):
+    """Puts a NaN in one gradient just before the optimizer step of Trainer's step ``at``."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            kwargs["model"].net[0].weight.grad[0, 0] = float("nan")
+
+
+ACCUMULATE = 2
+NAN_STEP = 2  # a mini-step: its window's applied step is dropped
+
+
+def test_trainer_with_multisteps_and_apply_if_finite_inside_wrap_matches_a_plain_loop(tmp_path):
+    """Skipped steps skip AdamW (momentum, weight decay, its step count), as in the plain loop that
+    accumulates by hand and skips a window holding a NaN."""
+    model = TinyClassifier()
+    tx = gtx.MultiSteps(gtx.apply_if_finite(gtx.clip_by_global_norm(MAX_NORM), 3), ACCUMULATE)
+    opt = gtx.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), tx, model=model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    trainer = transformers.Trainer(
+        model=model,
+        args=arguments(tmp_path),
+        train_dataset=dataset(),
+        optimizers=(opt, sched),
+        callbacks=[PoisonGradient(NAN_STEP)],
+    )
+    trainer.train()
+
+    reference = TinyClassifier()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    batch = dataset()
+    x, y = torch.stack([b["x"] for b in batch]), torch.stack([b["labels"] for b in batch])
+    acc = [torch.zeros_like(p) for p in reference.parameters()]
+    for step in range(STEPS):
+        reference.zero_grad()
+        reference(x, y)["loss"].backward()
+        if step == NAN_STEP:
+            reference.net[0].weight.grad[0, 0] = float("nan")
+        n = step % ACCUMULATE
+        for a, p in zip(acc, reference.parameters()):
+            a.lerp_(p.grad, 1.0 / (n + 1))
+        if n == ACCUMULATE - 1:
+            if all(bool(a.isfinite().all()) for a in acc):
+                for a, p in zip(acc, reference.parameters()):
+                    p.grad = a.clone()
+                torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+                ref_opt.step()
+            for a in acc:
+                a.zero_()
+    applied = STEPS // ACCUMULATE - 1
+    assert int(opt.optimizer.state[model.net[0].weight]["step"]) == applied
+    assert int(ref_opt.state[reference.net[0].weight]["step"]) == applied
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -2,7 +2,9 @@
 
 Automatic optimization: ``configure_optimizers`` returns the wrapped optimizer, Lightning calls
 ``optimizer.step(closure)`` and accumulates gradients over 2 batches (``accumulate_grad_batches=2``);
-the result must equal a plain loop with ``clip_grad_norm_`` bit for bit. DDP on 2 gloo ranks with a
+the result must equal a plain loop with ``clip_grad_norm_`` bit for bit. With ``MultiSteps`` and
+``apply_if_finite`` inside the wrapped optimizer, Lightning's closure steps equal a plain loop that
+accumulates and skips by hand. DDP on 2 gloo ranks with a
 wrapped ``ZeroRedundancyOptimizer``: Lightning checkpoints a sharded optimizer by calling its
 ``consolidate_state_dict`` on every rank, then ``state_dict`` on rank 0; the checkpoint must hold
 ZeRO's consolidated state and the chain's.
@@ -92,6 +94,60 @@ def test_automatic_optimization_with_closure_and_accumulation_matches_a_plain_lo
     assert len(clipped) == BATCHES // 2 and any(clipped)
     for p, q in zip(module.net.parameters(), reference.parameters()):
         assert torch.equal(p, q)
+
+
+class PoisonedClassifier(Classifier):
+    """Puts a NaN in one gradient of batch ``NAN_BATCH``, after backward, before the optimizer sees it."""
+
+    def training_step(self, batch, batch_idx):
+        self.batch_idx = batch_idx
+        return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.batch_idx == NAN_BATCH:
+            self.net[0].weight.grad[0, 0] = float("nan")
+
+
+ACCUMULATE = 2
+NAN_BATCH = 4  # a mini-step: its window's applied step is dropped
+
+
+def test_multisteps_and_apply_if_finite_inside_wrap_match_a_plain_loop():
+    """Lightning steps with a closure every batch; the chain accumulates and skips, and a skipped step
+    does not step AdamW (momentum, weight decay, its step count), as in a plain loop."""
+
+    def make_optimizer(module):
+        tx = gtx.MultiSteps(gtx.apply_if_finite(gtx.clip_by_global_norm(MAX_NORM), 3), ACCUMULATE)
+        return gtx.wrap(torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1), tx, model=module)
+
+    module = PoisonedClassifier(make_optimizer)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=4, shuffle=False)
+    trainer().fit(module, loader)
+
+    reference = make_net()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    acc = [torch.zeros_like(p) for p in reference.parameters()]
+    for i, (x, y) in enumerate(loader):
+        reference.zero_grad()
+        nn.functional.cross_entropy(reference(x), y).backward()
+        if i == NAN_BATCH:
+            reference[0].weight.grad[0, 0] = float("nan")
+        for a, p in zip(acc, reference.parameters()):
+            a.lerp_(p.grad, 1.0 / (i % ACCUMULATE + 1))
+        if i % ACCUMULATE == ACCUMULATE - 1:
+            if all(bool(a.isfinite().all()) for a in acc):
+                for a, p in zip(acc, reference.parameters()):
+                    p.grad = a.clone()
+                torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+                opt.step()
+            for a in acc:
+                a.zero_()
+    wrapped = module.trainer.optimizers[0]
+    applied = BATCHES // ACCUMULATE - 1
+    assert int(wrapped.optimizer.state[module.net[0].weight]["step"]) == applied
+    assert int(opt.state[reference[0].weight]["step"]) == applied
+    for p, q in zip(module.net.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
 def make_zero(module):
