@@ -28,20 +28,7 @@ import _world
 from _world import case
 import gradtx as gtx
 from gradtx.sharding import Replicate, Shard, ShardingSpec
-
-FAST_S = 5.0  # far below the world's 30 s collective timeout
-
-
-def _everyone_raises(world, fn, match: str, error=ValueError) -> str:
-    """``fn`` raises ``error`` matching ``match`` on this rank, fast, with the same text everywhere."""
-    start = time.perf_counter()
-    with pytest.raises(error, match=match) as info:
-        fn()
-    assert time.perf_counter() - start < FAST_S, "the error took as long as a collective timeout"
-    messages: list = [None] * world.size
-    dist.all_gather_object(messages, str(info.value))
-    assert len(set(messages)) == 1, f"ranks raised different messages: {messages}"
-    return messages[0]
+from test_sharding_disagreement import FAST_S, _everyone_raises
 
 
 def _still_in_step(world, mesh):
@@ -246,8 +233,8 @@ def a_call_the_others_never_join_is_bounded(world):
             tx.update(grads, state)
         assert time.perf_counter() - start < FAST_S, str(info.value)
     dist.barrier(group=sync)
-    if world.rank != 0:  # complete rank 0's pending all-reduce (its value, error bit and counts)
-        dist.all_reduce(torch.zeros(4, dtype=torch.float64), group=group)
+    if world.rank != 0:  # complete rank 0's pending all-reduce: its norm's partial sum and its packed count
+        dist.all_reduce(torch.zeros(2, dtype=torch.float64), group=group)
     dist.barrier(group=sync)
     with pytest.raises(ValueError, match="timeout must be a positive number"):
         ShardingSpec(mesh, timeout=0)
