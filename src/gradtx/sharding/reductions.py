@@ -115,24 +115,23 @@ def spans_mesh(plan: Plan) -> bool:
     return set(plan.global_axes) == {a for a in plan.mesh.names if plan.mesh.sizes[a] > 1}
 
 
-def _check_pieces(plan: Plan, tree_leaves: Sequence[Any]) -> None:
-    """A ``TypeError`` naming the first present leaf that is not a floating-point or complex tensor."""
-    for leaf, layout in zip(tree_leaves, plan.layouts):
-        if layout is None:
-            continue
-        if not isinstance(leaf, Tensor):
-            raise TypeError(f"leaf {layout.path!r} is a {type(leaf).__name__}, expected a torch.Tensor")
-        if not (leaf.dtype.is_floating_point or leaf.dtype.is_complex):
-            raise TypeError(f"leaf {layout.path!r} is a {leaf.dtype} tensor; gradients must be floating point or complex")
+def _bad_dtype(plan: Plan, tree_leaves: Sequence[Any], dtype: torch.dtype) -> TypeError:
+    """The error for the first present leaf of ``dtype``, which is neither floating point nor complex."""
+    path = next(l.path for leaf, l in zip(tree_leaves, plan.layouts) if l is not None and dtensor_lib.local(leaf).dtype == dtype)
+    return TypeError(f"leaf {path!r} is a {dtype} tensor; gradients must be floating point or complex")
 
 
 def _norm_buffer(plan: Plan, tree_leaves: Sequence[Any], p: float, with_finite: bool) -> tuple[Tensor, torch.dtype, Optional[Tensor]]:
     """This rank's share (float64): ``[sum |g|^p]`` or ``[max, nan flag]`` for ``inf``, then ``[not
-    finite]`` with ``with_finite``; the norm's dtype; and whether its own pieces are all finite."""
-    _check_pieces(plan, tree_leaves)
+    finite]`` with ``with_finite``; the norm's dtype; and whether its own pieces are all finite.
+    A leaf that is not a floating-point or complex tensor is a ``TypeError`` naming it."""
     present = plan.pieces(tree_leaves)
+    dtypes = [t.dtype for t in present]
+    for kind in set(dtypes):
+        if not (kind.is_floating_point or kind.is_complex):
+            raise _bad_dtype(plan, tree_leaves, kind)
     owned = plan.pieces(tree_leaves, counted_only=True)
-    dtype = tree_lib.accumulation_dtype([t.dtype for t in present])
+    dtype = tree_lib.accumulation_dtype(dtypes)
     device = _device_of(present, plan.mesh)
     local_finite = tree_lib.all_finite(present, device=device) if with_finite else None
     norms = [n.to(device) for n in _local_norms(owned, p)]
