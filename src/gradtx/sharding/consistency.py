@@ -149,6 +149,8 @@ def check(
     dist.all_gather_object(descriptions, description, group=group)
     message = explain(descriptions)
     if message is None:  # each unused rule is used on some other rank (another pipeline stage)
+        if plan is not None:
+            plan.unused = ()  # decided, alike on every rank: later checks of this plan need no second collective
         return
     first_error = next((d["error"] for d in descriptions if d["error"] is not None), None)
     kind = TypeError if first_error is not None and first_error[0] == "TypeError" else ValueError
