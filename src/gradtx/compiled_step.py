@@ -18,6 +18,7 @@ from torch import Tensor
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, apply_updates, paired_leaves
 from gradtx.buffer_pool import BufferPool, recyclable
+from gradtx.sharding.compiling import Preflight
 
 
 def _write_outputs(leaves: list[Any], outs: list[Optional[Tensor]], inputs: list[Any]) -> list[Any]:
@@ -40,6 +41,7 @@ class CompiledStep:
     def __init__(self, tx: GradientTransformation, recycle: bool, compile_options: dict[str, Any]) -> None:
         self.tx, self.recycle, self.pool = tx, recycle, BufferPool()
         self._compiled = torch.compile(self._body, **compile_options)
+        self._preflight = Preflight()  # sharded steps: the cross-rank checks run eagerly, before tracing
 
     def _body(self, updates: Any, state: Any, params: Any, outs: list[Optional[Tensor]], extra_args: dict) -> tuple[Any, Any]:
         new_updates, new_state = self.tx.update(updates, state, params, **extra_args)
@@ -55,6 +57,8 @@ class CompiledStep:
         # Checked here, where a mismatch is a plain error naming the leaf; inside the graph the
         # tracer would report it as an unsupported exception.
         paired_leaves(params, updates, owner="compile_step")
+        if self._preflight.due(updates):
+            self._preflight.run(updates, lambda: self.tx.update(updates, state, params, **extra_args))
         templates = tree_lib.leaves(params) + tree_lib.leaves(state)
         inputs = templates + tree_lib.leaves(updates) + tree_lib.leaves(extra_args)
         if self.recycle and not tree_lib.needs_graph(inputs):

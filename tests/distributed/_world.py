@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 COLLECTIVE_TIMEOUT_S = 30
-WORLD_TIMEOUT_S = 150
+WORLD_TIMEOUT_S = 240  # the compile cases trace for ~15 s each on a loaded 2-core machine
 # Every module defining cases: each world imports them all, so one spawn per size runs every case.
 CASE_MODULES = (
     "test_sharding_layouts",
@@ -38,6 +38,8 @@ CASE_MODULES = (
     "test_sharding_muon",
     "test_sharding_galore",
     "test_contrib_sharding",
+    "test_sharding_agreement",
+    "test_sharding_compile",
 )
 
 _CASES: dict[int, dict[str, Callable[["World"], None]]] = {}

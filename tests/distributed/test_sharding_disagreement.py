@@ -24,8 +24,9 @@ from gradtx.sharding import Replicate, Shard, ShardingSpec
 FAST_S = 5.0
 
 
-def _everyone_raises(world, fn, match: str, error=ValueError) -> None:
-    """``fn`` raises ``error`` matching ``match`` on this rank, fast, with the same text everywhere."""
+def _everyone_raises(world, fn, match: str, error=ValueError) -> str:
+    """``fn`` raises ``error`` matching ``match`` on this rank, fast, with the same text everywhere
+    (returned)."""
     start = time.perf_counter()
     with pytest.raises(error, match=match) as info:
         fn()
@@ -33,6 +34,7 @@ def _everyone_raises(world, fn, match: str, error=ValueError) -> None:
     messages: list = [None] * world.size
     dist.all_gather_object(messages, str(info.value))
     assert len(set(messages)) == 1, f"ranks raised different messages: {messages}"
+    return messages[0]
 
 
 def _still_in_step(world, mesh):

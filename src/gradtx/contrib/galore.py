@@ -262,6 +262,8 @@ def scale_by_galore(
     if spec is not None and not isinstance(spec, ShardingSpec):
         raise TypeError(f"{owner}: spec must be a ShardingSpec or None, got {type(spec).__name__}")
     base = base_optimizer if base_optimizer is not None else scale_by_adam()
+    # what decides the collectives (the projected sizes, the refresh steps): checked to agree across ranks
+    collective_options = {"rank": rank, "update_proj_gap": update_proj_gap}
 
     def resolve(tree: Any) -> tuple[list, Any, list, Any]:
         """Leaves, treedef, dimension numbers per leaf, and the tree with only the projected leaves."""
@@ -310,7 +312,7 @@ def scale_by_galore(
             mats[index] = _matrix_of(path, shape, dim_nums[index], owner)
 
         if sharded:
-            layout = matrices.local_pieces(masked, spec, what=owner, validate=validate)
+            layout = matrices.local_pieces(masked, spec, what=owner, validate=validate, options=collective_options)
         else:
             for index, (x, d) in enumerate(zip(tree_leaves, dim_nums)):
                 if x is not None and d is not None:
@@ -328,7 +330,7 @@ def scale_by_galore(
 
         if refresh is not False and sharded:
             # every rank of a shard group rebuilds the whole gradients and computes the same SVDs
-            matrices.map_logical(masked, svd_of, spec, what=owner, strategy="gather")
+            matrices.map_logical(masked, svd_of, spec, what=owner, strategy="gather", options=collective_options)
 
         low_rank, new_projectors, shares = [], [], {}
         for index, (g, projector) in enumerate(zip(tree_leaves, projector_leaves)):

@@ -7,6 +7,10 @@ quantities of the logical tensors, batched into one collective per distinct grou
 ``global_sums`` gives exact inner products and other sums over the logical tree.
 ``map_logical`` applies a function to every leaf as a whole logical tensor (Muon's
 orthogonalization) and gives each rank its slice, with a fixed number of collectives per call.
+Ranks that disagree (trees, shapes, rules, options) get the same error on every rank
+(:mod:`~gradtx.sharding.consistency`); a rank that strays in a steady-state step is caught by the
+flags its norm's all-reduce carries, and waits are bounded (:mod:`~gradtx.sharding.waiting`);
+sharded steps compile once an eager call has checked them (:mod:`~gradtx.sharding.compiling`).
 """
 
 from gradtx.sharding.decisions import all_finite, any_rank, count_not_finite

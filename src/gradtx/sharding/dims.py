@@ -13,7 +13,7 @@ only be split along dim 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 from torch import Tensor
@@ -85,13 +85,26 @@ def _leaf_dims(layout: LeafLayout, leaf: Tensor, mesh: MeshAxes) -> DimLayout:
     return DimLayout(layout.path, shape, tuple(tuple(mesh.ordered(axes)) for axes in per_dim))
 
 
-def dim_layouts(tree: Any, spec: Optional[ShardingSpec], *, what: str, check: bool = True) -> DimLayouts:
+def dim_layouts(
+    tree: Any, spec: Optional[ShardingSpec], *, what: str, check: bool = True, options: Optional[Mapping[str, Any]] = None
+) -> DimLayouts:
     """The :class:`DimLayouts` of ``tree`` (plain tensors laid out by ``spec``, DTensors by their
     placements). With ``check``, ranks are checked to agree on the plan first (as every sharded
-    reduction does, see :func:`gradtx.sharding.plan.plan_for`); without, nothing is communicated.
-    Errors (an unknown split dim of a matrix, a bad spec) are ``ValueError`` naming the leaf."""
-    plan, tree_leaves = plan_for(tree, spec, what=what, op=what, check=check)
+    reduction does, see :func:`gradtx.sharding.plan.plan_for`), and on the caller's ``options``
+    that change which collectives run; without, nothing is communicated. Errors (an unknown split
+    dim of a matrix, a bad spec) are ``ValueError`` naming the leaf."""
+    from gradtx.sharding.matrices import declared
+
+    plan, tree_leaves = plan_for(tree, spec, what=what, op=what + declared(options), check=check)
     layouts: list[Optional[DimLayout]] = []
     for layout, leaf in zip(plan.layouts, tree_leaves):
         layouts.append(None if layout is None else _leaf_dims(layout, leaf, plan.mesh))
     return DimLayouts(plan.mesh, layouts)
+
+
+def check_options(tree: Any, spec: Optional[ShardingSpec], *, what: str, options: Optional[Mapping[str, Any]]) -> None:
+    """The cross-rank check :func:`dim_layouts` runs, for a caller that reduces nothing with these
+    ``options`` (so that a rank reducing with other options is caught, not left waiting)."""
+    from gradtx.sharding.matrices import declared
+
+    plan_for(tree, spec, what=what, op=what + declared(options))

@@ -49,22 +49,22 @@ Layouts. A DTensor's pieces follow its placements (``Shard(d)`` in mesh-dim orde
 plain tensor under a :class:`~gradtx.sharding.ShardingSpec` must name its split dims
 (``Shard("tp", dim=0)``); its pieces are equal, and several axes over one dim split it in mesh order
 (the first axis outermost). Plain shards of unequal size are not supported (use DTensors): the
-local shapes enter the cross-rank check when the spec has no stage axis, so ranks that differ get
-an error instead of a wrong gather.
+logical shapes each rank infers enter the cross-rank check (per pipeline stage), so ranks that
+differ get an error naming the leaf and both pieces instead of a wrong gather. The strategy, and
+the options a caller declares (``options=``), enter the name of the reduction, checked on every rank.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.sharding import consistency
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding.plan import Plan, plan_for
 from gradtx.sharding.spec import ShardingSpec
@@ -235,13 +235,22 @@ def _jobs(
     return jobs
 
 
-def _signature(tree_leaves: Sequence[Any], spec: Optional[ShardingSpec]) -> str:
-    """The shapes ranks must agree on before gathering (plain local shapes, DTensors' global ones);
-    left out under a stage axis, whose stages hold different leaves."""
-    if spec is not None and spec.stage_axis is not None:
+def _moved(plan: Plan, jobs: Sequence[Optional[_Gather]]) -> tuple[Any, ...]:
+    """What ranks of one stage must agree on before moving pieces: per gathered leaf, its path,
+    axes and logical shape (and this rank's piece, for the message when they do not agree)."""
+    return tuple(
+        (plan.layouts[job.index].path, job.axes, job.shape, job.boxes[job.me][0])  # type: ignore[union-attr]
+        for job in jobs
+        if job is not None
+    )
+
+
+def declared(options: Optional[Mapping[str, Any]]) -> str:
+    """The options a transformation declares (those that change which collectives it runs), as
+    they enter the name of its reduction: ranks that disagree on them get an error naming them."""
+    if not options:
         return ""
-    shapes = tuple(None if leaf is None else tuple(leaf.shape) for leaf in tree_leaves)
-    return f" on shapes #{consistency.hash_text(repr(shapes)):x}"
+    return " (" + ", ".join(f"{name}={value!r}" for name, value in sorted(options.items())) + ")"
 
 
 def map_logical(
@@ -253,6 +262,7 @@ def map_logical(
     separable: Optional[Callable[[int, tuple[int, ...]], Sequence[int]]] = None,
     validate: Optional[Callable[[int, str, tuple[int, ...]], None]] = None,
     strategy: str = "gather",
+    options: Optional[Mapping[str, Any]] = None,
 ) -> Any:
     """``fn`` applied to every leaf of ``tree`` as a whole logical tensor; each rank gets its slice.
 
@@ -270,6 +280,8 @@ def map_logical(
         all-gather per bucket) or ``"owner"`` (one rank per whole tensor applies ``fn`` and sends
         the slices back: two all-to-alls per bucket, ``1/k`` of the work and about ``2/k`` of the
         bytes per rank on a group of ``k``; ``fn`` must then keep the dtype).
+      options: the caller's options that change which collectives run (``{"rank": 4}``), checked
+        to agree across ranks with the plan (the strategy is checked always).
 
     Results keep each input's dtype, device and (for DTensors) layout.
     """
@@ -283,15 +295,16 @@ def map_logical(
                     validate(index, tree_lib.path_at(tree, index), tuple(leaf.shape))
         return tree_lib.unflatten(treedef, [None if x is None else fn(i, x) for i, x in enumerate(tree_leaves)])
 
-    found: list[list[Optional[_Gather]]] = []
+    found: list[tuple[Plan, list[Optional[_Gather]]]] = []
     plan, tree_leaves = plan_for(
         tree,
         spec,
         what=what,
-        op=f"{what}: gather of whole tensors{_signature(tree_leaves, spec)}",
-        validate=lambda plan, leaves: found.append(_jobs(plan, leaves, separable, validate)),
+        op=f"{what}: whole tensors{declared({'strategy': strategy, **(options or {})})}",
+        validate=lambda plan, leaves: found.append((plan, _jobs(plan, leaves, separable, validate))),
+        pieces=lambda: _moved(*found[0]),
     )
-    jobs = found[0]
+    jobs = found[0][1]
     locals_, rewrap = dtensor_lib.locals_of([x for x in tree_leaves if x is not None])
     pieces: list[Any] = [None] * len(tree_leaves)
     present = [i for i, x in enumerate(tree_leaves) if x is not None]
@@ -469,6 +482,7 @@ def local_pieces(
     *,
     what: str,
     validate: Optional[Callable[[int, str, tuple[int, ...]], None]] = None,
+    options: Optional[Mapping[str, Any]] = None,
 ) -> LocalPieces:
     """Where every leaf's local piece lies in its whole logical tensor, from the layout alone.
 
@@ -477,8 +491,9 @@ def local_pieces(
     (GaLore's projection), instead of gathering the whole tensor. ``validate(index, path, logical
     shape)`` and the layouts are checked as :func:`map_logical` checks them: on a new plan the
     cross-rank check runs (one ``all_gather``), so an error (of ``validate``, an unknown split dim,
-    unequal plain shards) reaches every rank before any data moves. Without a spec and without
-    DTensors every piece is whole and nothing is communicated.
+    unequal plain shards) reaches every rank before any data moves. ``options``: as for
+    :func:`map_logical`. Without a spec and without DTensors every piece is whole and nothing is
+    communicated.
     """
     tree_leaves = tree_lib.leaves(tree)
     if spec is None and not dtensor_lib.has_dtensor(tree_leaves):
@@ -493,16 +508,17 @@ def local_pieces(
             pieces.append(Piece(shape, shape, (0,) * len(shape), ()))
         return LocalPieces(None, pieces)
 
-    found: list[list[Optional[_Gather]]] = []
+    found: list[tuple[Plan, list[Optional[_Gather]]]] = []
     plan, tree_leaves = plan_for(
         tree,
         spec,
         what=what,
-        op=f"{what}: local pieces{_signature(tree_leaves, spec)}",
-        validate=lambda plan, leaves: found.append(_jobs(plan, leaves, None, validate)),
+        op=f"{what}: local pieces{declared(options)}",
+        validate=lambda plan, leaves: found.append((plan, _jobs(plan, leaves, None, validate))),
+        pieces=lambda: _moved(*found[0]),
     )
     pieces = []
-    for leaf, job in zip(tree_leaves, found[0]):
+    for leaf, job in zip(tree_leaves, found[0][1]):
         if leaf is None:
             pieces.append(None)
         elif job is None:

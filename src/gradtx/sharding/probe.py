@@ -14,6 +14,7 @@ import contextlib
 from contextvars import ContextVar
 from typing import Any, Iterator, Optional, Sequence
 
+import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
@@ -39,6 +40,9 @@ class FiniteProbe:
 @contextlib.contextmanager
 def finiteness_probe(tree: Any, spec: Any) -> Iterator[FiniteProbe]:
     probe = FiniteProbe(tree, spec)
+    if torch.compiler.is_compiling():  # the tracer cannot set a ContextVar: the flag is reduced apart
+        yield probe
+        return
     token = _ACTIVE.set(probe)
     try:
         yield probe
@@ -47,6 +51,9 @@ def finiteness_probe(tree: Any, spec: Any) -> Iterator[FiniteProbe]:
 
 
 def waiting_probe(tree_leaves: Sequence[Any], spec: Any) -> Optional[FiniteProbe]:
-    """The open probe that a global norm of ``tree_leaves`` under ``spec`` should answer, if any."""
+    """The open probe that a global norm of ``tree_leaves`` under ``spec`` should answer, if any
+    (none while ``torch.compile`` traces: it cannot read a ``ContextVar``)."""
+    if torch.compiler.is_compiling():
+        return None
     probe = _ACTIVE.get()
     return probe if probe is not None and probe.wants(tree_leaves, spec) else None

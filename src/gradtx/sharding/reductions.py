@@ -21,6 +21,7 @@ from torch import Tensor
 from gradtx import tree as tree_lib
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding import probe as probe_lib
+from gradtx.sharding import waiting
 from gradtx.sharding.mesh import MeshAxes
 from gradtx.sharding.plan import LeafLayout, Plan, ensure_checked, plan_for
 from gradtx.sharding.spec import ShardingSpec
@@ -71,13 +72,23 @@ def global_norm(tree: Any, spec: Optional[ShardingSpec] = None, *, norm_type: fl
     smallest group spanning the sharded and staged axes (none when nothing is sharded), after which
     every rank holds the same value. Without a spec and without DTensors: the local norm, exactly
     ``torch.nn.utils.get_total_norm``'s number. Accumulates in float32 or wider.
+
+    A leaf that fails on one rank only (not a tensor, an integer dtype) still lets that rank join
+    the all-reduce, with an error bit in it, so every rank of the group raises the same error; so
+    do ranks that ran this reduction a different number of times (see :mod:`gradtx.sharding.waiting`).
     """
     _check_spec(spec, "global_norm")
-    tree_leaves, _, present = tree_lib.tensor_leaves(tree, what="global_norm")
+    bad: Optional[Exception] = None
+    try:
+        tree_leaves, _, present = tree_lib.tensor_leaves(tree, what="global_norm")
+    except TypeError as exc:  # a leaf that is no tensor: under sharding, reported on every rank
+        tree_leaves, present, bad = tree_lib.leaves(tree), [], exc
     if not is_sharded(tree_leaves, spec):
+        if bad is not None:
+            raise bad
         return tree_lib.total_norm([tree_leaves[i] for i in present], float(norm_type))
     p = _check_norm_type(norm_type, "global_norm")
-    probe = probe_lib.waiting_probe(tree_leaves, spec)
+    probe = probe_lib.waiting_probe(tree_leaves, spec) if bad is None else None
     plan: Optional[Plan] = None
     if probe is not None:
         # the flag may ride in the norm's all-reduce only if that spans the whole mesh, as flags do
@@ -93,7 +104,7 @@ def global_norm(tree: Any, spec: Optional[ShardingSpec] = None, *, norm_type: fl
         plan, tree_leaves = plan_for(tree, spec, what="global_norm", op=op)
     else:
         ensure_checked(plan, tree_leaves, spec, op=op)
-    norm, finite = norm_from_plan(plan, tree_leaves, p, with_finite=probe is not None)
+    norm, finite = norm_from_plan(plan, tree_leaves, p, with_finite=probe is not None, op=op, error=bad)
     if probe is not None:
         probe.finite = finite
     return norm
@@ -104,29 +115,79 @@ def spans_mesh(plan: Plan) -> bool:
     return set(plan.global_axes) == {a for a in plan.mesh.names if plan.mesh.sizes[a] > 1}
 
 
-def norm_from_plan(plan: Plan, tree_leaves: Sequence[Any], p: float, *, with_finite: bool = False) -> tuple[Tensor, Optional[Tensor]]:
-    """The logical norm, and with ``with_finite`` whether every rank's pieces are all finite, reduced
-    in the same all-reduce (as a 0/1 flag: gloo's MIN/MAX would drop a NaN value)."""
+def _bad_dtype(plan: Plan, tree_leaves: Sequence[Any], dtype: torch.dtype) -> TypeError:
+    """The error for the first present leaf of ``dtype``, which is neither floating point nor complex."""
+    path = next(l.path for leaf, l in zip(tree_leaves, plan.layouts) if l is not None and dtensor_lib.local(leaf).dtype == dtype)
+    return TypeError(f"leaf {path!r} is a {dtype} tensor; gradients must be floating point or complex")
+
+
+def _norm_buffer(plan: Plan, tree_leaves: Sequence[Any], p: float, with_finite: bool) -> tuple[Tensor, torch.dtype, Optional[Tensor]]:
+    """This rank's share (float64): ``[sum |g|^p]`` or ``[max, nan flag]`` for ``inf``, then ``[not
+    finite]`` with ``with_finite``; the norm's dtype; and whether its own pieces are all finite.
+    A leaf that is not a floating-point or complex tensor is a ``TypeError`` naming it."""
     present = plan.pieces(tree_leaves)
+    dtypes = [t.dtype for t in present]
+    for kind in set(dtypes):
+        if not (kind.is_floating_point or kind.is_complex):
+            raise _bad_dtype(plan, tree_leaves, kind)
     owned = plan.pieces(tree_leaves, counted_only=True)
-    dtype = tree_lib.accumulation_dtype([t.dtype for t in present])
+    dtype = tree_lib.accumulation_dtype(dtypes)
     device = _device_of(present, plan.mesh)
-    group = plan.global_group()
     local_finite = tree_lib.all_finite(present, device=device) if with_finite else None
-    if group is None and len(owned) == len(present) and all(t.numel() > 0 for t in owned):
-        norm = tree_lib.total_norm(owned, p).to(device=device, dtype=dtype) if owned else torch.zeros((), dtype=dtype, device=device)
-        return norm, local_finite
     norms = [n.to(device) for n in _local_norms(owned, p)]
     stacked = torch.stack(norms) if norms else torch.zeros(1, dtype=dtype, device=device)
     if p == math.inf:
-        buffer, op = _norm_partials([stacked.max()], p)[0].to(_REDUCE_DTYPE), dist.ReduceOp.MAX
+        buffer = _norm_partials([stacked.max()], p)[0].to(_REDUCE_DTYPE)
     else:
-        buffer, op = (stacked.to(_REDUCE_DTYPE) ** p).sum().reshape(1), dist.ReduceOp.SUM
+        buffer = (stacked.to(_REDUCE_DTYPE) ** p).sum().reshape(1)
     if local_finite is not None:
         buffer = torch.cat([buffer, (~local_finite).to(_REDUCE_DTYPE).reshape(1)])
-    if group is not None:
-        dist.all_reduce(buffer, op=op, group=group)
-    finite = buffer[-1] == 0 if local_finite is not None else None
+    return buffer, dtype, local_finite
+
+
+def norm_from_plan(
+    plan: Plan,
+    tree_leaves: Sequence[Any],
+    p: float,
+    *,
+    with_finite: bool = False,
+    op: str = "global_norm",
+    error: Optional[Exception] = None,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """The logical norm, and with ``with_finite`` whether every rank's pieces are all finite, reduced
+    in the same all-reduce (as a 0/1 flag: gloo's MIN/MAX would drop a NaN value).
+
+    ``error``: what this rank found wrong before (a leaf that is no tensor); it and any error met
+    while computing this rank's share ride in the all-reduce as an error bit, and every rank of
+    the group raises (see :func:`gradtx.sharding.waiting.all_reduce`).
+    """
+    group = plan.global_group()
+    if group is None:
+        if error is not None:
+            raise error
+        present = plan.pieces(tree_leaves)
+        owned = plan.pieces(tree_leaves, counted_only=True)
+        if len(owned) == len(present) and all(t.numel() > 0 for t in owned):
+            dtype = tree_lib.accumulation_dtype([t.dtype for t in present])
+            device = _device_of(present, plan.mesh)
+            local_finite = tree_lib.all_finite(present, device=device) if with_finite else None
+            norm = tree_lib.total_norm(owned, p).to(device=device, dtype=dtype) if owned else torch.zeros((), dtype=dtype, device=device)
+            return norm, local_finite
+        buffer, dtype, local_finite = _norm_buffer(plan, tree_leaves, p, with_finite)
+        return _finish_norm(buffer, p, dtype), (local_finite if with_finite else None)
+    try:
+        if error is not None:
+            raise error
+        buffer, dtype, _ = _norm_buffer(plan, tree_leaves, p, with_finite)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        if torch.compiler.is_compiling():
+            raise
+        error, dtype = exc, torch.float32
+        width = (2 if p == math.inf else 1) + (1 if with_finite else 0)
+        buffer = torch.zeros(width, dtype=_REDUCE_DTYPE, device=plan.mesh.device())
+    reduce_op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
+    buffer = waiting.all_reduce(buffer, reduce_op, group, what=op, calls=plan.calls, error=error, timeout=plan.timeout)
+    finite = buffer[-1] == 0 if with_finite else None
     return _finish_norm(buffer, p, dtype), finite
 
 

@@ -7,12 +7,15 @@ Leaf specs come from one of three forms, resolved against leaf paths such as
 - a list of ``(glob, leaf spec)`` rules, matched in order (``fnmatch`` syntax, ``*`` crosses dots);
 - a callable ``(path, tensor) -> leaf spec`` (or ``None`` for "no rule").
 
-A leaf nothing matches takes ``default``; without one it is a ``ValueError`` naming its path.
+A leaf nothing matches takes ``default``; without one it is a ``ValueError`` naming its path. A
+rule that matches no leaf path on any rank (a typo such as ``"*.qvk.*"``) is a ``ValueError``
+naming it and the nearest paths, unless ``allow_unused_rules=True``.
 Resolution runs once per tree structure (the result is cached), so steady-state steps do no matching.
 """
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
 from typing import Any, Callable, Literal, Optional, Sequence, Union
@@ -23,6 +26,8 @@ from gradtx.sharding.placements import Shard
 
 Rules = Sequence[tuple[str, Shard]]
 LeafSpecs = Union[None, Rules, Callable[[str, Any], Optional[Shard]], Any]
+
+DEFAULT_TIMEOUT_S = 600.0  # NCCL's default collective timeout; gloo's default is 30 minutes
 
 
 def _is_rules(leaves: Any) -> bool:
@@ -72,6 +77,18 @@ class ShardingSpec:
         leaves); give this when pipeline stages shard over different axes (one stage has no
         tensor-parallel leaf at all) and leaves are given by a prefix tree or a callable, so that
         every rank joins the same collective.
+      allow_unused_rules: accept rules that match no leaf path on any rank (a generic rule set
+        meant for several models). By default such a rule is a ``ValueError`` naming it and the
+        nearest leaf paths: a misspelt glob would otherwise hand its leaves to another rule or to
+        ``default`` silently. A rule that matches on some pipeline stages only is used (the ranks
+        decide together, in the cross-rank check; with ``check_consistency=False`` and a stage
+        axis nothing is decided). A path matches even where its gradient is ``None``.
+      timeout: how many seconds a rank waits in a reduction of this spec (and in the cross-rank
+        check) for the other ranks before raising a ``RuntimeError`` that names its call count
+        and the count the others reached: a rank that calls ``update`` more often than the others
+        gets a clear error instead of waiting for the process group's own timeout. 600 by default;
+        ``None`` waits as long as the process group lets it. It bounds the waits on CPU (gloo)
+        buffers, in eager mode; GPU collectives are not waited on by the host.
 
     DTensor leaves take their layout from their placements (a rule matching one may add
     ``duplicate=True``; if it names other axes than the placements do, that is a ``ValueError``);
@@ -87,6 +104,8 @@ class ShardingSpec:
         default: Optional[Shard] = None,
         check_consistency: Union[bool, Literal["once"]] = "once",
         reduce_axes: Sequence[str] = (),
+        allow_unused_rules: bool = False,
+        timeout: Optional[float] = DEFAULT_TIMEOUT_S,
     ):
         self.axes = MeshAxes(mesh, require_names=True)
         self.mesh = mesh
@@ -96,6 +115,12 @@ class ShardingSpec:
         if not (isinstance(check_consistency, bool) or check_consistency == "once"):
             raise ValueError(f"ShardingSpec: check_consistency must be True, False or 'once', got {check_consistency!r}")
         self.check_consistency: Union[bool, Literal["once"]] = check_consistency
+        if not isinstance(allow_unused_rules, bool):
+            raise TypeError(f"ShardingSpec: allow_unused_rules must be a bool, got {allow_unused_rules!r}")
+        self.allow_unused_rules = allow_unused_rules
+        if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
+            raise ValueError(f"ShardingSpec: timeout must be a positive number of seconds or None, got {timeout!r}")
+        self.timeout: Optional[float] = None if timeout is None else float(timeout)
         if stage_axis is not None:
             self._check_axis(stage_axis, "stage_axis")
         if isinstance(reduce_axes, str):
@@ -119,6 +144,7 @@ class ShardingSpec:
             declared += list(default.axes)
         self.declared_axes: tuple[str, ...] = self.axes.ordered(declared)
         self.plans: dict[Any, Any] = {}
+        self.traced_plans: dict[Any, Any] = {}  # the same plans, by leaf paths (see gradtx.sharding.plan)
 
     @property
     def looks_at_tensors(self) -> bool:
@@ -179,6 +205,13 @@ class ShardingSpec:
                 return spec
         return None
 
+    def unused_rules(self, paths: Sequence[str]) -> tuple[str, ...]:
+        """The globs of the rules that match none of ``paths`` (empty without rules, or with
+        ``allow_unused_rules``). A rule an earlier one shadows still matches: it is not reported."""
+        if self._rules is None or self.allow_unused_rules:
+            return ()
+        return tuple(glob for glob, pattern, _ in self._rules if not any(pattern.match(path) for path in paths))
+
     def _broadcast(self, prefix: Any, tree: Any) -> list[Optional[Shard]]:
         try:
             return tree_lib.broadcast_leaves(prefix, tree)
@@ -186,3 +219,25 @@ class ShardingSpec:
             raise ValueError(
                 f"ShardingSpec: the leaf specs do not fit the gradient tree: {tree_lib._uncovered(prefix, tree)}"
             ) from None
+
+
+def explain_unused(unused: Sequence[str], paths: Sequence[str], *, where: str) -> str:
+    """The error for rules that match no leaf path ``where`` (of the tree, on any rank): each one
+    named with the leaf paths nearest to its glob."""
+    parts = [f"rule {glob!r} matches no leaf path {where} (the nearest: {_listed(nearest_paths(glob, paths))})" for glob in unused]
+    return (
+        "ShardingSpec: " + "; ".join(parts) + ". The leaves it was meant for fall to another rule or to "
+        "default=, so the norm would count them with the wrong layout: fix the glob, or pass "
+        "allow_unused_rules=True to the ShardingSpec if the rule set is meant for several models"
+    )
+
+
+def nearest_paths(glob: str, paths: Sequence[str], n: int = 3) -> list[str]:
+    """The ``n`` leaf paths most like ``glob`` (its literal parts compared, wildcards left out)."""
+    literal = glob.replace("*", "").replace("?", "")
+    scored = sorted(set(paths), key=lambda p: (-difflib.SequenceMatcher(None, literal, p).ratio(), p))
+    return scored[:n]
+
+
+def _listed(paths: Sequence[str]) -> str:
+    return ", ".join(repr(p) for p in paths) if paths else "the tree has none"

@@ -109,10 +109,20 @@ def clip_by_global_norm(
             coef = torch.clamp(max_norm / (norm + _EPS), max=1.0)
         return fe.realized(coef, norm)  # compiled: the coefficient is computed once, not per vector
 
+    def leaves_of(updates: Any) -> tuple[list[Any], Any, list[int]]:
+        try:
+            return tree_lib.tensor_leaves(updates, what="clip_by_global_norm")
+        except TypeError:
+            if spec is None:
+                raise
+            # under a spec, the norm's all-reduce carries this rank's error to every rank, which all raise
+            sharding.global_norm(updates, spec, norm_type=norm_type)
+            raise
+
     def update_fn(updates, state, params=None, *, inplace=False):
         del params, state
         own_updates, _ = donation(inplace)  # the state is new either way
-        tree_leaves, treedef, present = tree_lib.tensor_leaves(updates, what="clip_by_global_norm")
+        tree_leaves, treedef, present = leaves_of(updates)
         grads = tree_leaves if len(present) == len(tree_leaves) else [tree_leaves[i] for i in present]
         if grads and not sharding.is_sharded(grads, spec):
             # plain tensors: one grouping serves the norm and the scaling
@@ -133,7 +143,7 @@ def clip_by_global_norm(
         ``fused=True`` optimizer) apply ``coef`` there instead of in a separate pass.
         """
         del params, state
-        tree_leaves, _, present = tree_lib.tensor_leaves(updates, what="clip_by_global_norm")
+        tree_leaves, _, present = leaves_of(updates)
         coef, norm = coefficient(updates, [tree_leaves[i] for i in present])
         return coef, ClipByGlobalNormState(norm=norm)
 

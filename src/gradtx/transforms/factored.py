@@ -85,10 +85,17 @@ def scale_by_factored_rms(
     if spec is not None and not isinstance(spec, sharding.ShardingSpec):
         raise TypeError(f"{owner}: spec must be a gradtx.sharding.ShardingSpec or None, got {type(spec).__name__}")
 
+    # which leaves are factored, so which sums are reduced: checked to agree across ranks
+    collective_options = {"factored": factored, "min_dim_size_to_factor": min_dim_size_to_factor}
+
     def layouts_of(tree: Any, tensors: list, *, check: bool) -> Optional[dims_lib.DimLayouts]:
-        if not factored or not sharding.is_sharded(tensors, spec):
+        if not sharding.is_sharded(tensors, spec):
             return None
-        return dims_lib.dim_layouts(tree, spec, what=owner, check=check)
+        if not factored:  # elementwise, nothing to reduce; checked all the same, so a rank that factors is caught
+            if check:
+                dims_lib.check_options(tree, spec, what=owner, options=collective_options)
+            return None
+        return dims_lib.dim_layouts(tree, spec, what=owner, check=check, options=collective_options)
 
     def init_fn(params: Any) -> FactoredState:
         rows, cols, full = [], [], []
