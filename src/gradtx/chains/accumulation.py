@@ -319,7 +319,7 @@ class MultiSteps:
     def _accumulate(self, updates: PyTree, acc_grads: PyTree, mini_step: Tensor, *, inplace: bool) -> PyTree:
         """``acc + (g - acc) / (n + 1)`` (mean, as one ``lerp``) or ``acc + g`` (sum), per (device, dtype) group."""
         acc_leaves, treedef = tree_lib.flatten(acc_grads)
-        grad_leaves = tree_lib.flatten_like(updates, treedef, acc_grads, what="MultiSteps: updates")
+        grad_leaves = tree_lib.flatten_like(updates, treedef, acc_grads, what="MultiSteps: updates", like="state.acc_grads")
         present = [i for i, (a, g) in enumerate(zip(acc_leaves, grad_leaves)) if a is not None and g is not None]
         accs = [acc_leaves[i] for i in present]
         grads = [grad_leaves[i].to(acc_leaves[i].dtype) for i in present]

@@ -97,7 +97,7 @@ def update_selected(
     sub_updates = tree_lib.unflatten(treedef, keep_selected(update_leaves, selected))
     sub_params = None
     if params is not None:
-        param_leaves = tree_lib.flatten_like(params, treedef, updates, what=f"{owner}: params")
+        param_leaves = tree_lib.flatten_like(params, treedef, updates, what=f"{owner}: params", like="updates")
         sub_params = tree_lib.unflatten(treedef, keep_selected(param_leaves, selected))
     if extra_args:
         if mask_compatible_extra_args:
@@ -105,7 +105,7 @@ def update_selected(
         new_sub_updates, new_inner_state = update_fn(sub_updates, inner_state, sub_params, inplace=inplace, **extra_args)
     else:
         new_sub_updates, new_inner_state = update_fn(sub_updates, inner_state, sub_params, inplace=inplace)
-    new_leaves = tree_lib.flatten_like(new_sub_updates, treedef, updates, what=f"{owner}: inner updates")
+    new_leaves = tree_lib.flatten_like(new_sub_updates, treedef, updates, what=f"{owner}: inner updates", like="updates")
     merged = [new if keep else old for new, old, keep in zip(new_leaves, update_leaves, selected)]
     return tree_lib.unflatten(treedef, merged), new_inner_state
 
