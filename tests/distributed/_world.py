@@ -38,6 +38,7 @@ CASE_MODULES = (
     "test_sharding_muon",
     "test_sharding_galore",
     "test_contrib_sharding",
+    "test_state_errors_sharded",
 )
 
 _CASES: dict[int, dict[str, Callable[["World"], None]]] = {}

@@ -15,6 +15,7 @@ from gradtx.base import (
     takes_extra_args,
     with_inplace,
 )
+from gradtx.state_check import name_of, named
 
 _PARTS = "_gradtx_chain_parts"
 
@@ -76,19 +77,22 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """
     parts = _flattened(transforms)
     members = tuple(_member(tx) for tx in parts)
+    name = f"chain({', '.join(name_of(tx.update) for tx in parts)})"
 
     def init_fn(params: Any) -> tuple:
         return tuple(tx.init(params) for tx in parts)
 
     def update_fn(updates, state, params: Optional[Any] = None, *, inplace: bool = False, **extra_args):
         if len(state) != len(parts):
-            raise ValueError(f"chain: state has {len(state)} entries for {len(parts)} transformations")
+            raise ValueError(
+                f"{name}: state is a {type(state).__name__} of {len(state)}, where init makes a tuple of {len(parts)}"
+            )
         updates, new_state = _run(members, state, updates, params, inplace, extra_args)
         return updates, tuple(new_state)
 
     setattr(init_fn, _PARTS, parts)
     kind = GradientTransformationExtraArgs if any(member[1] for member in members) else GradientTransformation
-    return kind(init_fn, _marked(update_fn, members))
+    return kind(init_fn, named(_marked(update_fn, members), name))
 
 
 def named_chain(*named_transforms: tuple[str, GradientTransformation]) -> GradientTransformation:

@@ -37,6 +37,7 @@ from torch import Tensor
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation
 from gradtx.interop.torch_kernels import KernelSpec, kernel_for
+from gradtx.state_check import named
 
 PyTree = Any
 Slots = dict[str, Any]
@@ -330,4 +331,4 @@ def from_torch(optimizer_cls: type, **hyperparams: Any) -> GradientTransformatio
         new_state = FromTorchState(tree_lib.unflatten(treedef, out_slots), tree_lib.unflatten(treedef, out_flags))
         return tree_lib.unflatten(treedef, out_updates), new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, named(update_fn, owner))
