@@ -192,6 +192,15 @@ def test_mismatched_gradients_say_which_side_lacks_which_leaf(grads, message):
         tx.update(grads, state, params)
 
 
+def test_stateless_with_tree_map_names_params_that_do_not_match():
+    tx = gtx.stateless_with_tree_map(lambda g, p: g * p)
+    with pytest.raises(ValueError, match=re.escape(
+        "stateless_with_tree_map: params do not match updates: updates has leaf 'w' that params lacks; "
+        "params has leaf 'W' that updates lacks (params is a dict, updates is a dict)"
+    )):
+        tx.update({"w": torch.ones(1)}, tx.init(None), {"W": torch.ones(1)})
+
+
 def test_apply_updates_non_tensor_leaf_names_the_path():
     with pytest.raises(TypeError, match=r"updates: leaf 'w' is a float"):
         gtx.apply_updates({"w": torch.ones(1)}, {"w": 0.5})

@@ -156,6 +156,17 @@ def test_describe_mismatch_names_the_side_that_lacks_a_leaf_and_both_containers(
         tree_lib.flatten_like(tree, treedef, reference, what="adamw: grads", like="params")
 
 
+def test_tree_map_names_the_tree_that_does_not_match():
+    with pytest.raises(ValueError, match=r"^params do not match grads: params is a list of 1 where grads is a dict$"):
+        tree_lib.tree_map(lambda g, p: g, {"w": _T}, [_T], names=("grads", "params"))
+    with pytest.raises(ValueError, match=r"^tree 2 does not match the first tree: the first tree has leaf 'w' that tree 2 lacks"):
+        tree_lib.tree_map(lambda a, b, c: a, {"w": _T}, {"w": _T}, {"v": _T})
+    # a prefix still maps, and an error of fn itself is left as it is
+    assert tree_lib.tree_map(lambda a, b: a + b["x"], {"w": _T}, {"w": {"x": _T}})["w"].item() == 2.0
+    with pytest.raises(ZeroDivisionError):
+        tree_lib.tree_map(lambda a, b: 1 / 0, {"w": _T}, {"w": _T})
+
+
 def test_mismatch_error_agrees_the_verb_with_the_name():
     one, two = {"a": _T}, {"b": _T}
     assert str(tree_lib.mismatch_error(one, two, what="adamw: state.mu", like="updates")).startswith(

@@ -245,7 +245,7 @@ def stateless_with_tree_map(
     def apply(updates, params):
         if params is None:
             return tree_lib.tree_map(lambda u: fn(u, None), updates)
-        return tree_lib.tree_map(fn, updates, params)
+        return tree_lib.tree_map(fn, updates, params, names=("stateless_with_tree_map: updates", "params"))
 
     return stateless(apply)
 

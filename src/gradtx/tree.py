@@ -50,16 +50,31 @@ def structure(tree: PyTree) -> TreeSpec:
     return optree.tree_structure(tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
 
 
-def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
+def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree, names: Sequence[str] = ()) -> PyTree:
     """Maps ``fn`` over the leaves of ``tree`` (and the matching leaves of ``rest``).
 
-    ``None`` leaves of ``tree`` stay ``None`` and ``fn`` is not called for them.
+    ``None`` leaves of ``tree`` stay ``None`` and ``fn`` is not called for them. A tree of ``rest``
+    that does not have the structure of ``tree`` (or ``tree`` as a prefix) is the ``ValueError`` of
+    :func:`mismatch_error`, the trees called by ``names`` (``("adamw: updates", "params")``: the
+    first names ``tree``, the others ``rest``), found only once the map has failed.
     """
 
     def visit(x, *xs):
         return None if x is None else fn(x, *xs)
 
-    return optree.tree_map(visit, tree, *rest, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
+    try:
+        return optree.tree_map(visit, tree, *rest, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
+    except (ValueError, TypeError) as error:
+        spec = structure(tree)
+        for index, other in enumerate(rest, 1):
+            try:
+                spec.flatten_up_to(other)
+            except (ValueError, TypeError):
+                owner, _, first = (names[0] if names else "the first tree").rpartition(": ")
+                name = names[index] if index < len(names) else f"tree {index}"
+                what = f"{owner}: {name}" if owner else name
+                raise mismatch_error(other, tree, what=what, like=first) from error
+        raise
 
 
 def first_device(tree: PyTree) -> torch.device:
@@ -118,7 +133,8 @@ def mismatch_error(tree: PyTree, reference: PyTree, *, what: str, like: str) -> 
     of ``reference`` (called ``like``): ``"adamw: updates do not match params: params has leaf 'W'
     that updates lacks (updates is a dict, params is a dict)"``."""
     name = what.rpartition(": ")[2]
-    return ValueError(f"{what} {_do(name)} not match {like}: {describe_mismatch(tree, reference, name=name, like=like)}")
+    how = describe_mismatch(tree, reference, name=name, like=like)
+    return ValueError(f"{what} {_do(name)} not match {like}: {how}")
 
 
 def _do(name: str) -> str:
@@ -188,8 +204,11 @@ def describe_mismatch(tree: PyTree, reference: PyTree, *, name: str, like: str) 
         said += [_lacks(name, like, extra)] if extra else []
         if not said:  # the same keys in another order (an OrderedDict)
             said = [f"{name} has the keys{where} in the order {list(own_entries)}, {like} in {list(their_entries)}"]
-        containers = f"{name} is {_node(mine)}, {like} is {_node(theirs)}"
-        return "; ".join(said) + (f" ({containers})" if not path else f" (at {join_path(path)!r}: {containers.replace(' is ', ' has ')})")
+        if path:
+            containers = f"at {join_path(path)!r}: {name} has {_node(mine)}, {like} has {_node(theirs)}"
+        else:
+            containers = f"{name} is {_node(mine)}, {like} is {_node(theirs)}"
+        return "; ".join(said) + f" ({containers})"
     return f"{name} and {like} have the same leaves but differ{where}: {mine} vs {theirs}"
 
 
