@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
@@ -161,14 +162,43 @@ def test_apply_updates_nested_mixed_dtypes():
 
 def test_apply_updates_mismatched_trees_name_the_path():
     params = {"enc": {"weight": torch.ones(2), "bias": torch.ones(1)}}
-    with pytest.raises(ValueError, match=r"'enc\.bias' is missing"):
+    with pytest.raises(ValueError, match=r"apply_updates: updates do not match params: params has leaf 'enc\.bias' that updates lacks"):
         gtx.apply_updates(params, {"enc": {"weight": torch.ones(2)}})
-    with pytest.raises(ValueError, match=r"'enc\.scale' is unexpected"):
+    with pytest.raises(ValueError, match=r"apply_updates: updates do not match params: updates has leaf 'enc\.scale' that params lacks"):
         gtx.apply_updates(params, {"enc": {"weight": torch.ones(2), "bias": torch.ones(1), "scale": torch.ones(1)}})
     with pytest.raises(ValueError, match=r"'enc\.weight' has update shape \(3,\) but parameter shape \(2,\)"):
         gtx.apply_updates(params, {"enc": {"weight": torch.ones(3), "bias": torch.ones(1)}})
     with pytest.raises(ValueError, match=r"'gone' has an update but no parameter"):
         gtx.apply_updates({"gone": None}, {"gone": torch.ones(1)})
+
+
+@pytest.mark.parametrize(
+    ("grads", "message"),
+    [
+        ({"w": torch.ones(2), "b": torch.ones(1)},
+         "params has leaf 'W' that updates lacks; updates has leaf 'w' that params lacks (updates is a dict, params is a dict)"),
+        ({"W": torch.ones(2)}, "params has leaf 'b' that updates lacks (updates is a dict, params is a dict)"),
+        ([torch.ones(2), torch.ones(1)], "updates is a list of 2 where params is a dict"),
+    ],
+    ids=["wrong key", "missing leaf", "list for dict"],
+)
+def test_mismatched_gradients_say_which_side_lacks_which_leaf(grads, message):
+    params = {"W": torch.ones(2), "b": torch.ones(1)}
+    with pytest.raises(ValueError, match=re.escape(f"apply_updates: updates do not match params: {message}")):
+        gtx.apply_updates(params, grads)
+    tx = gtx.adamw(0.1)
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"^adamw: (params do not match updates|updates do not match params): "):
+        tx.update(grads, state, params)
+
+
+def test_stateless_with_tree_map_names_params_that_do_not_match():
+    tx = gtx.stateless_with_tree_map(lambda g, p: g * p)
+    with pytest.raises(ValueError, match=re.escape(
+        "stateless_with_tree_map: params do not match updates: updates has leaf 'w' that params lacks; "
+        "params has leaf 'W' that updates lacks (params is a dict, updates is a dict)"
+    )):
+        tx.update({"w": torch.ones(1)}, tx.init(None), {"W": torch.ones(1)})
 
 
 def test_apply_updates_non_tensor_leaf_names_the_path():

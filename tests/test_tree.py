@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import math
+import re
 from typing import NamedTuple
 
 import optree
@@ -106,14 +107,72 @@ def test_tree_map_skips_none_and_maps_parallel_trees():
 def test_flatten_like_names_missing_and_unexpected_paths():
     params = {"layer": {"weight": torch.ones(1), "bias": torch.ones(1)}}
     _, treedef = tree_lib.flatten(params)
-    with pytest.raises(ValueError, match=r"'layer\.bias' is missing"):
-        tree_lib.flatten_like({"layer": {"weight": torch.ones(1)}}, treedef, params, what="updates")
-    with pytest.raises(ValueError, match=r"'layer\.extra' is unexpected"):
+    with pytest.raises(ValueError, match=r"^updates do not match params: params has leaf 'layer\.bias' that updates lacks"):
+        tree_lib.flatten_like({"layer": {"weight": torch.ones(1)}}, treedef, params, what="updates", like="params")
+    with pytest.raises(ValueError, match=r"updates has leaf 'layer\.extra' that params lacks"):
         tree_lib.flatten_like(
-            {"layer": {"weight": 1, "bias": 1, "extra": 1}}, treedef, params, what="updates"
+            {"layer": {"weight": 1, "bias": 1, "extra": 1}}, treedef, params, what="updates", like="params"
         )
-    with pytest.raises(ValueError, match="different containers"):
-        tree_lib.flatten_like({"layer": collections.OrderedDict(bias=1, weight=1)}, treedef, params, what="updates")
+    with pytest.raises(ValueError, match="updates has an OrderedDict at 'layer' where params has a dict"):
+        tree_lib.flatten_like(
+            {"layer": collections.OrderedDict(bias=1, weight=1)}, treedef, params, what="updates", like="params"
+        )
+
+
+class _Pair(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+_T = torch.ones(1)
+
+
+@pytest.mark.parametrize(
+    ("tree", "reference", "message"),
+    [
+        ({"w": _T, "b": _T}, {"W": _T, "b": _T},
+         "params has leaf 'W' that grads lacks; grads has leaf 'w' that params lacks (grads is a dict, params is a dict)"),
+        ({"W": _T}, {"W": _T, "b": _T}, "params has leaf 'b' that grads lacks (grads is a dict, params is a dict)"),
+        ({"W": _T, "b": _T, "c": _T}, {"W": _T, "b": _T}, "grads has leaf 'c' that params lacks"),
+        ([_T, _T], {"W": _T, "b": _T}, "grads is a list of 2 where params is a dict"),
+        ({"enc": [_T, _T]}, {"enc": {"w": _T, "b": _T}}, "grads has a list of 2 at 'enc' where params has a dict"),
+        ({"enc": {"w": _T}}, {"enc": {"w": _T, "b": _T}},
+         "params has leaf 'enc.b' that grads lacks (at 'enc': grads has a dict, params has a dict)"),
+        ([_T, _T], [_T, _T, _T], "params has leaf '2' that grads lacks (grads is a list of 2, params is a list of 3)"),
+        ({"w": {"x": _T}}, {"w": _T}, "grads has a dict at 'w' where params has a leaf"),
+        (collections.OrderedDict(a=_T, b=_T), {"a": _T, "b": _T}, "grads is an OrderedDict where params is a dict"),
+        (collections.OrderedDict(b=_T, a=_T), collections.OrderedDict(a=_T, b=_T),
+         "grads has the keys in the order ['b', 'a'], params in ['a', 'b']"),
+        (_Pair(_T, _T), (_T, _T), "grads is a _Pair where params is a tuple of 2"),
+        ({"m": {str(i): _T for i in range(5)}}, {}, "grads has leaves 'm.0', 'm.1', 'm.2' and 2 more that params lacks"),
+    ],
+    ids=["wrong key", "missing leaf", "extra leaf", "list for dict", "nested list for dict", "nested missing leaf",
+         "short list", "subtree for leaf", "OrderedDict for dict", "key order", "NamedTuple for tuple", "many leaves"],
+)
+def test_describe_mismatch_names_the_side_that_lacks_a_leaf_and_both_containers(tree, reference, message):
+    assert message in tree_lib.describe_mismatch(tree, reference, name="grads", like="params")
+    _, treedef = tree_lib.flatten(reference)
+    with pytest.raises(ValueError, match=r"^adamw: grads do not match params: " + re.escape(message)):
+        tree_lib.flatten_like(tree, treedef, reference, what="adamw: grads", like="params")
+
+
+def test_tree_map_names_the_tree_that_does_not_match():
+    with pytest.raises(ValueError, match=r"^params do not match grads: params is a list of 1 where grads is a dict$"):
+        tree_lib.tree_map(lambda g, p: g, {"w": _T}, [_T], names=("grads", "params"))
+    with pytest.raises(ValueError, match=r"^tree 2 does not match the first tree: the first tree has leaf 'w' that tree 2 lacks"):
+        tree_lib.tree_map(lambda a, b, c: a, {"w": _T}, {"w": _T}, {"v": _T})
+    # a prefix still maps, and an error of fn itself is left as it is
+    assert tree_lib.tree_map(lambda a, b: a + b["x"], {"w": _T}, {"w": {"x": _T}})["w"].item() == 2.0
+    with pytest.raises(ZeroDivisionError):
+        tree_lib.tree_map(lambda a, b: 1 / 0, {"w": _T}, {"w": _T})
+
+
+def test_mismatch_error_agrees_the_verb_with_the_name():
+    one, two = {"a": _T}, {"b": _T}
+    assert str(tree_lib.mismatch_error(one, two, what="adamw: state.mu", like="updates")).startswith(
+        "adamw: state.mu does not match updates: "
+    )
+    assert str(tree_lib.mismatch_error(one, two, what="updates", like="params")).startswith("updates do not match params: ")
 
 
 def test_check_tensors_names_the_leaf():

@@ -24,6 +24,7 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple, Union
 
 import torch
 
+from gradtx import state_check
 from gradtx import tree as tree_lib
 
 PyTree = Any
@@ -121,6 +122,16 @@ class EmptyState(NamedTuple):
     """The state of a stateless transformation: a pytree with no leaves."""
 
 
+def _checked_transformation(cls: type, init: TransformInitFn, update: TransformUpdateFn) -> Any:
+    """Builds a transformation whose ``update`` checks the state it is given against what ``init``
+    makes, and names the transformation when it is not (see :mod:`gradtx.state_check`)."""
+    state_type = EmptyState if init is init_empty_state else None
+    return tuple.__new__(cls, state_check.checked(init, update, state_type=state_type))
+
+
+GradientTransformation.__new__ = _checked_transformation  # type: ignore[method-assign]
+
+
 def _accepts_inplace(update_fn: Callable, *, var_keyword: bool = True) -> bool:
     """Whether ``update_fn`` takes ``inplace=`` (by name, or through ``**kwargs`` if ``var_keyword``)."""
     try:
@@ -180,7 +191,7 @@ def with_extra_args_support(tx: GradientTransformation) -> GradientTransformatio
         del extra_args
         return update(updates, state, params, inplace=inplace)
 
-    return GradientTransformationExtraArgs(tx.init, update_fn)
+    return GradientTransformationExtraArgs(tx.init, state_check.named(update_fn, state_check.name_of(tx.update)))
 
 
 def init_empty_state(params: Params) -> EmptyState:
@@ -234,7 +245,7 @@ def stateless_with_tree_map(
     def apply(updates, params):
         if params is None:
             return tree_lib.tree_map(lambda u: fn(u, None), updates)
-        return tree_lib.tree_map(fn, updates, params)
+        return tree_lib.tree_map(fn, updates, params, names=("stateless_with_tree_map: updates", "params"))
 
     return stateless(apply)
 
@@ -245,7 +256,7 @@ def paired_leaves(params: Params, updates: Updates, *, owner: str) -> tuple[list
     that is not a tensor, an update for a ``None`` parameter, another shape) is a ``ValueError`` or
     ``TypeError`` naming the leaf's path, raised before any computation."""
     param_leaves, treedef = tree_lib.flatten(params)
-    update_leaves = tree_lib.flatten_like(updates, treedef, params, what="updates")
+    update_leaves = tree_lib.flatten_like(updates, treedef, params, what=f"{owner}: updates", like="params")
     tree_lib.check_tensors(params, param_leaves, what="params", allow_none=True)
     tree_lib.check_tensors(updates, update_leaves, what="updates", allow_none=True)
     pairs = []

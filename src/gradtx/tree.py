@@ -55,16 +55,31 @@ def structure(tree: PyTree) -> TreeSpec:
     return optree.tree_structure(tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
 
 
-def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
+def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree, names: Sequence[str] = ()) -> PyTree:
     """Maps ``fn`` over the leaves of ``tree`` (and the matching leaves of ``rest``).
 
-    ``None`` leaves of ``tree`` stay ``None`` and ``fn`` is not called for them.
+    ``None`` leaves of ``tree`` stay ``None`` and ``fn`` is not called for them. A tree of ``rest``
+    that does not have the structure of ``tree`` (or ``tree`` as a prefix) is the ``ValueError`` of
+    :func:`mismatch_error`, the trees called by ``names`` (``("adamw: updates", "params")``: the
+    first names ``tree``, the others ``rest``), found only once the map has failed.
     """
 
     def visit(x, *xs):
         return None if x is None else fn(x, *xs)
 
-    return optree.tree_map(visit, tree, *rest, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
+    try:
+        return optree.tree_map(visit, tree, *rest, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
+    except (ValueError, TypeError) as error:
+        spec = structure(tree)
+        for index, other in enumerate(rest, 1):
+            try:
+                spec.flatten_up_to(other)
+            except (ValueError, TypeError):
+                owner, _, first = (names[0] if names else "the first tree").rpartition(": ")
+                name = names[index] if index < len(names) else f"tree {index}"
+                what = f"{owner}: {name}" if owner else name
+                raise mismatch_error(other, tree, what=what, like=first) from error
+        raise
 
 
 def first_device(tree: PyTree) -> torch.device:
@@ -105,27 +120,101 @@ def path_at(tree: PyTree, index: int) -> str:
     return all_paths[index] if 0 <= index < len(all_paths) else f"<leaf {index}>"
 
 
-def flatten_like(tree: PyTree, treedef: TreeSpec, reference: PyTree, *, what: str) -> list[Any]:
+def flatten_like(tree: PyTree, treedef: TreeSpec, reference: PyTree, *, what: str, like: str) -> list[Any]:
     """Flattens ``tree``, which must have structure ``treedef`` (that of ``reference``).
 
-    A mismatch is a ``ValueError`` naming a path present in one tree and not the other.
+    ``what`` names ``tree``, after its owner where there is one (``"adamw: state.mu"``); ``like``
+    names ``reference`` (``"params"``, ``"updates"``). A mismatch is a ``ValueError`` saying which
+    side has a leaf the other lacks, or where their containers differ (:func:`describe_mismatch`).
     """
     tree_leaves, tree_def = flatten(tree)
     if tree_def != treedef:
-        raise ValueError(f"{what} do not match the structure of the params: {describe_mismatch(tree, reference)}")
+        raise mismatch_error(tree, reference, what=what, like=like)
     return tree_leaves
 
 
-def describe_mismatch(tree: PyTree, reference: PyTree) -> str:
-    """Names the first path found in one tree but not in the other."""
-    mine, theirs = paths(tree), paths(reference)
-    missing = [p for p in theirs if p not in set(mine)]
-    extra = [p for p in mine if p not in set(theirs)]
-    if missing:
-        return f"leaf {missing[0]!r} is missing"
-    if extra:
-        return f"leaf {extra[0]!r} is unexpected"
-    return f"same leaf paths but different containers ({structure(tree)} vs {structure(reference)})"
+def mismatch_error(tree: PyTree, reference: PyTree, *, what: str, like: str) -> ValueError:
+    """The ``ValueError`` for ``tree`` (``what``: its name, after its owner) not having the structure
+    of ``reference`` (called ``like``): ``"adamw: updates do not match params: params has leaf 'W'
+    that updates lacks (updates is a dict, params is a dict)"``."""
+    name = what.rpartition(": ")[2]
+    how = describe_mismatch(tree, reference, name=name, like=like)
+    return ValueError(f"{what} {_do(name)} not match {like}: {how}")
+
+
+def _do(name: str) -> str:
+    """The verb for ``name``: "updates do", "state.mu does"."""
+    last = name.rpartition(".")[2]
+    return "do" if last.endswith("s") and not last.endswith("ss") else "does"
+
+
+def _node(spec: TreeSpec) -> str:
+    """What a node of a structure is: ``"a dict"``, ``"a list of 3"``, ``"a ScaleByAdamState"``, ``"a leaf"``."""
+    if spec.is_leaf():
+        return "a leaf"
+    kind = spec.type
+    if kind in (list, tuple):
+        return f"a {kind.__name__} of {spec.num_children}"
+    name = getattr(kind, "__name__", str(kind))
+    return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
+
+
+def _first_difference(mine: TreeSpec, theirs: TreeSpec, path: tuple) -> tuple[tuple, TreeSpec, TreeSpec]:
+    """The first node (pre-order) where the structures ``mine`` and ``theirs`` differ: its path and both nodes."""
+    if mine.is_leaf() or theirs.is_leaf() or mine.type is not theirs.type or mine.entries() != theirs.entries():
+        return path, mine, theirs
+    for entry, a, b in zip(mine.entries(), mine.children(), theirs.children()):
+        if a != b:
+            return _first_difference(a, b, path + (entry,))
+    return path, mine, theirs  # the nodes themselves differ (a namedtuple's or a defaultdict's metadata)
+
+
+def _leaf_paths_below(spec: TreeSpec, path: tuple) -> list[str]:
+    """The dotted paths of the leaves under the node ``spec`` at ``path``."""
+    below = _structure_paths(spec)
+    return [join_path(path + ((p,) if p else ())) for p in below] or [join_path(path)]
+
+
+def _lacks(owner: str, other: str, paths: list[str]) -> str:
+    """``"params has leaf 'W' that updates lacks"`` (up to three paths named)."""
+    if len(paths) == 1:
+        return f"{owner} has leaf {paths[0]!r} that {other} lacks"
+    named = ", ".join(repr(p) for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    return f"{owner} has leaves {named} that {other} lacks"
+
+
+def describe_mismatch(tree: PyTree, reference: PyTree, *, name: str, like: str) -> str:
+    """How the structure of ``tree`` (called ``name``) differs from that of ``reference`` (called ``like``).
+
+    Finds the first node where they part: different containers there (``"updates is a list where
+    params is a dict"``), or the leaves one side has and the other lacks, with both containers
+    (``"params has leaf 'W' that updates lacks (updates is a dict, params is a dict)"``).
+    """
+    path, mine, theirs = _first_difference(structure(tree), structure(reference), ())
+    where = f" at {join_path(path)!r}" if path else ""
+    if mine.is_leaf() or theirs.is_leaf() or mine.type is not theirs.type:
+        if path:
+            return f"{name} has {_node(mine)}{where} where {like} has {_node(theirs)}"
+        return f"{name} is {_node(mine)} where {like} is {_node(theirs)}"
+    own_entries, their_entries = mine.entries(), theirs.entries()
+    if own_entries != their_entries:
+        missing, extra = [], []
+        for entry, child in zip(their_entries, theirs.children()):
+            if entry not in own_entries:
+                missing += _leaf_paths_below(child, path + (entry,))
+        for entry, child in zip(own_entries, mine.children()):
+            if entry not in their_entries:
+                extra += _leaf_paths_below(child, path + (entry,))
+        said = [_lacks(like, name, missing)] if missing else []
+        said += [_lacks(name, like, extra)] if extra else []
+        if not said:  # the same keys in another order (an OrderedDict)
+            said = [f"{name} has the keys{where} in the order {list(own_entries)}, {like} in {list(their_entries)}"]
+        if path:
+            containers = f"at {join_path(path)!r}: {name} has {_node(mine)}, {like} has {_node(theirs)}"
+        else:
+            containers = f"{name} is {_node(mine)}, {like} is {_node(theirs)}"
+        return "; ".join(said) + f" ({containers})"
+    return f"{name} and {like} have the same leaves but differ{where}: {mine} vs {theirs}"
 
 
 def _uncovered(prefix: PyTree, tree: PyTree) -> str:
@@ -138,7 +227,7 @@ def _uncovered(prefix: PyTree, tree: PyTree) -> str:
     for p in prefix_paths:
         if not any(path == p or path.startswith(p + ".") for path in tree_paths):
             return f"it has {p!r}, which the tree lacks"
-    return describe_mismatch(prefix, tree)
+    return describe_mismatch(prefix, tree, name="the prefix", like="the tree")
 
 
 def check_tensors(tree: PyTree, tree_leaves: Sequence[Any], *, what: str, allow_none: bool = True) -> None:

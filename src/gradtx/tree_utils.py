@@ -143,10 +143,7 @@ def _operands(
     for name, other in others:
         other_leaves, other_def = tree_lib.flatten(other)
         if other_def != treedef:
-            raise ValueError(
-                f"{fn}: {name} does not match the structure of {first_name}: "
-                f"{tree_lib.describe_mismatch(other, first_tree)}"
-            )
+            raise tree_lib.mismatch_error(other, first_tree, what=f"{fn}: {name}", like=first_name)
         column = []
         for i in present:
             leaf = other_leaves[i]

@@ -40,6 +40,7 @@ CASE_MODULES = (
     "test_contrib_sharding",
     "test_sharding_agreement",
     "test_sharding_compile",
+    "test_state_errors_sharded",
 )
 
 _CASES: dict[int, dict[str, Callable[["World"], None]]] = {}

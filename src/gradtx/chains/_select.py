@@ -45,7 +45,9 @@ def where_tree(condition: Tensor, if_true: PyTree, if_false: PyTree, *, what: st
     """
     selector = _OnDevice(condition)
     true_leaves, treedef = tree_lib.flatten(if_true)
-    false_leaves = tree_lib.flatten_like(if_false, treedef, if_true, what=what)
+    false_leaves = tree_lib.flatten_like(
+        if_false, treedef, if_true, what=f"{what}: the kept value", like="the new value"
+    )
     out = []
     for index, (a, b) in enumerate(zip(true_leaves, false_leaves)):
         if isinstance(a, Tensor) and isinstance(b, Tensor):

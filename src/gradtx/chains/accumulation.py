@@ -24,7 +24,7 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol, Union
 import torch
 from torch import Tensor
 
-from gradtx import sharding
+from gradtx import sharding, state_check
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace
 from gradtx.chains import step_gates
@@ -188,6 +188,8 @@ class MultiSteps:
         )
         self._accumulator_dtype = accumulator_dtype
         self._spec = spec
+        # the state checks of every GradientTransformation, for calls on this object too
+        self.init, self.update = state_check.checked(self.init, self.update)  # type: ignore[method-assign]
 
     @property
     def inner_opt(self) -> GradientTransformation:
@@ -320,7 +322,9 @@ class MultiSteps:
     def _accumulate(self, updates: PyTree, acc_grads: PyTree, mini_step: Tensor, *, inplace: bool) -> PyTree:
         """``acc + (g - acc) / (n + 1)`` (mean, as one ``lerp``) or ``acc + g`` (sum), per (device, dtype) group."""
         acc_leaves, treedef = tree_lib.flatten(acc_grads)
-        grad_leaves = tree_lib.flatten_like(updates, treedef, acc_grads, what="MultiSteps: updates")
+        grad_leaves = tree_lib.flatten_like(
+            updates, treedef, acc_grads, what="MultiSteps: updates", like="state.acc_grads"
+        )
         present = [i for i, (a, g) in enumerate(zip(acc_leaves, grad_leaves)) if a is not None and g is not None]
         accs = [acc_leaves[i] for i in present]
         grads = [grad_leaves[i].to(acc_leaves[i].dtype) for i in present]

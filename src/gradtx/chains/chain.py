@@ -16,6 +16,7 @@ from gradtx.base import (
     with_inplace,
 )
 from gradtx.chains import step_gates
+from gradtx.state_check import name_of, named
 
 _PARTS = "_gradtx_chain_parts"
 
@@ -77,20 +78,23 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """
     parts = _flattened(transforms)
     members = tuple(_member(tx) for tx in parts)
+    name = f"chain({', '.join(name_of(tx.update) for tx in parts)})"
 
     def init_fn(params: Any) -> tuple:
         return tuple(tx.init(params) for tx in parts)
 
     def update_fn(updates, state, params: Optional[Any] = None, *, inplace: bool = False, **extra_args):
         if len(state) != len(parts):
-            raise ValueError(f"chain: state has {len(state)} entries for {len(parts)} transformations")
+            raise ValueError(
+                f"{name}: state is a {type(state).__name__} of {len(state)}, where init makes a tuple of {len(parts)}"
+            )
         updates, new_state = _run(members, state, updates, params, inplace, extra_args)
         return updates, tuple(new_state)
 
     setattr(init_fn, _PARTS, parts)
     kind = GradientTransformationExtraArgs if any(member[1] for member in members) else GradientTransformation
     gate = step_gates.sequence([step_gates.gate_of(tx) for tx in parts], lambda state: state)
-    return kind(init_fn, step_gates.set_gate(_marked(update_fn, members), gate))
+    return kind(init_fn, named(step_gates.set_gate(_marked(update_fn, members), gate), name))
 
 
 def named_chain(*named_transforms: tuple[str, GradientTransformation]) -> GradientTransformation:

@@ -21,6 +21,7 @@ from torch import Tensor
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace
 from gradtx.chains._select import counter, safe_increment
+from gradtx.state_check import named
 
 PyTree = Any
 
@@ -160,6 +161,7 @@ def inject_hyperparams(
                 new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
             return new_updates, InjectHyperparamsState(safe_increment(state.count), hyperparams, inner_state)
 
-        return (GradientTransformationExtraArgs if extra else GradientTransformation)(init_fn, update_fn)
+        name = f"inject_hyperparams({getattr(inner_factory, '__name__', 'factory')})"
+        return (GradientTransformationExtraArgs if extra else GradientTransformation)(init_fn, named(update_fn, name))
 
     return wrapped

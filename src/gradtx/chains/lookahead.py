@@ -65,8 +65,12 @@ def lookahead(
         updates, fast_state = fast_update(updates, state.fast_state, params.fast, inplace=inplace)
         sync = state.steps_since_sync == sync_period - 1
         update_leaves, treedef = tree_lib.flatten(updates)
-        fast_leaves = tree_lib.flatten_like(params.fast, treedef, updates, what="lookahead: params.fast")
-        slow_leaves = tree_lib.flatten_like(params.slow, treedef, updates, what="lookahead: params.slow")
+        fast_leaves = tree_lib.flatten_like(
+            params.fast, treedef, updates, what="lookahead: params.fast", like="updates"
+        )
+        slow_leaves = tree_lib.flatten_like(
+            params.slow, treedef, updates, what="lookahead: params.slow", like="updates"
+        )
         fast_out, slow_out = [], []
         for u, f, s in zip(update_leaves, fast_leaves, slow_leaves):
             if u is None:

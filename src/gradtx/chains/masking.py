@@ -22,6 +22,7 @@ from gradtx.base import (
     with_inplace,
 )
 from gradtx.chains._select import zeros_like_tree
+from gradtx.state_check import named
 
 PyTree = Any
 Mask = Union[PyTree, Callable[[PyTree], PyTree]]
@@ -97,7 +98,7 @@ def update_selected(
     sub_updates = tree_lib.unflatten(treedef, keep_selected(update_leaves, selected))
     sub_params = None
     if params is not None:
-        param_leaves = tree_lib.flatten_like(params, treedef, updates, what=f"{owner}: params")
+        param_leaves = tree_lib.flatten_like(params, treedef, updates, what=f"{owner}: params", like="updates")
         sub_params = tree_lib.unflatten(treedef, keep_selected(param_leaves, selected))
     if extra_args:
         if mask_compatible_extra_args:
@@ -105,7 +106,9 @@ def update_selected(
         new_sub_updates, new_inner_state = update_fn(sub_updates, inner_state, sub_params, inplace=inplace, **extra_args)
     else:
         new_sub_updates, new_inner_state = update_fn(sub_updates, inner_state, sub_params, inplace=inplace)
-    new_leaves = tree_lib.flatten_like(new_sub_updates, treedef, updates, what=f"{owner}: inner updates")
+    new_leaves = tree_lib.flatten_like(
+        new_sub_updates, treedef, updates, what=f"{owner}: inner updates", like="updates"
+    )
     merged = [new if keep else old for new, old, keep in zip(new_leaves, update_leaves, selected)]
     return tree_lib.unflatten(treedef, merged), new_inner_state
 
@@ -182,7 +185,7 @@ def _zero_updates() -> GradientTransformation:
         del params
         return zeros_like_tree(updates, inplace=inplace), state
 
-    return GradientTransformation(init_empty_state, update_fn)
+    return GradientTransformation(init_empty_state, named(update_fn, "freeze"))
 
 
 def freeze(mask: Union[bool, Mask]) -> GradientTransformation:

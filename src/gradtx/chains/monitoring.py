@@ -23,6 +23,7 @@ from gradtx.base import (
     with_inplace,
 )
 from gradtx.chains._select import counter, safe_increment
+from gradtx.state_check import named
 
 PyTree = Any
 Measure = Callable[[PyTree], PyTree]
@@ -180,7 +181,7 @@ def _measuring(measure: Measure) -> GradientTransformation:
         del params, inplace
         return measure(updates), state
 
-    return GradientTransformation(init_empty_state, update_fn)
+    return GradientTransformation(init_empty_state, named(update_fn, "monitor"))
 
 
 def get_measurement(state: PyTree, name: str) -> Any:

@@ -303,7 +303,7 @@ def scale_by_galore(
     def update_fn(updates, state, params=None, *, inplace=False):
         del params
         tree_leaves, treedef, dim_nums, masked = resolve(updates)
-        projector_leaves = tree_lib.flatten_like(state.projector, treedef, updates, what=f"{owner}: state.projector")
+        projector_leaves = tree_lib.flatten_like(state.projector, treedef, updates, what=f"{owner}: state.projector", like="updates")
         sharded = is_sharded(tree_leaves)
         mats: dict[int, _Matrix] = {}
 
@@ -364,7 +364,7 @@ def scale_by_galore(
         base_updates, base_state = base.update(
             tree_lib.unflatten(treedef, low_rank), state.base_optimizer_state, None, inplace=inplace
         )
-        base_leaves = tree_lib.flatten_like(base_updates, treedef, updates, what=f"{owner}: base optimizer updates")
+        base_leaves = tree_lib.flatten_like(base_updates, treedef, updates, what=f"{owner}: base optimizer updates", like="updates")
         outs = []
         for index, (g, u, projector) in enumerate(zip(tree_leaves, base_leaves, new_projectors)):
             mat = mats.get(index)

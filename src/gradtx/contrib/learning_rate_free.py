@@ -679,7 +679,7 @@ def mechanize(
         if donate:
             new_x0 = leaves.rebuild(sc.keep(old_x0, x0, True), like=state.x0)
         else:  # torch.where gave new tensors; only the leaves with no update are copied
-            kept = tree_lib.flatten_like(state.x0, leaves.treedef, leaves.tree, what=f"{owner}: state.x0")
+            kept = tree_lib.flatten_like(state.x0, leaves.treedef, leaves.tree, what=f"{owner}: state.x0", like="updates")
             present = set(leaves.present)
             kept = [x if i in present or x is None else x.clone() for i, x in enumerate(kept)]
             new_x0 = tree_lib.unflatten(leaves.treedef, tree_lib.replace_present(kept, leaves.present, x0))

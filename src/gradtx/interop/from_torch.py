@@ -37,6 +37,7 @@ from torch import Tensor
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation
 from gradtx.interop.torch_kernels import KernelSpec, kernel_for
+from gradtx.state_check import named
 
 PyTree = Any
 Slots = dict[str, Any]
@@ -258,10 +259,7 @@ def _per_leaf(treedef, tree: PyTree, owner: str, what: str, reference: PyTree) -
     try:
         return treedef.flatten_up_to(tree)
     except (ValueError, TypeError):
-        raise ValueError(
-            f"{owner}: state.{what} does not match the structure of the gradients: "
-            f"{tree_lib.describe_mismatch(tree, reference)}"
-        ) from None
+        raise tree_lib.mismatch_error(tree, reference, what=f"{owner}: state.{what}", like="gradients") from None
 
 
 def from_torch(optimizer_cls: type, **hyperparams: Any) -> GradientTransformation:
@@ -297,7 +295,7 @@ def from_torch(optimizer_cls: type, **hyperparams: Any) -> GradientTransformatio
         if params is None:
             raise ValueError(f"{owner}: params are required (pass them to update)")
         param_leaves, treedef = tree_lib.flatten(params)
-        grad_leaves = tree_lib.flatten_like(updates, treedef, params, what=f"{owner}: gradients")
+        grad_leaves = tree_lib.flatten_like(updates, treedef, params, what=f"{owner}: gradients", like="params")
         tree_lib.check_tensors(updates, grad_leaves, what=owner)
         present = [i for i, g in enumerate(grad_leaves) if g is not None]
         slot_leaves = _per_leaf(treedef, state.slots, owner, "slots", updates)
@@ -333,4 +331,4 @@ def from_torch(optimizer_cls: type, **hyperparams: Any) -> GradientTransformatio
         new_state = FromTorchState(tree_lib.unflatten(treedef, out_slots), tree_lib.unflatten(treedef, out_flags))
         return tree_lib.unflatten(treedef, out_updates), new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, named(update_fn, owner))

@@ -335,7 +335,7 @@ def unitwise_norms(*trees: Any, spec: Optional[ShardingSpec] = None) -> tuple[An
     if spec is None and not any(dtensor_lib.has_dtensor(tree_lib.leaves(t)) for t in trees):
         return tuple(tree_lib.tree_map(tree_lib.unitwise_norm, t) for t in trees)
     plan, first = plan_for(trees[0], spec, what="unitwise_norms", op=f"unitwise_norms({len(trees)} trees)")
-    all_leaves = [first] + [tree_lib.flatten_like(t, tree_lib.structure(trees[0]), trees[0], what="params") for t in trees[1:]]
+    all_leaves = [first] + [tree_lib.flatten_like(t, tree_lib.structure(trees[0]), trees[0], what="unitwise_norms: params", like="gradients") for t in trees[1:]]
     items: list[tuple[tuple[str, ...], Tensor]] = []
     shapes: list[tuple[int, tuple[int, ...], torch.dtype]] = []
     for index, layout in enumerate(plan.layouts):

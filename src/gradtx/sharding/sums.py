@@ -36,7 +36,10 @@ def global_sums(fn: Callable[..., Tensor], *trees: Any, spec: Optional[ShardingS
         raise ValueError(f"{what}: no tree given")
     _check_spec(spec, what)
     first, treedef, present = tree_lib.tensor_leaves(trees[0], what=what)
-    others = [tree_lib.flatten_like(t, treedef, trees[0], what=what) for t in trees[1:]]
+    others = [
+        tree_lib.flatten_like(t, treedef, trees[0], what=f"{what}: tree {i}", like="tree 0")
+        for i, t in enumerate(trees[1:], 1)
+    ]
     if not is_sharded(first, spec):
         parts = [fn(first[i], *(o[i] for o in others)) for i in present]
         if not parts:

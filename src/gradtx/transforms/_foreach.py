@@ -43,7 +43,7 @@ class Leaves(NamedTuple):
 
     def aligned(self, other: Any, *, what: str) -> list[Any]:
         """The leaves of ``other`` (a tree shaped like the updates) at the non-``None`` updates."""
-        other_leaves = tree_lib.flatten_like(other, self.treedef, self.tree, what=what)
+        other_leaves = tree_lib.flatten_like(other, self.treedef, self.tree, what=what, like="updates")
         out = [other_leaves[i] for i in self.present]
         for i, leaf in zip(self.present, out):
             if not isinstance(leaf, Tensor):
@@ -58,7 +58,7 @@ class Leaves(NamedTuple):
 
         The other leaves come from ``like`` (a state tree, kept as it was) or stay ``None``.
         """
-        base = self.all_leaves if like is None else tree_lib.flatten_like(like, self.treedef, self.tree, what="state")
+        base = self.all_leaves if like is None else tree_lib.flatten_like(like, self.treedef, self.tree, what="state", like="updates")
         return tree_lib.unflatten(self.treedef, tree_lib.replace_present(base, self.present, values))
 
 

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from gradtx import tree as tree_lib
 from gradtx.base import EmptyState, GradientTransformation, donation, supports_donated_updates
+from gradtx.state_check import named
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.scaling import ScaleByScheduleState
 from gradtx.transforms.weight_decay import WeightDecaySchedule
@@ -295,7 +296,7 @@ def fused_adam(
             return new_updates, (new_adam_state, decay_state, lr_state)
         return new_updates, (new_adam_state, lr_state)
 
-    return GradientTransformation(init_fn, supports_donated_updates(update_fn))
+    return GradientTransformation(init_fn, named(supports_donated_updates(update_fn), adam.owner))
 
 
 # --------------------------------------------------------------------------- AMSGrad

@@ -16,6 +16,7 @@ from torch import Tensor
 from gradtx import sharding
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, init_empty_state
+from gradtx.state_check import named
 from gradtx.transforms import _foreach as fe
 
 
@@ -35,7 +36,7 @@ def _scale_by_param_blocks(owner: str, measure, min_scale: float, spec) -> Gradi
         (scaled,) = fe.map_groups(group, leaves.tensors, factors, outputs=1)
         return leaves.rebuild(scaled), state
 
-    return GradientTransformation(init_empty_state, update_fn)
+    return GradientTransformation(init_empty_state, named(update_fn, owner))
 
 
 def scale_by_param_block_norm(

@@ -256,7 +256,7 @@ def adaptive_grad_clip(
         if params is None:
             raise ValueError("adaptive_grad_clip: params are required (pass them to update)")
         tree_leaves, treedef, present = tree_lib.tensor_leaves(updates, what="adaptive_grad_clip")
-        param_leaves = tree_lib.flatten_like(params, treedef, updates, what="params")
+        param_leaves = tree_lib.flatten_like(params, treedef, updates, what="adaptive_grad_clip: params", like="updates")
         for i in present:
             grad, param = tree_leaves[i], param_leaves[i]
             if not isinstance(param, Tensor):
