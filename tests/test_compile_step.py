@@ -397,6 +397,26 @@ def test_permuted_and_self_overlapping_params_with_adamw():
     _check_against_plain_step(_TRANSFORMATIONS["clip, then adamw"], params, _grads_for(params, 1), backend="eager")
 
 
+def _keep_doubled_gradients() -> gtx.GradientTransformation:
+    """Passes the gradients on and keeps twice them as its state, laid out as they are."""
+    def init(params):
+        return {k: torch.zeros_like(v) for k, v in params.items()}
+
+    def update(updates, state, params=None, **_):
+        return updates, {k: 2 * u for k, u in updates.items()}
+
+    return gtx.GradientTransformation(init, update)
+
+
+def test_an_output_keeps_the_layout_the_transformation_gives_it():
+    """Buffers are laid out like the inputs; a state the transformation lays out otherwise (here
+    contiguous, where the param and its initial state are transposed) is not written into one, so
+    it keeps its own layout, as in the plain step."""
+    params = {"w": torch.randn(16, 8).t()}
+    grads = [{"w": torch.randn(8, 16)} for _ in range(2)]
+    _check_against_plain_step(_keep_doubled_gradients, params, grads, backend="eager")
+
+
 def test_every_param_layout_under_inductor_and_recycled_from_the_second_step():
     """Self-overlapping params (``expand``, ``as_strided`` with a zero or repeated stride) get the
     new dense tensor the plain step gives them, as do sliced ones, and permuted ones keep their
