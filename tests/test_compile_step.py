@@ -445,18 +445,24 @@ def test_each_step_has_a_recompile_limit_of_its_own():
             assert torch.equal(new_params[str(n - 1)], torch.full((2,), 0.9))
 
 
-def test_a_step_past_its_recompile_limit_says_so():
+def test_a_step_past_its_recompile_limit_says_so_and_keeps_recycling():
     tx = gtx.sgd(0.1)
     step = gtx.compile_step(tx, backend="eager")
+    params = _tree(0)
     with torch._dynamo.config.patch(recompile_limit=2):
-        for n in (1, 2):
-            step(_tree_of(n), tx.init(_tree_of(n)), _tree_of(n))
+        params, state = step(_tree(1), tx.init(params), params)
+        step(_tree_of(1), tx.init(_tree_of(1)), _tree_of(1))
         with pytest.raises(RuntimeError, match="this step hit its recompile limit") as caught:
             step(_tree_of(3), tx.init(_tree_of(3)), _tree_of(3))
-    message = str(caught.value)
-    assert "compiled 2 variants" in message and "recompile_limit = 2" in message
-    assert "one compile_step per tree structure" in message
-    step(_tree_of(2), tx.init(_tree_of(2)), _tree_of(2))  # the variants compiled still serve
+        message = str(caught.value)
+        assert "compiled 2 variants" in message and "recompile_limit = 2" in message
+        assert "one compile_step per tree structure" in message
+        del caught
+        handed_out = []
+        for i in range(4):  # the variants compiled still serve, and still recycle
+            params, state = step(_tree(2 + i), state, params)
+            handed_out.append({params[k].data_ptr() for k in ("w", "v")})
+    assert handed_out[2] == handed_out[0] and handed_out[3] == handed_out[1]
 
 
 # --------------------------------------------------------------------------- weak references
