@@ -1,22 +1,30 @@
 """``compile_step``: the pure step as one compiled graph whose large outputs land in recycled buffers.
 
-Checked: the numbers are the eager pure step's; the inputs are never written and no output shares
-memory with anything the caller still holds; after two steps the outputs reuse the buffers the
-caller dropped; the generated code allocates nothing large and computes Adam's per-step factors
-once; one graph serves every step; where a graph is recorded the step is differentiable.
+Checked: the numbers and layouts are the eager pure step's, for every param layout (permuted,
+sliced, expanded, self-overlapping, 0-d, empty, mixed dtypes); the inputs are never written and no
+output shares memory with anything the caller still holds, weak references included; after two
+steps the outputs reuse the buffers the caller dropped; the generated code allocates nothing large
+and computes Adam's per-step factors once; one graph serves every step; each step has a recompile
+limit of its own and says so when it hits it; where a graph is recorded the step is differentiable.
 """
 
 from __future__ import annotations
 
 import re
+import weakref
+from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch._dynamo.utils import counters
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import gradtx as gtx
+from gradtx import buffer_pool
 from gradtx.buffer_pool import RECYCLE_MIN_BYTES
-from gradtx.tree import leaves
+from gradtx.tree import leaves, paths
 
 BIG = RECYCLE_MIN_BYTES // 4  # float32 elements of the smallest pooled leaf
 
@@ -266,3 +274,223 @@ def test_mismatched_gradients_are_a_clear_error_before_tracing(grads, error, mes
     with pytest.raises(error, match=re.escape(message)):
         step(grads, tx.init(params), params)
     assert counters["stats"]["calls_captured"] == 0  # raised before Dynamo saw the step
+
+
+# --------------------------------------------------------------------------- every param layout
+
+
+def _plain_step(tx, grads, state, params):
+    updates, state = tx.update(grads, state, params)
+    return gtx.apply_updates(params, updates), state
+
+
+def _strided(shape, strides, dtype, seed: int) -> torch.Tensor:
+    """A tensor of ``shape`` and ``strides`` (any, overlapping ones included) over random values."""
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if all(shape) else 0
+    base = torch.randn(span + 3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+    return base.as_strided(shape, strides, 2)
+
+
+def _dense_strides(shape, order) -> tuple[int, ...]:
+    """Contiguous strides for the dimensions of ``shape`` taken in ``order`` (innermost last)."""
+    strides, step = [0] * len(shape), 1
+    for dim in reversed(order):
+        strides[dim], step = step, step * max(shape[dim], 1)
+    return tuple(strides)
+
+
+@st.composite
+def _layouts(draw, shape):
+    """Strides for ``shape``: a dense permutation, or any strides in 0..5 (slices with gaps,
+    ``expand``'s zeros, self-overlapping ``as_strided`` views)."""
+    if draw(st.booleans()):
+        return _dense_strides(shape, draw(st.permutations(range(len(shape)))))
+    return tuple(draw(st.lists(st.integers(0, 5), min_size=len(shape), max_size=len(shape))))
+
+
+@st.composite
+def _param_and_grad(draw):
+    shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+    seed = draw(st.integers(0, 2**16))
+    return _strided(shape, draw(_layouts(shape)), dtype, seed), _strided(shape, draw(_layouts(shape)), dtype, seed + 1)
+
+
+_TRANSFORMATIONS = {
+    "sgd with momentum": lambda: gtx.sgd(0.1, momentum=0.9),
+    "adamw": lambda: gtx.adamw(1e-2, weight_decay=0.1),
+    "clip, then adamw": lambda: gtx.chain(gtx.clip_by_global_norm(0.5), gtx.adamw(1e-2, weight_decay=0.1)),
+}
+
+
+def _check_against_plain_step(make_tx, params, grads_per_step, **compile_options) -> list[set[int]]:
+    """Steps of ``compile_step`` (every leaf pooled, however small) against the plain step: the
+    same numbers (to rounding) and the same layouts; nothing passed in is written; no output shares
+    memory with an input. Returns the addresses of each step's output storages."""
+    tx = make_tx()
+    step = gtx.compile_step(tx, **compile_options)
+    trees = plain = (params, tx.init(params))
+    storages = []
+    with mock.patch.object(buffer_pool, "RECYCLE_MIN_BYTES", 1):
+        for grads in grads_per_step:
+            trees, plain = _step_and_check(step, tx, grads, trees, plain)
+            storages.append({x.untyped_storage().data_ptr() for x in leaves(trees) if x.numel() > 1})
+    return storages
+
+
+def _step_and_check(step, tx, grads, trees, plain):
+    """One step of each (in a function of its own, so that nothing here outlives it and keeps a
+    buffer from the pool)."""
+    inputs = (grads, *trees)
+    snapshot = [x.clone() for x in leaves(inputs)]
+    new_trees = step(grads, trees[1], trees[0])
+    new_plain = _plain_step(tx, grads, plain[1], plain[0])
+    for path, got, want in zip(paths(new_trees), leaves(new_trees), leaves(new_plain)):
+        # To rounding: the compiled clip may round its factor differently (float64 leaves).
+        torch.testing.assert_close(got, want, msg=lambda m: f"{path}: {m}")
+        assert got.stride() == want.stride() or got.numel() <= 1, (path, got.stride(), want.stride())
+    for before, after in zip(snapshot, leaves(inputs)):
+        assert torch.equal(before, after)
+    input_storages = {x.untyped_storage().data_ptr() for x in leaves(inputs) if x.numel()}
+    assert not {x.untyped_storage().data_ptr() for x in leaves(new_trees) if x.numel()} & input_storages
+    return new_trees, new_plain
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.lists(_param_and_grad(), min_size=1, max_size=4), st.sampled_from(sorted(_TRANSFORMATIONS)))
+def test_any_param_layout_gets_the_plain_steps_numbers_and_layout(drawn, name):
+    """One step (one compilation) per example: the output buffers are laid out from the inputs
+    on every step, so the first step exercises what every later one does."""
+    params = {f"p{i}": param for i, (param, _) in enumerate(drawn)}
+    grads = {f"p{i}": grad for i, (_, grad) in enumerate(drawn)}
+    _check_against_plain_step(_TRANSFORMATIONS[name], params, [grads], backend="eager")
+
+
+def _odd_layouts() -> dict[str, torch.Tensor]:
+    """One param of each layout a caller may pass (each large enough to be pooled)."""
+    big = torch.randn(2 * BIG + 8, generator=torch.Generator().manual_seed(0))
+    return {
+        "contiguous": big[:BIG].clone(),
+        "transposed": big[:BIG].clone().view(64, -1).t(),
+        "permuted": big[:BIG].clone().view(16, 4, -1).permute(2, 0, 1),
+        "sliced": big.view(-1, 2)[:BIG, :1],
+        "expanded": big[: BIG // 4].view(-1, 1).expand(-1, 4),
+        "expanded, transposed": big[: BIG // 4].view(-1, 1).expand(-1, 4).t(),
+        "overlapping": big.as_strided((BIG, 4), (1, 1)),
+        "zero stride": big.as_strided((BIG, 4), (1, 0)),
+        "0-d": big[0].clone(),
+        "empty": big[:0].view(0, 3),
+        "float64": big[:BIG].double(),
+        "bfloat16": big[:BIG].bfloat16().view(-1, 8).t(),
+    }
+
+
+def _grads_for(params, steps: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [{k: torch.randn(v.shape, generator=gen).to(v.dtype) for k, v in params.items()} for _ in range(steps)]
+
+
+def test_permuted_and_self_overlapping_params_with_adamw():
+    """Adam's division into a permuted buffer traces (Dynamo refuses a non-contiguous ``out=``);
+    self-overlapping params are never written into."""
+    params = _odd_layouts()
+    _check_against_plain_step(_TRANSFORMATIONS["clip, then adamw"], params, _grads_for(params, 1), backend="eager")
+
+
+def _keep_doubled_gradients() -> gtx.GradientTransformation:
+    """Passes the gradients on and keeps twice them as its state, laid out as they are."""
+    def init(params):
+        return {k: torch.zeros_like(v) for k, v in params.items()}
+
+    def update(updates, state, params=None, **_):
+        return updates, {k: 2 * u for k, u in updates.items()}
+
+    return gtx.GradientTransformation(init, update)
+
+
+def test_an_output_keeps_the_layout_the_transformation_gives_it():
+    """Buffers are laid out like the inputs; a state the transformation lays out otherwise (here
+    contiguous, where the param and its initial state are transposed) is not written into one, so
+    it keeps its own layout, as in the plain step."""
+    params = {"w": torch.randn(16, 8).t()}
+    grads = [{"w": torch.randn(8, 16)} for _ in range(2)]
+    _check_against_plain_step(_keep_doubled_gradients, params, grads, backend="eager")
+
+
+def test_every_param_layout_under_inductor_and_recycled_from_the_second_step():
+    """Self-overlapping params (``expand``, ``as_strided`` with a zero or repeated stride) get the
+    new dense tensor the plain step gives them, as do sliced ones, and permuted ones keep their
+    layout; from the second step on every param's buffers are recycled."""
+    params = _odd_layouts()
+    del params["bfloat16"]  # Inductor keeps bfloat16 intermediates in float32: other numbers
+    storages = _check_against_plain_step(_TRANSFORMATIONS["sgd with momentum"], params, _grads_for(params, 4))
+    assert storages[3] == storages[1] and not storages[3] & storages[2]
+
+
+# --------------------------------------------------------------------------- recompile limits
+
+
+def _tree_of(n: int) -> dict[str, torch.Tensor]:
+    return {str(i): torch.ones(2) for i in range(n)}
+
+
+def test_each_step_has_a_recompile_limit_of_its_own():
+    """Steps on different tree structures, more of them than the limit: each compiles its own."""
+    tx = gtx.sgd(0.1)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for n in range(1, 4):
+            step = gtx.compile_step(tx, backend="eager")
+            params = _tree_of(n)
+            new_params, _ = step(params, tx.init(params), params)
+            assert torch.equal(new_params[str(n - 1)], torch.full((2,), 0.9))
+
+
+def test_a_step_past_its_recompile_limit_says_so_and_keeps_recycling():
+    tx = gtx.sgd(0.1)
+    step = gtx.compile_step(tx, backend="eager")
+    params = _tree(0)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        params, state = step(_tree(1), tx.init(params), params)
+        step(_tree_of(1), tx.init(_tree_of(1)), _tree_of(1))
+        with pytest.raises(RuntimeError, match="this step hit its recompile limit") as caught:
+            step(_tree_of(3), tx.init(_tree_of(3)), _tree_of(3))
+        message = str(caught.value)
+        assert "compiled 2 variants" in message and "recompile_limit = 2" in message
+        assert "one compile_step per tree structure" in message
+        del caught
+        handed_out = []
+        for i in range(4):  # the variants compiled still serve, and still recycle
+            params, state = step(_tree(2 + i), state, params)
+            handed_out.append({params[k].data_ptr() for k in ("w", "v")})
+    assert handed_out[2] == handed_out[0] and handed_out[3] == handed_out[1]
+
+
+# --------------------------------------------------------------------------- weak references
+
+
+@pytest.mark.parametrize(
+    ("make_ref", "read"),
+    [
+        (lambda s: weakref.ref(s), lambda ref: ref()),
+        (StorageWeakRef, lambda ref: torch.UntypedStorage._new_with_weak_ptr(ref.cdata)),
+    ],
+    ids=["weakref", "StorageWeakRef"],
+)
+def test_a_weak_reference_to_an_output_never_sees_a_later_step(make_ref, read):
+    """A weak reference to an output's storage keeps the storage out of the pool: it reads the
+    output's values while the pool still keeps the storage, then dies with it (as it would after
+    an eager step), where recycling would have shown it a later step's values."""
+    tx = gtx.sgd(0.1)
+    step = gtx.compile_step(tx, backend="eager")
+    params = _tree(0)
+    state = tx.init(params)
+    params, state = step(_tree(1), state, params)
+    ref = make_ref(params["v"].untyped_storage())
+    expected = params["v"].clone()
+    params, state = step(_tree(2), state, params)  # the output is dropped; the pool keeps its storage
+    storage = read(ref)
+    assert torch.equal(torch.empty(0).set_(storage, 0, expected.shape, expected.stride()), expected)
+    del storage
+    for i in range(3):
+        params, state = step(_tree(3 + i), state, params)
+    assert read(ref) is None

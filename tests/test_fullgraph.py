@@ -26,9 +26,20 @@ def _objective(params):
 
 @pytest.mark.parametrize("name", sorted(set(CASES) - set(NOT_ONE_GRAPH)))
 def test_a_pure_step_compiles_to_one_graph(name):
-    torch._dynamo.reset()
     gen = torch.Generator().manual_seed(0)
-    params = {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(3, generator=gen)}
+    _check_one_graph(name, {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(3, generator=gen)})
+
+
+@pytest.mark.parametrize("name", ["adam", "contrib.adopt", "contrib.madgrad", "contrib.momo_adam", "contrib.prodigy"])
+def test_a_pure_step_on_transposed_params_compiles_to_one_graph(name):
+    """Each divides into (or takes a square root into) a buffer of its own, laid out like the
+    param: Dynamo traces an ``out=`` kernel only into a contiguous one."""
+    gen = torch.Generator().manual_seed(0)
+    _check_one_graph(name, {"w": torch.randn(3, 4, generator=gen).t(), "b": torch.randn(3, generator=gen)})
+
+
+def _check_one_graph(name: str, params: dict[str, torch.Tensor]) -> None:
+    torch._dynamo.reset()
     tx = CASES[name]()
     extra = isinstance(tx, gtx.GradientTransformationExtraArgs)
 

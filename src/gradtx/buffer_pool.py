@@ -5,22 +5,30 @@ which the caller usually drops as soon as the new ones arrive. With glibc's defa
 blocks go back to the operating system, so each step page-faults its new trees in again, 4 KiB at
 a time: for a 41.7M-parameter AdamW step on a CPU that costs more than the arithmetic. A
 :class:`BufferPool` keeps the storages of the outputs it handed out for the last two steps and hands
-a storage out again only when its use count says that the pool's own reference is the only one left:
-no tensor, view, NumPy array or storage object of the caller's still points at it. A tensor the
-caller can reach is therefore never written, and the step stays pure; what the caller sees is what
-a caching allocator gives (an output may sit at the address of an output it has let go of).
+a storage out again only when its reference counts say that the pool's own reference is the only one
+left: no tensor, view, NumPy array or storage object of the caller's still points at it, and no weak
+reference does either (a Python ``weakref`` to the storage object, or a
+``torch.multiprocessing.reductions.StorageWeakRef``), since a weak reference that outlived the
+output would otherwise read the values of a later step. A tensor the caller can reach is therefore
+never written, and the step stays pure; what the caller sees is what a caching allocator gives (an
+output may sit at the address of an output it has let go of).
 
-Only plain CPU tensors of at least :data:`RECYCLE_MIN_BYTES` are pooled: smaller blocks come from
-glibc's heap without faults, accelerators have caching allocators of their own (which also know
-about streams), and a storage in shared memory may be read by another process whatever its count.
+Only plain CPU tensors of at least :data:`RECYCLE_MIN_BYTES` whose layout is dense and
+non-overlapping are pooled: smaller blocks come from glibc's heap without faults, accelerators have
+caching allocators of their own (which also know about streams), a storage in shared memory may be
+read by another process whatever its counts, and a layout with gaps or self-overlap (a slice, an
+``expand``) is not one a computed result takes. The counts are read from the storage's C++ header;
+where this torch build does not lay them out as expected (checked once, at import), nothing is pooled.
 """
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import threading
+import weakref
 from collections import deque
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -28,53 +36,106 @@ from torch import Tensor
 # glibc's default M_MMAP_THRESHOLD: blocks below it come from the heap and are reused unfaulted.
 RECYCLE_MIN_BYTES = 128 * 1024
 
-_use_count: Optional[Callable[[int], int]] = getattr(torch._C, "_storage_Use_Count", None)
+# c10's intrusive_ptr_target keeps one 64-bit count after its vtable pointer: strong references in
+# the low 32 bits, weak references (plus one while any strong one exists) in the next 31, and a flag
+# for "has a Python object" in the top bit.
+_COUNT_OFFSET = ctypes.sizeof(ctypes.c_void_p)
+_HAS_PYOBJECT = 1 << 63
+_ONE_WEAK = 1 << 32
+_ONLY_ONE = _ONE_WEAK | 1  # one strong reference and no weak one
 
 
-def _needed_bytes(template: Tensor) -> int:
-    """Bytes of storage a tensor with ``template``'s shape and strides spans."""
-    if template.numel() == 0:
-        return 0
-    span = 1 + sum((size - 1) * stride for size, stride in zip(template.shape, template.stride()))
-    return span * template.element_size()
+def _counts(storage: torch.UntypedStorage) -> int:
+    """The storage's combined strong and weak reference counts, without the Python-object flag."""
+    return ctypes.c_uint64.from_address(storage._cdata + _COUNT_OFFSET).value & ~_HAS_PYOBJECT
 
 
-def _references(storage: torch.UntypedStorage) -> int:
-    return sys.getrefcount(storage)
+def _counts_readable() -> bool:
+    """Whether :func:`_counts` reads this torch's counts: checked against ``_storage_Use_Count``
+    while a storage gains and loses a strong and a weak reference."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or not hasattr(torch.UntypedStorage, "_weak_ref"):
+        return False
+    try:
+        storage = torch.UntypedStorage(8)
+        alone = _counts(storage)
+        view = torch.empty(0, dtype=torch.uint8).set_(storage)
+        shared = _counts(storage), use_count(storage._cdata)
+        del view
+        weak = storage._weak_ref()
+        try:
+            weakened = _counts(storage)
+        finally:
+            torch.UntypedStorage._free_weak_ref(weak)
+        again = _counts(storage), use_count(storage._cdata)
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return False
+    return alone == _ONLY_ONE and shared == (_ONLY_ONE + 1, 2) and weakened == _ONLY_ONE + _ONE_WEAK and again == (_ONLY_ONE, 1)
 
 
-def _call_overhead() -> int:
-    """What :func:`_references` counts beyond the caller's own references (its parameter and
-    ``getrefcount``'s argument, as this interpreter counts them), measured on a storage held by one
-    list entry and one loop variable."""
-    for storage in [torch.UntypedStorage(0)]:
-        return _references(storage) - 2
-    raise AssertionError("unreachable")
+_COUNTS_READABLE = _counts_readable()
 
 
-_CALL_OVERHEAD = _call_overhead()
+def dense(template: Tensor) -> bool:
+    """Whether ``template``'s elements fill a block of memory exactly once, in some order of its
+    dimensions (contiguous or permuted; not a slice with gaps, nor an ``expand`` or another
+    self-overlapping ``as_strided`` view)."""
+    if template.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(zip(template.shape, template.stride()), key=lambda pair: pair[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
-def _only_pool_holds(storage: torch.UntypedStorage, pool_references: int) -> bool:
-    """Whether nothing outside the pool references ``storage``: no tensor or other storage handle
-    (its C++ use count is that of the one Python object), no Python reference to that object beyond
-    the pool's ``pool_references`` (``tensor.untyped_storage()`` hands the caller this very
-    object), and no other process (shared memory)."""
-    return (
-        _use_count(storage._cdata) == 1
-        and _references(storage) - _CALL_OVERHEAD - 1 == pool_references  # - 1: the parameter here
-        and not storage.is_shared()
-    )
+def _free_storages(generations: Sequence[list[torch.UntypedStorage]]) -> dict[tuple, list[torch.UntypedStorage]]:
+    """The storages kept in ``generations`` that nothing outside the pool references, by (bytes,
+    device): no tensor or other storage handle and no C++ weak reference (the counts are those of
+    the one Python object), no Python reference to that object beyond the pool's own
+    (``tensor.untyped_storage()`` hands the caller this very object) and no Python weak reference
+    to it, and no other process (shared memory).
+
+    The pool's own Python references are counted against a probe storage held as a kept one is
+    (one generation's list, an entry, the loop variable) and measured on this very path, so that
+    whatever the interpreter adds to a count (a tracer materializing each frame's locals, say)
+    cancels out."""
+    occurrences: dict[int, list] = {}
+    for generation in generations:
+        for kept in generation:
+            occurrences.setdefault(id(kept), [kept, 0])[1] += 1
+    probe = [torch.UntypedStorage(0)]
+    entries = [[probe[0], 1], *occurrences.values()]
+    del occurrences
+    free: dict[tuple, list[torch.UntypedStorage]] = {}
+    baseline = None
+    for storage, times in entries:
+        python_references = sys.getrefcount(storage) - times
+        if baseline is None:
+            baseline = python_references  # the probe's
+        elif (
+            python_references == baseline
+            and _counts(storage) == _ONLY_ONE
+            and not weakref.getweakrefcount(storage)
+            and not storage.is_shared()
+        ):
+            free.setdefault((storage.nbytes(), storage.device), []).append(storage)
+    return free
 
 
 def recyclable(template: Any) -> bool:
     """Whether an output shaped like ``template`` is served from a pool: a plain CPU tensor (not a
-    subclass such as a DTensor) of at least :data:`RECYCLE_MIN_BYTES`, on a torch that counts uses."""
+    subclass such as a DTensor) of at least :data:`RECYCLE_MIN_BYTES` with a :func:`dense` layout,
+    on a torch whose reference counts can be read."""
     return (
-        _use_count is not None
+        _COUNTS_READABLE
         and type(template) in (Tensor, torch.nn.Parameter)
-        and template.device.type == "cpu"
-        and _needed_bytes(template) >= RECYCLE_MIN_BYTES
+        and template.is_cpu
+        and template.numel() * template.element_size() >= RECYCLE_MIN_BYTES
+        and dense(template)
     )
 
 
@@ -88,25 +149,24 @@ class BufferPool:
 
     def take(self, templates: Sequence[Optional[Tensor]]) -> list[Optional[Tensor]]:
         """One new buffer per template (same shape, strides, dtype and device; contents undefined),
-        ``None`` where the template is ``None``. The buffers are the caller's until it drops them."""
+        ``None`` where the template is ``None``. The buffers are the caller's until it drops them.
+        A template whose layout is not :func:`dense` is a ``ValueError``: a buffer laid out like it
+        would have gaps, or elements sharing memory that a write would clobber."""
+        for index, template in enumerate(templates):
+            if template is not None and not dense(template):
+                raise ValueError(
+                    f"BufferPool.take: template {index} (shape {tuple(template.shape)}, strides {template.stride()}) "
+                    "is not dense and non-overlapping"
+                )
         with self._lock:
-            occurrences: dict[int, list] = {}
-            for generation in self._kept:
-                for kept in generation:
-                    occurrences.setdefault(id(kept), [kept, 0])[1] += 1
-            free: dict[tuple, list[torch.UntypedStorage]] = {}
-            for storage, times in occurrences.values():
-                # The pool's own references: the kept lists (``times``), the entry and the loop variable.
-                if _only_pool_holds(storage, times + 2):
-                    free.setdefault((storage.nbytes(), storage.device), []).append(storage)
-            del occurrences
+            free = _free_storages(self._kept) if _COUNTS_READABLE else {}
             buffers: list[Optional[Tensor]] = []
             taken: list[torch.UntypedStorage] = []
             for template in templates:
                 if template is None:
                     buffers.append(None)
                     continue
-                candidates = free.get((_needed_bytes(template), template.device))
+                candidates = free.get((template.numel() * template.element_size(), template.device))
                 if candidates:
                     storage = candidates.pop()
                     buffer = torch.empty(0, dtype=template.dtype, device=template.device)

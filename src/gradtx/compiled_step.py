@@ -10,7 +10,9 @@ never written, and no output shares memory with anything the caller still holds.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import itertools
+import types
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -23,16 +25,38 @@ from gradtx.sharding.compiling import Preflight
 
 def _write_outputs(leaves: list[Any], outs: list[Optional[Tensor]], inputs: list[Any]) -> list[Any]:
     """``leaves`` with each one that fits its buffer in ``outs`` copied there (inside the graph, so
-    Inductor stores it there directly). A leaf that is one of the inputs, passed through unchanged,
-    keeps its identity (no copy)."""
+    Inductor stores it there directly). A leaf fits when it has the buffer's shape, dtype, device
+    and strides: the result then has the layout the eager step gives it. A leaf that is one of the
+    inputs, passed through unchanged, keeps its identity (no copy)."""
     result = list(leaves)
     for index, (value, out) in enumerate(zip(leaves, outs)):
         if out is None or not isinstance(value, Tensor) or value.requires_grad or any(value is x for x in inputs):
             continue  # nothing to write into, a graph to keep, or an input passed through
-        if value.shape == out.shape and value.dtype == out.dtype and value.device == out.device:
+        if value.shape == out.shape and value.dtype == out.dtype and value.device == out.device and value.stride() == out.stride():
             out.copy_(value)
             result[index] = out
     return result
+
+
+_RECOMPILE_LIMIT_HIT = tuple(
+    getattr(torch._dynamo.exc, name) for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit") if hasattr(torch._dynamo.exc, name)
+)
+_instances = itertools.count()
+
+
+def _own_copy(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` with a code object of its own. Dynamo keeps compiled variants, and counts them
+    against ``recompile_limit``, per code object: steps sharing one would share one limit."""
+    code = function.__code__.replace(co_name=f"{function.__name__}_{next(_instances)}")
+    return types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__, function.__closure__)
+
+
+def _variants(code: types.CodeType) -> Optional[int]:
+    """How many compiled variants Dynamo keeps for ``code`` (``None`` where it cannot tell)."""
+    try:
+        return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+    except (AttributeError, TypeError, RuntimeError):
+        return None
 
 
 class CompiledStep:
@@ -40,7 +64,9 @@ class CompiledStep:
 
     def __init__(self, tx: GradientTransformation, recycle: bool, compile_options: dict[str, Any]) -> None:
         self.tx, self.recycle, self.pool = tx, recycle, BufferPool()
-        self._compiled = torch.compile(self._body, **compile_options)
+        self._compile_options = compile_options
+        self._body_function = _own_copy(CompiledStep._body)
+        self._compiled = torch.compile(types.MethodType(self._body_function, self), **compile_options)
         self._preflight = Preflight()  # sharded steps: the cross-rank checks run eagerly, before tracing
 
     def _body(self, updates: Any, state: Any, params: Any, outs: list[Optional[Tensor]], extra_args: dict) -> tuple[Any, Any]:
@@ -65,7 +91,26 @@ class CompiledStep:
             outs = self.pool.take([t if recyclable(t) else None for t in templates])
         else:
             outs = [None] * len(templates)
-        return self._compiled(updates, state, params, outs, extra_args)
+        try:
+            return self._compiled(updates, state, params, outs, extra_args)
+        except _RECOMPILE_LIMIT_HIT as error:
+            raise RuntimeError(self._limit_message()) from error
+
+    def _limit_message(self) -> str:
+        config = torch._dynamo.config
+        name, limit = "torch._dynamo.config.recompile_limit", getattr(config, "recompile_limit", None)
+        if self._compile_options.get("recompile_limit"):
+            name, limit = "recompile_limit", self._compile_options["recompile_limit"]
+        variants = _variants(self._body_function.__code__)
+        accumulated = getattr(config, "accumulated_recompile_limit", None)
+        if variants is not None and accumulated is not None and variants >= accumulated:
+            name, limit = "torch._dynamo.config.accumulated_recompile_limit", accumulated
+        compiled = f"it has compiled {variants} variants of its graph" if variants is not None else "its variants are compiled"
+        return (
+            f"compile_step: this step hit its recompile limit: {compiled} ({name} = {limit}) and these "
+            "inputs need another (a new tree structure, or new shapes, dtypes, strides or devices). Each "
+            f"compile_step has a limit of its own: use one compile_step per tree structure, or raise {name}."
+        )
 
     def clear(self) -> None:
         """Lets go of the recycled buffers kept between steps (see :meth:`BufferPool.clear`)."""
@@ -77,13 +122,25 @@ def compile_step(tx: GradientTransformation, *, recycle: bool = True, **compile_
     followed by :func:`~gradtx.apply_updates`, compiled as one graph.
 
     Pure: ``updates``, ``state`` and ``params`` are left as they are, and the results share no
-    memory with anything the caller still references. With ``recycle=True`` (the default), the large
-    CPU outputs are written into buffers the step handed out two calls before and the caller has
-    dropped since (``params, state = step(grads, state, params)`` drops them): after two steps a
-    step allocates nothing large, which on a CPU saves it page-faulting its new trees in every time.
-    Between steps the process then keeps the buffers of the step before (what a pure step holds at
-    its peak anyway); ``step.clear()`` lets them go. Where a graph is recorded (an input requires
-    grad, or a ``torch.func`` transform is active) the outputs are new tensors, as autograd needs.
+    memory with anything the caller still references. The results are the plain step's, laid out as
+    it lays them out, whatever the params' layouts: a permuted param keeps its layout, and a sliced,
+    ``expand``-ed or otherwise self-overlapping one gets a new dense tensor, as ``apply_updates``
+    gives it. With ``recycle=True`` (the default), the large CPU outputs are written into buffers
+    the step handed out two calls before and the caller has dropped since (``params, state =
+    step(grads, state, params)`` drops them): after two steps a step allocates nothing large, which
+    on a CPU saves it page-faulting its new trees in every time. Only dense layouts are written into
+    recycled buffers; a param with another layout is from its second step on, its new value being
+    dense. A weak reference to an output's storage (a ``weakref`` to the storage object, a
+    ``torch.multiprocessing.reductions.StorageWeakRef``) keeps the storage from being recycled: it
+    sees the output's values for as long as the pool keeps the storage (two steps), then dies, never
+    seeing a later step's. Between steps the process then keeps the buffers of the step before (what
+    a pure step holds at its peak anyway); ``step.clear()`` lets them go. Where a graph is recorded
+    (an input requires grad, or a ``torch.func`` transform is active) the outputs are new tensors,
+    as autograd needs.
+
+    Each step compiles variants of its own (one per tree structure, and per shapes, dtypes and
+    layouts) and counts them against ``torch._dynamo.config.recompile_limit`` on its own, however
+    many other steps the process has; past its limit, a call is a ``RuntimeError`` that says so.
 
     ``compile_options`` go to ``torch.compile`` (``fullgraph=True`` unless given). Example::
 

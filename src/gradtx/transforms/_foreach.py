@@ -317,12 +317,18 @@ def _writes_out(*lists: Sequence[Tensor]) -> bool:
     return lists[0][0].device.type == "cpu" and not tree_lib.needs_graph(*(list(x) for x in lists))
 
 
+def _out_traceable(outs: Sequence[Tensor]) -> bool:
+    """Whether an ``out=`` kernel into each of ``outs`` can be traced: Dynamo traces one only into
+    a contiguous tensor (a permuted buffer, from a permuted parameter, is written by ``copy_``)."""
+    return not torch.compiler.is_compiling() or all(out.is_contiguous() for out in outs)
+
+
 def sqrt_of(sources: Sequence[Tensor], *, into: Optional[Sequence[Tensor]]) -> list[Tensor]:
     """``sqrt(sources)`` written into the donated ``into``, or into new tensors (same numbers)."""
     if into is None:
         return sqrt(sources, inplace=False)
     into = list(into)
-    if _writes_out(into, sources):
+    if _writes_out(into, sources) and _out_traceable(into):
         return [torch.sqrt(s, out=b) for s, b in zip(sources, into)]
     return sqrt(copy_into(into, sources), inplace=True)
 
@@ -336,7 +342,9 @@ def div_into(numerators: Sequence[Tensor], denominators: Sequence[Tensor]) -> li
     """
     denominators = list(denominators)
     if _writes_out(denominators, numerators):
-        return [torch.div(n, d, out=d) for n, d in zip(numerators, denominators)]
+        if _out_traceable(denominators):
+            return [torch.div(n, d, out=d) for n, d in zip(numerators, denominators)]
+        return [d.copy_(torch.div(n, d)) for n, d in zip(numerators, denominators)]
     if denominators[0].device.type == "cpu":  # a recorded graph: the same single division
         return [torch.div(n, d) for n, d in zip(numerators, denominators)]
     return mul(reciprocal(denominators, inplace=True), numerators, inplace=True)
