@@ -159,6 +159,14 @@ def tensor_leaves(tree: PyTree, *, what: str) -> tuple[list[Any], TreeSpec, list
     return tree_leaves, treedef, present
 
 
+def require_params(updates: PyTree, params: PyTree, *, owner: str, why: str = "") -> None:
+    """Raises ``ValueError`` when ``params`` are missing but some update needs them. An updates tree
+    with no tensor at all (a combinator's branch that selects no leaf: for a single-tensor tree
+    it is ``None``, and so are its params) needs none."""
+    if params is None and any(leaf is not None for leaf in leaves(updates)):
+        raise ValueError(f"{owner}: params are required{why} (pass them to update)")
+
+
 def broadcast_leaves(prefix: PyTree, tree: PyTree) -> list[Any]:
     """The leaves of ``prefix`` broadcast to ``tree``'s structure, one per leaf of ``tree``, in its order.
 

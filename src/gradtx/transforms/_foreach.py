@@ -70,8 +70,9 @@ def leaves_of(updates: Any, *, what: str) -> Leaves:
 
 def params_of(leaves: Leaves, params: Any, *, owner: str) -> list[Tensor]:
     """The parameters matching the non-``None`` updates; ``params`` are required."""
-    if params is None:
-        raise ValueError(f"{owner}: params are required (pass them to update)")
+    tree_lib.require_params(leaves.tree, params, owner=owner)
+    if not leaves.present:  # nothing selected (see require_params): no params needed
+        return []
     values = leaves.aligned(params, what=f"{owner}: params")
     for i, p, u in zip(leaves.present, values, leaves.tensors):
         if p.shape != u.shape:

@@ -226,8 +226,7 @@ def adaptive_grad_clip(
 
 
     def update_fn(updates, state, params=None, *, inplace=False):
-        if params is None:
-            raise ValueError("adaptive_grad_clip: params are required (pass them to update)")
+        tree_lib.require_params(updates, params, owner="adaptive_grad_clip")
         tree_leaves, treedef, present = tree_lib.tensor_leaves(updates, what="adaptive_grad_clip")
         param_leaves = tree_lib.flatten_like(params, treedef, updates, what="params")
         for i in present:
