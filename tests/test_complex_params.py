@@ -19,6 +19,71 @@ def _complex_tree(seed: int, dtype=C128) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(3, 2, generator=gen, dtype=dtype), "b": torch.randn(2, generator=gen, dtype=dtype)}
 
 
+# --------------------------------------------------------------------------- unit-wise norms with optax's axis
+
+X = torch.tensor([[[1.0, -2.0], [0.5, 3.0]], [[-1.5, 0.25], [2.0, -0.75]]], dtype=torch.float64)
+Z = X + 1j * torch.tensor([[[0.5, 1.0], [-2.0, 0.0]], [[1.0, -1.0], [0.25, 2.0]]], dtype=torch.float64)
+# optax 0.2.8 (jax 0.10.2, x64): optax.transforms._clipping.unitwise_norm(x, axis=axis), which
+# broadcasts to x's shape; gradtx's keeps the reduced dims of size 1
+OPTAX_UNITWISE = {
+    ("x", 0): [[[1.8027756377319946, 2.0155644370746373], [2.0615528128088303, 3.092329219213245]]] * 2,
+    ("x", (1, 2)): [[[3.774917217635375] * 2] * 2, [[2.622022120425379] * 2] * 2],
+    ("x", -1): [[[2.23606797749979] * 2, [3.0413812651491097] * 2], [[1.5206906325745548] * 2, [2.1360009363293826] * 2]],
+    ("z", 0): [[[2.1213203435596424, 2.462214450449026], [2.883140648667699, 3.6827299656640586]]] * 2,
+    ("z", (1, 2)): [[[4.415880433163924] * 2] * 2, [[3.59687364248454] * 2] * 2],
+    ("z", -1): [[[2.5] * 2, [3.640054944640259] * 2], [[2.0766559657295187] * 2, [2.9368350311176825] * 2]],
+}
+# optax.adaptive_grad_clip(0.2, axis=-1).update(g, state, p) with p = {"w": z, "b": [0.5 - 1j, 2]},
+# g = {"w": 3 * z[::-1], "b": [4 + 1j, -0.1j]}
+OPTAX_AGC = {
+    "b": [0.4444444444444444 + 0.1111111111111111j, -0.011111111111111112j],
+    "w": [
+        [[-0.36115755925730764 + 0.24077170617153842j, 0.060192926542884606 - 0.24077170617153842j],
+         [0.49577928703131136 + 0.06197241087891392j, -0.18591723263674176 + 0.49577928703131136j]],
+        [[0.16613247725836153 + 0.08306623862918076j, -0.33226495451672305 + 0.16613247725836153j],
+         [0.08068106321971812 - 0.32272425287887246j, 0.48408637931830867 + 0j]],
+    ],
+}
+
+
+@pytest.mark.parametrize("key", sorted(OPTAX_UNITWISE, key=str))
+def test_unitwise_norm_axis_matches_optax(key):
+    name, axis = key
+    x = {"x": X, "z": Z}[name]
+    norm = gtx.unitwise_norm(x, axis=axis)
+    assert norm.dtype == torch.float64
+    torch.testing.assert_close(norm.expand_as(x), torch.tensor(OPTAX_UNITWISE[key], dtype=torch.float64), rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_adaptive_grad_clip_axis_matches_optax_on_complex_params(inplace):
+    params = {"w": Z, "b": torch.tensor([0.5 - 1j, 2.0], dtype=C128)}
+    grads = {"w": 3 * Z.flip(0), "b": torch.tensor([4 + 1j, -0.1j], dtype=C128)}
+    tx = gtx.adaptive_grad_clip(0.2, axis=-1)
+    updates, _ = tx.update({k: v.clone() for k, v in grads.items()}, tx.init(params), params, inplace=inplace)
+    for k, expected in OPTAX_AGC.items():
+        torch.testing.assert_close(updates[k], torch.tensor(expected, dtype=C128), rtol=1e-14, atol=1e-16)
+
+
+def test_axis_errors_name_the_leaf_and_the_argument():
+    tx = gtx.adaptive_grad_clip(0.1, axis=1)
+    params = {"w": torch.ones(2, 3), "b": torch.ones(3)}
+    with pytest.raises(ValueError, match=r"leaf 'b'.*axis 1 is out of range for a tensor of shape \(3,\)"):
+        tx.update(params, tx.init(params), params)
+    with pytest.raises(TypeError, match="axis="):  # optax's third positional argument is gradtx's keyword
+        gtx.adaptive_grad_clip(0.1, 1e-3, 0)
+    with pytest.raises(ValueError, match="axis 3 is out of range"):
+        gtx.unitwise_norm(torch.ones(2, 3), axis=(0, 3))
+
+
+def test_default_units_are_unchanged():
+    # torch's layout: rows of a matrix, one unit for a vector (0-d result)
+    w = torch.tensor([[3.0, 4.0], [0.0, 1.0]])
+    torch.testing.assert_close(gtx.unitwise_norm(w), torch.tensor([[5.0], [1.0]]))
+    assert gtx.unitwise_norm(torch.tensor([3.0, 4.0])).shape == ()
+    torch.testing.assert_close(gtx.unitwise_norm(torch.tensor([[3 + 4j, 0]])), torch.tensor(5.0))
+
+
 # --------------------------------------------------------------------------- extra arguments and single tensors
 
 

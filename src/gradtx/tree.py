@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import optree
 import torch
@@ -402,17 +402,46 @@ def local_norms(tensors: Sequence[Tensor], ord: float) -> list[Tensor]:
     return norms  # type: ignore[return-value]
 
 
-def unitwise_norm(x: Tensor) -> Tensor:
-    """The L2 norm of each output unit of ``x``, broadcastable against ``x``, in float32 or wider.
+def norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The ``dtype=`` that makes ``torch.linalg.vector_norm`` of a ``dtype`` tensor accumulate in
+    float32 at least: float32 or float64, or complex64 or complex128 for a complex tensor (whose
+    norm is the real one of its moduli)."""
+    if dtype.is_complex:
+        return torch.complex128 if dtype == torch.complex128 else torch.complex64
+    return accumulation_dtype([dtype])
 
-    Torch stores weights output-first (``Linear``: ``(out, in)``, ``Conv2d``: ``(out, in, kh, kw)``),
-    so a unit is a slice along dim 0 and the norm reduces over every other dim. Scalars and vectors
-    (after squeezing) are one unit. This is optax's ``unitwise_norm`` in torch's layout.
+
+def unit_dims(shape: Sequence[int], axis: Union[None, int, Sequence[int]], *, what: str = "unitwise_norm") -> Optional[tuple[int, ...]]:
+    """The dims a unit-wise norm of a tensor of ``shape`` reduces over, ``None`` when the whole tensor
+    is one unit.
+
+    ``axis=None``: torch's output-first layout, every dim but the first (a tensor with at most one
+    dim longer than 1 is one unit); else ``axis`` itself (an int or a sequence, negative counting from
+    the end), as optax's ``axis``. A dim out of range is a ``ValueError``.
     """
-    dtype = None if x.is_complex() else accumulation_dtype([x.dtype])  # a complex norm is real already
-    if x.squeeze().ndim <= 1:
-        return torch.linalg.vector_norm(x, 2, dtype=dtype)
-    return torch.linalg.vector_norm(x, 2, dim=tuple(range(1, x.ndim)), keepdim=True, dtype=dtype)
+    ndim = len(shape)
+    if axis is None:
+        return None if sum(1 for s in shape if s != 1) <= 1 else tuple(range(1, ndim))
+    dims = (axis,) if isinstance(axis, int) else tuple(axis)
+    for d in dims:
+        if not -ndim <= d < ndim:
+            raise ValueError(f"{what}: axis {d} is out of range for a tensor of shape {tuple(shape)}")
+    return tuple(sorted({d % ndim for d in dims}))
+
+
+def unitwise_norm(x: Tensor, axis: Union[None, int, Sequence[int]] = None) -> Tensor:
+    """The L2 norm of each unit of ``x``, broadcastable against ``x``, in float32 or wider (real for a
+    complex ``x``: the norm of the moduli).
+
+    By default a unit is a slice along dim 0: torch stores weights output-first (``Linear``:
+    ``(out, in)``, ``Conv2d``: ``(out, in, kh, kw)``), so the norm reduces over every other dim, and
+    scalars and vectors (after squeezing) are one unit; this is optax's default in torch's layout.
+    ``axis`` (an int or a tuple) names the dims to reduce over instead, as optax's ``axis``.
+    """
+    dims = unit_dims(tuple(x.shape), axis)
+    if dims is None:
+        return torch.linalg.vector_norm(x, 2, dtype=norm_dtype(x.dtype))
+    return torch.linalg.vector_norm(x, 2, dim=dims, keepdim=True, dtype=norm_dtype(x.dtype))
 
 
 def torch_groups(tensors: Sequence[Tensor]) -> list[list[int]]:
