@@ -19,6 +19,73 @@ def _complex_tree(seed: int, dtype=C128) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(3, 2, generator=gen, dtype=dtype), "b": torch.randn(2, generator=gen, dtype=dtype)}
 
 
+# --------------------------------------------------------------------------- L-BFGS and line searches
+
+A = torch.tensor([[1, -2], [3, 4], [-4 + 2j, 5 - 3j], [-2 - 2j, 6], [0.5j, 1 + 1j]], dtype=C128)
+B = torch.tensor([1 + 1j, -2, 0.5j, 3 - 1j, 1], dtype=C128)
+
+
+def _least_squares(p):
+    return (A @ p["z"] - B).abs().square().sum()
+
+
+def _real_least_squares(p):
+    """The same objective of the real and imaginary parts, stacked on a leading axis of 2."""
+    return _least_squares({"z": torch.complex(p["x"][0], p["x"][1])})
+
+
+def _solve(f, params, linesearch, steps=25):
+    opt = gtx.lbfgs(linesearch=linesearch)
+    state = opt.init(params)
+    structure = gtx.tree.structure(state)
+    dtypes = [x.dtype for x in gtx.tree.leaves(state)]
+    value_and_grad = gtx.value_and_grad_from_state(f)
+    values = []
+    for _ in range(steps):
+        value, grad = value_and_grad(params, state=state)
+        updates, state = opt.update(grad, state, params, value=value, grad=grad, value_fn=f)
+        params = gtx.apply_updates(params, updates)
+        values.append(float(f(params)))
+        # the state keeps one structure and dtypes (the line search's values are real)
+        assert gtx.tree.structure(state) == structure
+        assert [x.dtype for x in gtx.tree.leaves(state)] == dtypes
+    return params, values
+
+
+@pytest.mark.parametrize(
+    "linesearch",
+    [
+        lambda: gtx.scale_by_zoom_linesearch(max_linesearch_steps=20),
+        lambda: gtx.scale_by_backtracking_linesearch(max_backtracking_steps=20, store_grad=True),
+    ],
+    ids=["zoom", "backtracking"],
+)
+def test_complex_least_squares_converges_like_its_real_equivalent(linesearch):
+    z0 = torch.tensor([1 - 1j, 0.5j], dtype=C128)
+    solution = torch.linalg.lstsq(A, B.unsqueeze(-1)).solution.squeeze(-1)
+    complex_params, complex_values = _solve(_least_squares, {"z": z0.clone()}, linesearch())
+    real_params, real_values = _solve(_real_least_squares, {"x": torch.stack([z0.real, z0.imag])}, linesearch())
+    # every inner product is the real one of the stacked parts: the same steps, to rounding
+    torch.testing.assert_close(torch.tensor(complex_values), torch.tensor(real_values), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(complex_params["z"], torch.complex(real_params["x"][0], real_params["x"][1]), rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(complex_params["z"], solution, rtol=1e-8, atol=1e-8)
+
+
+def test_zoom_linesearch_state_keeps_its_structure_on_complex_params():
+    params = {"z": torch.tensor([1 - 1j, 0.5j], dtype=C128)}
+    tx = gtx.chain(gtx.sgd(1.0), gtx.scale_by_zoom_linesearch(max_linesearch_steps=10))
+    state = tx.init(params)
+    value, grad = gtx.transforms.linesearch.value_and_grad(_least_squares)(params)
+    _, new_state = tx.update(grad, state, params, value=value, grad=grad, value_fn=_least_squares)
+    assert gtx.tree.structure(new_state) == gtx.tree.structure(state)
+    zoom = new_state[1]
+    assert zoom.grad["z"].dtype == C128 and zoom.value.dtype == torch.float64 and zoom.learning_rate.dtype == torch.float64
+    # the gradient kept is the objective's at the accepted point (torch's conjugate Wirtinger gradient)
+    accepted = {"z": params["z"] - zoom.learning_rate * grad["z"]}
+    expected = 2 * A.conj().T @ (A @ accepted["z"] - B)
+    torch.testing.assert_close(zoom.grad["z"], expected, rtol=1e-12, atol=1e-12)
+
+
 # --------------------------------------------------------------------------- unit-wise norms with optax's axis
 
 X = torch.tensor([[[1.0, -2.0], [0.5, 3.0]], [[-1.5, 0.25], [2.0, -0.75]]], dtype=torch.float64)

@@ -167,6 +167,27 @@ def require_params(updates: PyTree, params: PyTree, *, owner: str, why: str = ""
         raise ValueError(f"{owner}: params are required{why} (pass them to update)")
 
 
+def real_inner(x: Tensor, y: Tensor, dtype: torch.dtype) -> Tensor:
+    """``Re(sum(conj(x) * y))`` accumulated in the real ``dtype``: the inner product of ``x`` and ``y``
+    seen as real vectors (a complex entry as its real and imaginary parts). optax's L-BFGS and
+    line searches take it as ``real(vdot)``; on real tensors it is the dot product."""
+    if not (x.is_complex() or y.is_complex()):
+        return torch.dot(x.reshape(-1).to(dtype), y.reshape(-1).to(dtype))
+    x, y = (t if t.is_complex() else torch.complex(t, torch.zeros_like(t)) for t in (x, y))
+    return torch.dot(torch.view_as_real(x).reshape(-1).to(dtype), torch.view_as_real(y).reshape(-1).to(dtype))
+
+
+def real_dtypes(tree: PyTree) -> list[torch.dtype]:
+    """The dtypes of the floating-point tensor leaves, a complex leaf counting with its real dtype
+    (complex128: float64): the dtypes that scalars computed from the leaves (values, norms, step
+    sizes, injected hyperparameters) are kept in."""
+    return [
+        leaf.real.dtype if leaf.is_complex() else leaf.dtype
+        for leaf in leaves(tree)
+        if isinstance(leaf, Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+    ]
+
+
 def broadcast_leaves(prefix: PyTree, tree: PyTree) -> list[Any]:
     """The leaves of ``prefix`` broadcast to ``tree``'s structure, one per leaf of ``tree``, in its order.
 
