@@ -10,6 +10,7 @@ import torch
 
 import gradtx as gtx
 import gradtx.contrib
+from optimizer_helpers import gradtx_trajectory, torch_trajectory
 
 C128 = torch.complex128
 
@@ -86,6 +87,123 @@ def test_zoom_linesearch_state_keeps_its_structure_on_complex_params():
     torch.testing.assert_close(zoom.grad["z"], expected, rtol=1e-12, atol=1e-12)
 
 
+# --------------------------------------------------------------------------- torch's conventions
+
+TORCH_CASES = {
+    "Adam": (torch.optim.Adam, {"lr": 0.1}),
+    "AdamW": (torch.optim.AdamW, {"lr": 0.1, "weight_decay": 0.1}),
+    "Adam_amsgrad": (torch.optim.Adam, {"lr": 0.1, "amsgrad": True}),
+    "SGD": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+    "RMSprop": (torch.optim.RMSprop, {"lr": 0.1, "centered": True}),
+    "Adagrad": (torch.optim.Adagrad, {"lr": 0.1}),
+    "NAdam": (torch.optim.NAdam, {"lr": 0.1}),
+}
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("name", sorted(TORCH_CASES))
+def test_from_torch_keeps_torch_numbers_on_complex_params(name, inplace):
+    cls, hyperparams = TORCH_CASES[name]
+    params, grads = _complex_tree(0), [_complex_tree(10 + i) for i in range(3)]
+    expected = torch_trajectory(lambda ps: cls(ps, **hyperparams), params, grads)
+    got, _ = gradtx_trajectory(gtx.from_torch(cls, **hyperparams), params, grads, inplace=inplace)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-14, atol=1e-15)
+
+
+def test_wrap_keeps_torch_numbers_on_complex_params():
+    def model():
+        torch.manual_seed(1)
+        return torch.nn.Linear(3, 2, dtype=torch.complex64)
+
+    grads = [[torch.randn(2, 3, dtype=torch.complex64) * 3, torch.randn(2, dtype=torch.complex64)] for _ in range(3)]
+    wrapped, plain = model(), model()
+    opt = gtx.wrap(torch.optim.Adam(wrapped.parameters(), lr=0.1), gtx.chain(gtx.clip_by_global_norm(1.0), gtx.scale(0.5)), model=wrapped)
+    reference = torch.optim.Adam(plain.parameters(), lr=0.1)
+    for g in grads:
+        for p, q, gi in zip(wrapped.parameters(), plain.parameters(), g):
+            p.grad, q.grad = gi.clone(), gi.clone()
+        opt.step()
+        torch.nn.utils.clip_grad_norm_(list(plain.parameters()), 1.0)
+        for q in plain.parameters():
+            q.grad.mul_(0.5)
+        reference.step()
+    for p, q in zip(wrapped.parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="leaf 'weight' is complex"):
+        opt.clip_grad_by_value(0.5)
+
+
+def test_sgd_on_complex_params_matches_torch():
+    # linear in the gradient: optax (the catalogue sweep) and torch agree
+    params, grads = _complex_tree(0), [_complex_tree(10 + i) for i in range(4)]
+    expected = torch_trajectory(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1), params, grads)
+    got, _ = gradtx_trajectory(gtx.chain(gtx.add_decayed_weights(0.1), gtx.sgd(0.1, 0.9, nesterov=True)), params, grads)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-14, atol=1e-15)
+
+
+@pytest.mark.parametrize(
+    "make_torch, tx, rtol",
+    [
+        (lambda ps: torch.optim.Adam(ps, lr=0.1), lambda: gtx.adam(0.1), 1e-12),
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.1), lambda: gtx.adamw(0.1, weight_decay=0.1), 1e-12),
+        (lambda ps: torch.optim.Adamax(ps, lr=0.1), lambda: gtx.adamax(0.1), 1e-12),
+        # torch's rectified step adds eps to sqrt(nu) before the bias correction, optax's after
+        (lambda ps: torch.optim.RAdam(ps, lr=0.1), lambda: gtx.radam(0.1), 1e-8),
+        (lambda ps: torch.optim.RMSprop(ps, lr=0.1, eps=1e-8), lambda: gtx.rmsprop(0.1, decay=0.99, eps=1e-8, eps_in_sqrt=False), 1e-12),
+    ],
+    ids=["Adam", "AdamW", "Adamax", "RAdam", "RMSprop"],
+)
+def test_torch_adaptive_optimizers_are_split_real_and_imaginary(make_torch, tx, rtol):
+    """torch.optim's adaptive optimizers treat a complex parameter as two real ones (its moments are
+    per part); gradtx follows optax (``|g|^2`` moments), and gives torch's numbers under
+    ``split_real_and_imaginary``. (Seven steps: RAdam rectifies from the sixth.)"""
+    params, grads = _complex_tree(0), [_complex_tree(10 + i) for i in range(7)]
+    expected = torch_trajectory(make_torch, params, grads)
+    got, _ = gradtx_trajectory(gtx.contrib.split_real_and_imaginary(tx()), params, grads)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=rtol, atol=1e-14)
+    modulus, _ = gradtx_trajectory(tx(), params, grads)
+    assert not torch.allclose(modulus["w"], expected["w"], rtol=1e-3)  # the two conventions differ
+
+
+# --------------------------------------------------------------------------- per-example clipping
+
+
+def _batch(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([0.1, 1.0, 4.0, 8.0], dtype=torch.float64)
+    return [
+        torch.randn(4, 3, 2, generator=gen, dtype=C128) * scales[:, None, None],
+        torch.randn(4, 2, generator=gen, dtype=C128) * scales[:, None],
+    ]
+
+
+def test_per_example_clips_use_moduli():
+    """A complex example is clipped as its real and imaginary parts seen as one real vector."""
+    batch = _batch(0)
+    as_real = [torch.view_as_real(t) for t in batch]
+    summed, clipped = gtx.per_example_global_norm_clip(batch, 2.0)
+    real_summed, real_clipped = gtx.per_example_global_norm_clip(as_real, 2.0)
+    assert int(clipped) == int(real_clipped) == 3
+    for s, r in zip(summed, real_summed):
+        assert s.dtype == C128
+        torch.testing.assert_close(torch.view_as_real(s), r, rtol=1e-14, atol=1e-15)
+    for uniform in (True, False):
+        layer, counts = gtx.per_example_layer_norm_clip(batch, 2.0, uniform)
+        real_layer, real_counts = gtx.per_example_layer_norm_clip(as_real, 2.0, uniform)
+        assert [int(c) for c in counts] == [int(c) for c in real_counts]
+        for s, r in zip(layer, real_layer):
+            torch.testing.assert_close(torch.view_as_real(s), r, rtol=1e-14, atol=1e-15)
+    # without noise, DP aggregation is the clipped mean, and DP-SGD steps against it
+    params = [t[0] for t in batch]
+    for tx, factor in ((gtx.differentially_private_aggregate(2.0, 0.0, 0), 0.25), (gtx.contrib.dpsgd(1.0, 2.0, 0.0, 0), -0.25)):
+        updates, _ = tx.update([t.clone() for t in batch], tx.init(params), params)
+        for u, s in zip(updates, summed):
+            torch.testing.assert_close(u, factor * s, rtol=1e-14, atol=1e-15)
+
+
 # --------------------------------------------------------------------------- unit-wise norms with optax's axis
 
 X = torch.tensor([[[1.0, -2.0], [0.5, 3.0]], [[-1.5, 0.25], [2.0, -0.75]]], dtype=torch.float64)
@@ -149,6 +267,62 @@ def test_default_units_are_unchanged():
     torch.testing.assert_close(gtx.unitwise_norm(w), torch.tensor([[5.0], [1.0]]))
     assert gtx.unitwise_norm(torch.tensor([3.0, 4.0])).shape == ()
     torch.testing.assert_close(gtx.unitwise_norm(torch.tensor([[3 + 4j, 0]])), torch.tensor(5.0))
+
+
+# --------------------------------------------------------------------------- other places complex numbers reach
+
+
+def test_skip_large_updates_measures_moduli():
+    updates = {"w": torch.tensor([3 + 4j, 1j], dtype=C128), "b": torch.tensor([2.0 + 0j], dtype=C128)}
+    skip, info = gtx.skip_large_updates(updates, torch.tensor(0), None, max_squared_norm=31.0)
+    assert info["norm_squared"].dtype == torch.float64 and float(info["norm_squared"]) == 30.0
+    assert not bool(skip)
+    skip, _ = gtx.skip_large_updates(updates, torch.tensor(0), None, max_squared_norm=29.0)
+    assert bool(skip)
+
+
+def test_tree_max_and_min_order_complex_numbers_as_optax():
+    # optax.tree.max / optax.tree.min (0.2.8) on these trees: NumPy's order, real part first
+    tree = {"a": torch.tensor([1 + 5j, 2 - 1j, 2 + 0.5j]), "b": torch.tensor(-3 + 9j), "c": torch.tensor([0.5, 1.5])}
+    assert complex(gtx.tree_utils.tree_max(tree)) == 2 + 0.5j
+    assert complex(gtx.tree_utils.tree_min(tree)) == -3 + 9j
+    assert complex(gtx.tree_utils.tree_max({"a": torch.tensor([1 + 5j, 1 + 7j, 1 - 2j])})) == 1 + 7j
+    assert complex(gtx.tree_utils.tree_min({"a": torch.tensor([1 + 5j, 1 + 7j, 1 - 2j])})) == 1 - 2j
+    assert float(gtx.tree_utils.tree_max({"c": torch.tensor([0.5, 1.5])})) == 1.5
+
+
+def test_safe_root_mean_squares_of_complex_numbers_is_that_of_their_moduli():
+    x = torch.tensor([3 + 4j, 0j, 1j], dtype=C128)
+    torch.testing.assert_close(gtx.safe_root_mean_squares(x, 0.1), torch.tensor((26 / 3) ** 0.5, dtype=torch.float64))
+    assert float(gtx.safe_root_mean_squares(torch.zeros(2, dtype=C128), 0.1)) == 0.1
+
+
+# --------------------------------------------------------------------------- state dtypes for complex params
+
+
+def test_a_real_state_dtype_names_a_precision_for_complex_params():
+    params = _complex_tree(0)
+    assert gtx.adam(0.1, mu_dtype=torch.float32).init(params)[0].mu["w"].dtype == torch.complex64
+    assert gtx.ema(0.9, accumulator_dtype=torch.float32).init(params).ema["w"].dtype == torch.complex64
+    steps = gtx.MultiSteps(gtx.sgd(0.1), 2)  # optax's default accumulator_dtype, float32
+    assert steps.init(params).acc_grads["w"].dtype == torch.complex64
+    with pytest.raises(TypeError, match="leaf '[wb]' is complex .* no complex dtype of torch.bfloat16's precision"):
+        gtx.adam(0.1, mu_dtype=torch.bfloat16).init(params)
+    # the imaginary part is kept (optax drops it where its accumulator is real)
+    grads = [_complex_tree(10 + i) for i in range(2)]
+    got, _ = gradtx_trajectory(steps, params, grads)
+    expected = {k: params[k] - 0.1 * (grads[0][k] + grads[1][k]) / 2 for k in params}
+    for k in params:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-6, atol=1e-7)
+
+
+def test_scalar_states_of_complex_params_keep_their_precision():
+    params = _complex_tree(0)
+    assert gtx.contrib.dog().init(params)[1].max_dist.dtype == torch.float64
+    assert gtx.contrib.schedule_free_sgd(0.1).init(params).b1.dtype == torch.float64
+    assert gtx.inject_hyperparams(gtx.adam)(learning_rate=0.1).init(params).hyperparams["learning_rate"].dtype == torch.float64
+    zoom = gtx.scale_by_zoom_linesearch(10).init(params)
+    assert zoom.value.dtype == zoom.learning_rate.dtype == torch.float64
 
 
 # --------------------------------------------------------------------------- extra arguments and single tensors

@@ -167,6 +167,19 @@ def require_params(updates: PyTree, params: PyTree, *, owner: str, why: str = ""
         raise ValueError(f"{owner}: params are required{why} (pass them to update)")
 
 
+def refuse_complex(tree: PyTree, *, owner: str, why: str = "") -> None:
+    """Raises ``TypeError`` naming the first complex leaf of ``tree``: for the transformations that
+    have no complex form (ordered comparisons, a complex ``g * g`` where a modulus is meant), called
+    from their ``init`` so that no step is ever taken with numbers other libraries would not give."""
+    for index, leaf in enumerate(leaves(tree)):
+        if isinstance(leaf, Tensor) and leaf.is_complex():
+            raise TypeError(
+                f"{owner}: leaf {path_at(tree, index)!r} is complex ({leaf.dtype}) and complex parameters are "
+                f"not supported{' (' + why + ')' if why else ''}; gradtx.contrib.split_real_and_imaginary runs "
+                "it on the real and imaginary parts as separate real parameters"
+            )
+
+
 def real_inner(x: Tensor, y: Tensor, dtype: torch.dtype) -> Tensor:
     """``Re(sum(conj(x) * y))`` accumulated in the real ``dtype``: the inner product of ``x`` and ``y``
     seen as real vectors (a complex entry as its real and imaginary parts). optax's L-BFGS and
@@ -186,6 +199,30 @@ def real_dtypes(tree: PyTree) -> list[torch.dtype]:
         for leaf in leaves(tree)
         if isinstance(leaf, Tensor) and (leaf.is_floating_point() or leaf.is_complex())
     ]
+
+
+_COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64, torch.float64: torch.complex128}
+
+
+def state_dtype(dtype: Optional[torch.dtype], like: Tensor, *, where: str = "") -> torch.dtype:
+    """The dtype of a state leaf kept for ``like`` when a transformation is given ``dtype`` (a
+    ``mu_dtype`` or ``accumulator_dtype``; ``None``: ``like``'s own).
+
+    For a complex ``like`` a real ``dtype`` names a precision: the state is the complex dtype of that
+    precision (float32 -> complex64), so that no imaginary part is dropped (optax casts such state
+    to the real dtype and loses it). A precision with no complex dtype (bfloat16) is a ``TypeError``
+    naming the leaf ``where``.
+    """
+    if dtype is None:
+        return like.dtype
+    if like.is_complex() and not dtype.is_complex:
+        if dtype not in _COMPLEX_OF:
+            raise TypeError(
+                f"leaf {where!r} is complex ({like.dtype}) and there is no complex dtype of {dtype}'s precision "
+                "to keep its state in"
+            )
+        return _COMPLEX_OF[dtype]
+    return dtype
 
 
 def broadcast_leaves(prefix: PyTree, tree: PyTree) -> list[Any]:

@@ -74,9 +74,10 @@ def first_moment(mu: list[Tensor], grads: list[Tensor], b1: Any, *, inplace: boo
 
 
 def second_moment(nu: list[Tensor], grads: list[Tensor], b2: Any, *, inplace: bool) -> list[Tensor]:
-    """``b2 * nu + (1 - b2) * g * g``."""
+    """``b2 * nu + (1 - b2) * |g|^2`` (``|g|^2`` is ``g * g`` for real ``g``, the squared modulus
+    for complex ``g``: ``nu`` stays real-valued, as optax's)."""
     nu = fe.mul(nu, fe.on(b2, nu), inplace=inplace)
-    return fe.addcmul(nu, grads, grads, 1.0 - b2, inplace=True)
+    return fe.add_squares(nu, grads, 1.0 - b2, inplace=True)
 
 
 def denominator(

@@ -17,7 +17,14 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import EmptyState, GradientTransformation, donation, init_empty_state, supports_donated_updates
+from gradtx.base import (
+    EmptyState,
+    GradientTransformation,
+    donation,
+    init_empty_state,
+    real_empty_state,
+    supports_donated_updates,
+)
 from gradtx.transforms import _foreach as fe
 from gradtx.tree import unitwise_norm
 
@@ -163,7 +170,8 @@ def clip_by_value(max_delta: float) -> GradientTransformation:
                 clipped[i] = value
         return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, clipped)), state
 
-    return GradientTransformation(init_empty_state, supports_donated_updates(update_fn))
+    init_fn = real_empty_state("clip_by_value", "complex numbers have no order to clamp in")
+    return GradientTransformation(init_fn, supports_donated_updates(update_fn))
 
 
 clip = clip_by_value
