@@ -22,8 +22,9 @@ Adafactor (~2e-7; ``factored_rms`` ~5e-9), whose decay rate optax computes in fl
 schedules with a non-linear or piecewise shape (one-cycle ~4e-7, cosine decay ~3e-7, piecewise
 constant and interpolated ~3e-7 and ~4e-7, SGDR ~2e-7, warmup cosine decay ~1.2e-6), which gradtx
 evaluates in float32 for a tensor step count, as all its schedules. ``adaptive_grad_clip`` is
-compared on the vector and scalar leaves only: for a matrix, gradtx's units follow torch's
-``(out, in)`` layout (dim 0) and optax's JAX's ``(in, out)`` (the last dim), by design. In
+compared on the vector and scalar leaves by default (for a matrix, gradtx's units follow torch's
+``(out, in)`` layout, dim 0, and optax's JAX's ``(in, out)``, the last dim, by design), and with
+``axis=0`` on the matrix too (``agc_axis``). In
 float32 most agree to a few 1e-6; RAdam (and ``scale_by_radam``) differs by ~3e-5 because
 optax computes its ``rho_t`` in float32, where the early steps lose three digits to cancellation
 (gradtx uses float64 and agrees with torch.optim.RAdam to 1e-10); centered RMSProp with bias
@@ -434,6 +435,7 @@ CATALOGUE = {
  "clip": ("clip", lambda m: m.chain(m.clip(0.5), m.sgd(0.1))),
  "clip_block_rms": ("clip_by_block_rms", lambda m: m.chain(m.clip_by_block_rms(0.5), m.sgd(0.1))),
  "agc": ("adaptive_grad_clip", lambda m: m.chain(m.masked(m.adaptive_grad_clip(0.1), {"w": False, "b": True, "s": True}), m.sgd(0.1))),  # units of a matrix: torch's layout (out, in) in gradtx, jax's (in, out) in optax
+ "agc_axis": ("adaptive_grad_clip", lambda m: m.chain(m.masked(m.adaptive_grad_clip(0.1, axis=0), {"w": True, "b": True, "s": False}), m.sgd(0.1))),  # axis=0: optax's units of the matrix, in both
  "trace": ("trace", lambda m: m.chain(m.trace(0.9, nesterov=True), m.scale(-0.1))),
  "add_decayed": ("add_decayed_weights", lambda m: m.chain(m.add_decayed_weights(0.1), m.sgd(0.1))),
  "scale_by_rms": ("scale_by_rms", lambda m: m.chain(m.scale_by_rms(decay=0.8), m.scale(-0.01))),
