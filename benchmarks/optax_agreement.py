@@ -3,7 +3,8 @@ the optimizers that take the objective through extra arguments, ``tree_utils`` a
 
 Not part of the tests (they must not need JAX): run with the benchmark environment's interpreter,
 ``/path/to/benchenv/bin/python benchmarks/optax_agreement.py [--float64] [--sections a,b]``, the
-sections being ``optimizers``, ``extra_args``, ``tree_utils`` and ``projections`` (all by default).
+sections being ``optimizers``, ``extra_args``, ``tree_utils``, ``projections`` and ``complex`` (all
+by default).
 Prints the largest relative difference per case (relative to ``|optax| + 1e-6``); a name missing
 from either library, or a case optax itself cannot run, is printed as skipped. The run ends with
 every public name of ``optax``, ``optax.tree_utils`` and ``optax.projections`` (not
@@ -21,8 +22,9 @@ Adafactor (~2e-7; ``factored_rms`` ~5e-9), whose decay rate optax computes in fl
 schedules with a non-linear or piecewise shape (one-cycle ~4e-7, cosine decay ~3e-7, piecewise
 constant and interpolated ~3e-7 and ~4e-7, SGDR ~2e-7, warmup cosine decay ~1.2e-6), which gradtx
 evaluates in float32 for a tensor step count, as all its schedules. ``adaptive_grad_clip`` is
-compared on the vector and scalar leaves only: for a matrix, gradtx's units follow torch's
-``(out, in)`` layout (dim 0) and optax's JAX's ``(in, out)`` (the last dim), by design. In
+compared on the vector and scalar leaves by default (for a matrix, gradtx's units follow torch's
+``(out, in)`` layout, dim 0, and optax's JAX's ``(in, out)``, the last dim, by design), and with
+``axis=0`` on the matrix too (``agc_axis``). In
 float32 most agree to a few 1e-6; RAdam (and ``scale_by_radam``) differs by ~3e-5 because
 optax computes its ``rho_t`` in float32, where the early steps lose three digits to cancellation
 (gradtx uses float64 and agrees with torch.optim.RAdam to 1e-10); centered RMSProp with bias
@@ -123,6 +125,19 @@ overwrite them, as ``sgd`` does), so the cases give a copy of the gradient there
 itself as ``grad=``: passing the same tensors as both lets ``chain(sgd(1), zoom)`` read a gradient
 that ``sgd`` has already scaled (the final params then differ by 0.1).
 
+**complex** (with ``--float64``: JAX computes complex128 only under x64): the cases of
+``tests/complex_cases.py``, every transformation that takes complex params, on complex128 params for
+three steps (six for RAdam), final params against optax's, pure and donated; and the names gradtx
+refuses, each checked to raise a ``TypeError`` naming a leaf at ``init`` (optax's behaviour is printed
+beside: it fails on most, and on the others squares complex numbers where a modulus is meant or
+drops imaginary parts). ``--write-complex-reference tests/optax_complex_reference.py`` records optax's
+numbers as the tests' constants. With optax 0.2.8 every case agrees to 2.4e-15 (most to 3e-16), except
+the known differences of the real cases: ``clip_by_global_norm`` and the chains clipping with it
+(1e-7, 5e-9), Adafactor and ``scale_by_factored_rms`` (3e-9, 3e-8). Where optax cannot run a name on
+complex numbers, or gives other numbers than its own definition would (a real accumulator dtype
+dropping the imaginary part), the case names an optax counterpart that does the same thing
+(``apply_if_finite``: the inner optimizer on finite gradients; ``MultiSteps``: a complex128 accumulator).
+
 **tree_utils**: every function on random nested trees (complex and integer ones where optax
 takes them), states of ``chain(scale_by_adam(), scale_by_schedule(...))`` for the path functions.
 Float64: to 2.3e-16 (most exactly equal); float32: to 4e-7, except
@@ -153,8 +168,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 parser = argparse.ArgumentParser()
 parser.add_argument("--float64", action="store_true")
 parser.add_argument("--only", default="", help="run only the cases whose name contains this text")
-SECTIONS = ("optimizers", "extra_args", "tree_utils", "projections")
+SECTIONS = ("optimizers", "extra_args", "tree_utils", "projections", "complex")
 parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ", ".join(SECTIONS))
+parser.add_argument("--write-complex-reference", default="", metavar="PATH",
+                    help="with --float64 and the complex section: write optax's numbers for the tests' complex cases to PATH")
 ARGS = parser.parse_args()
 RUN = set(ARGS.sections.split(","))
 if RUN - set(SECTIONS):
@@ -418,6 +435,7 @@ CATALOGUE = {
  "clip": ("clip", lambda m: m.chain(m.clip(0.5), m.sgd(0.1))),
  "clip_block_rms": ("clip_by_block_rms", lambda m: m.chain(m.clip_by_block_rms(0.5), m.sgd(0.1))),
  "agc": ("adaptive_grad_clip", lambda m: m.chain(m.masked(m.adaptive_grad_clip(0.1), {"w": False, "b": True, "s": True}), m.sgd(0.1))),  # units of a matrix: torch's layout (out, in) in gradtx, jax's (in, out) in optax
+ "agc_axis": ("adaptive_grad_clip", lambda m: m.chain(m.masked(m.adaptive_grad_clip(0.1, axis=0), {"w": True, "b": True, "s": False}), m.sgd(0.1))),  # axis=0: optax's units of the matrix, in both
  "trace": ("trace", lambda m: m.chain(m.trace(0.9, nesterov=True), m.scale(-0.1))),
  "add_decayed": ("add_decayed_weights", lambda m: m.chain(m.add_decayed_weights(0.1), m.sgd(0.1))),
  "scale_by_rms": ("scale_by_rms", lambda m: m.chain(m.scale_by_rms(decay=0.8), m.scale(-0.01))),
@@ -1223,6 +1241,78 @@ for name, (attr, fn) in (PROJECTIONS if "projections" in RUN else {}).items():
         print(f"{name:16s} {attr[11:]:14.14s} ERROR {e!r}")
         continue
     report(name, compare(got, ref), attr[11:])
+
+
+# ----------------------------------------------------------------------------- complex parameters
+# The cases of tests/complex_cases.py (written once for both libraries), on complex128 params: the
+# final params after each case's steps, optax's against gradtx's (pure and donated); the names
+# gradtx refuses must raise a TypeError naming a leaf at init (what optax does with them is printed).
+# --write-complex-reference PATH records optax's numbers as the tests' constants.
+def _complex_section():
+    global worst
+    if not ARGS.float64:
+        print("complex: skipped (JAX computes in complex128 only with --float64)")
+        return
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    import complex_cases as cc  # noqa: E402
+
+    def numbers(tree):
+        return {k: np.asarray(_as_numpy(v)).tolist() for k, v in sorted(tree.items())}
+
+    reference = {}
+    for name, case in cc.CASES.items():
+        if not any(o in name for o in ARGS.only.split(",")):
+            continue
+        try:
+            ref = numbers(cc.run(optax, (case.reference or case.factory)(optax), case.kind, steps=case.steps))
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print(f"{name:28s} optax ERROR {type(e).__name__}: {str(e)[:100]}")
+            continue
+        reference[name] = ref
+        for inplace in (False, True):
+            try:
+                got = numbers(cc.run(gtx, case.factory(gtx), case.kind, steps=case.steps, inplace=inplace))
+            except Exception as e:  # noqa: BLE001
+                print(f"{name:28s} inplace={inplace!s:5s} ERROR {e!r}")
+                worst = float("inf")
+                continue
+            err = max(float(np.max(np.abs(np.asarray(got[k]) - np.asarray(ref[k])) / (np.abs(np.asarray(ref[k])) + 1e-6))) for k in ref)
+            worst = max(worst, err)
+            print(f"{name:28s} inplace={inplace!s:5s} max rel err {err:.2e}" + ("  <-- above 1e-5" if err > 1e-5 else ""))
+    g = np.asarray([-4 - 2j, 22 + 2j, -2j])
+    first = optax.adam(0.1).update(jnp.asarray(g), optax.adam(0.1).init(jnp.zeros(3, jnp.complex128)))[0]
+    reference["adam_first_update"] = {"g": g.tolist(), "update": np.asarray(first).tolist()}
+    for name, make in cc.REFUSED.items():
+        try:
+            make(gtx).init(cc.tree(_gradtx, cc.PARAMS))
+            verdict = "NOT REFUSED  <-- disagreement"
+            worst = float("inf")
+        except TypeError as e:
+            verdict = "refused" if "leaf" in str(e) else f"refused without naming a leaf: {e}"
+        try:
+            cc.run(optax, make(optax), "updates")
+            optax_note = "optax runs it"
+        except Exception as e:  # noqa: BLE001
+            optax_note = f"optax: {type(e).__name__}: {str(e)[:70]}"
+        print(f"{name:28s} {verdict} ({optax_note})")
+    if ARGS.write_complex_reference:
+        with open(ARGS.write_complex_reference, "w") as out:
+            out.write(
+                '"""optax\'s numbers for the cases of complex_cases.py: the params after each case\'s steps.\n\n'
+                "Written by ``benchmarks/optax_agreement.py --float64 --sections complex --write-complex-reference\n"
+                f"tests/optax_complex_reference.py`` with optax {optax.__version__} and jax {jax.__version__} (CPU, x64,\n"
+                "complex128). ``adam_first_update``: ``optax.adam(0.1)``'s first update of the gradient ``g``.\n"
+                'Do not edit by hand: regenerate.\n"""\n\n'
+                f"OPTAX_VERSION = {optax.__version__!r}\n\nREFERENCE = {{\n"
+            )
+            for name, value in reference.items():
+                out.write(f"    {name!r}: {value!r},\n")
+            out.write("}\n")
+        print(f"wrote {len(reference)} cases to {ARGS.write_complex_reference}")
+
+
+if "complex" in RUN:
+    _complex_section()
 
 
 # ----------------------------------------------------------------------------- coverage

@@ -200,6 +200,17 @@ def init_empty_state(params: Params) -> EmptyState:
     return EmptyState()
 
 
+def real_empty_state(owner: str, why: str) -> Callable[[Params], EmptyState]:
+    """The ``init`` of a stateless transformation that has no complex form: it refuses complex
+    params (a ``TypeError`` naming the leaf, saying ``why``) and keeps nothing."""
+
+    def init_fn(params: Params) -> EmptyState:
+        tree_lib.refuse_complex(params, owner=owner, why=why)
+        return EmptyState()
+
+    return init_fn
+
+
 def identity() -> GradientTransformation:
     """Leaves updates untouched."""
 

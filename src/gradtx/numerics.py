@@ -51,11 +51,16 @@ def safe_norm(
 
 
 def safe_root_mean_squares(x: Tensor, min_rms: Union[float, Tensor]) -> Tensor:
-    """``max(rms(x), min_rms)`` with a finite derivative where the RMS is at most ``min_rms`` (as optax's)."""
-    rms = x.square().mean().sqrt()
+    """``max(rms(x), min_rms)`` with a finite derivative where the RMS is at most ``min_rms`` (as optax's;
+    the RMS of a complex ``x`` is that of its moduli)."""
+
+    def rms_of(t: Tensor) -> Tensor:
+        return (torch.view_as_real(t).square().sum(-1) if t.is_complex() else t.square()).mean().sqrt()
+
+    rms = rms_of(x)
     small = rms <= min_rms
     masked = torch.where(small, torch.ones_like(x), x)
-    return torch.where(small, torch.as_tensor(min_rms, dtype=rms.dtype, device=rms.device), masked.square().mean().sqrt())
+    return torch.where(small, torch.as_tensor(min_rms, dtype=rms.dtype, device=rms.device), rms_of(masked))
 
 
 def safe_increment(count: Tensor) -> Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import optree
 import torch
@@ -251,6 +251,72 @@ def tensor_leaves(tree: PyTree, *, what: str) -> tuple[list[Any], TreeSpec, list
     if len(present) != len(tree_leaves) or not all(isinstance(tree_leaves[i], Tensor) for i in present):
         check_tensors(tree, tree_leaves, what=what)
     return tree_leaves, treedef, present
+
+
+def require_params(updates: PyTree, params: PyTree, *, owner: str, why: str = "") -> None:
+    """Raises ``ValueError`` when ``params`` are missing but some update needs them. An updates tree
+    with no tensor at all (a combinator's branch that selects no leaf: for a single-tensor tree
+    it is ``None``, and so are its params) needs none."""
+    if params is None and any(leaf is not None for leaf in leaves(updates)):
+        raise ValueError(f"{owner}: params are required{why} (pass them to update)")
+
+
+def refuse_complex(tree: PyTree, *, owner: str, why: str = "") -> None:
+    """Raises ``TypeError`` naming the first complex leaf of ``tree``: for the transformations that
+    have no complex form (ordered comparisons, a complex ``g * g`` where a modulus is meant), called
+    from their ``init`` so that no step is ever taken with numbers other libraries would not give."""
+    for index, leaf in enumerate(leaves(tree)):
+        if isinstance(leaf, Tensor) and leaf.is_complex():
+            raise TypeError(
+                f"{owner}: leaf {path_at(tree, index)!r} is complex ({leaf.dtype}) and complex parameters are "
+                f"not supported{' (' + why + ')' if why else ''}; gradtx.contrib.split_real_and_imaginary runs "
+                "it on the real and imaginary parts as separate real parameters"
+            )
+
+
+def real_inner(x: Tensor, y: Tensor, dtype: torch.dtype) -> Tensor:
+    """``Re(sum(conj(x) * y))`` accumulated in the real ``dtype``: the inner product of ``x`` and ``y``
+    seen as real vectors (a complex entry as its real and imaginary parts). optax's L-BFGS and
+    line searches take it as ``real(vdot)``; on real tensors it is the dot product."""
+    if not (x.is_complex() or y.is_complex()):
+        return torch.dot(x.reshape(-1).to(dtype), y.reshape(-1).to(dtype))
+    x, y = (t if t.is_complex() else torch.complex(t, torch.zeros_like(t)) for t in (x, y))
+    return torch.dot(torch.view_as_real(x).reshape(-1).to(dtype), torch.view_as_real(y).reshape(-1).to(dtype))
+
+
+def real_dtypes(tree: PyTree) -> list[torch.dtype]:
+    """The dtypes of the floating-point tensor leaves, a complex leaf counting with its real dtype
+    (complex128: float64): the dtypes that scalars computed from the leaves (values, norms, step
+    sizes, injected hyperparameters) are kept in."""
+    return [
+        leaf.real.dtype if leaf.is_complex() else leaf.dtype
+        for leaf in leaves(tree)
+        if isinstance(leaf, Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+    ]
+
+
+_COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64, torch.float64: torch.complex128}
+
+
+def state_dtype(dtype: Optional[torch.dtype], like: Tensor, *, where: str = "") -> torch.dtype:
+    """The dtype of a state leaf kept for ``like`` when a transformation is given ``dtype`` (a
+    ``mu_dtype`` or ``accumulator_dtype``; ``None``: ``like``'s own).
+
+    For a complex ``like`` a real ``dtype`` names a precision: the state is the complex dtype of that
+    precision (float32 -> complex64), so that no imaginary part is dropped (optax casts such state
+    to the real dtype and loses it). A precision with no complex dtype (bfloat16) is a ``TypeError``
+    naming the leaf ``where``.
+    """
+    if dtype is None:
+        return like.dtype
+    if like.is_complex() and not dtype.is_complex:
+        if dtype not in _COMPLEX_OF:
+            raise TypeError(
+                f"leaf {where!r} is complex ({like.dtype}) and there is no complex dtype of {dtype}'s precision "
+                "to keep its state in"
+            )
+        return _COMPLEX_OF[dtype]
+    return dtype
 
 
 def broadcast_leaves(prefix: PyTree, tree: PyTree) -> list[Any]:
@@ -514,17 +580,46 @@ def local_norms(tensors: Sequence[Tensor], ord: float) -> list[Tensor]:
     return norms  # type: ignore[return-value]
 
 
-def unitwise_norm(x: Tensor) -> Tensor:
-    """The L2 norm of each output unit of ``x``, broadcastable against ``x``, in float32 or wider.
+def norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The ``dtype=`` that makes ``torch.linalg.vector_norm`` of a ``dtype`` tensor accumulate in
+    float32 at least: float32 or float64, or complex64 or complex128 for a complex tensor (whose
+    norm is the real one of its moduli)."""
+    if dtype.is_complex:
+        return torch.complex128 if dtype == torch.complex128 else torch.complex64
+    return accumulation_dtype([dtype])
 
-    Torch stores weights output-first (``Linear``: ``(out, in)``, ``Conv2d``: ``(out, in, kh, kw)``),
-    so a unit is a slice along dim 0 and the norm reduces over every other dim. Scalars and vectors
-    (after squeezing) are one unit. This is optax's ``unitwise_norm`` in torch's layout.
+
+def unit_dims(shape: Sequence[int], axis: Union[None, int, Sequence[int]], *, what: str = "unitwise_norm") -> Optional[tuple[int, ...]]:
+    """The dims a unit-wise norm of a tensor of ``shape`` reduces over, ``None`` when the whole tensor
+    is one unit.
+
+    ``axis=None``: torch's output-first layout, every dim but the first (a tensor with at most one
+    dim longer than 1 is one unit); else ``axis`` itself (an int or a sequence, negative counting from
+    the end), as optax's ``axis``. A dim out of range is a ``ValueError``.
     """
-    dtype = None if x.is_complex() else accumulation_dtype([x.dtype])  # a complex norm is real already
-    if x.squeeze().ndim <= 1:
-        return torch.linalg.vector_norm(x, 2, dtype=dtype)
-    return torch.linalg.vector_norm(x, 2, dim=tuple(range(1, x.ndim)), keepdim=True, dtype=dtype)
+    ndim = len(shape)
+    if axis is None:
+        return None if sum(1 for s in shape if s != 1) <= 1 else tuple(range(1, ndim))
+    dims = (axis,) if isinstance(axis, int) else tuple(axis)
+    for d in dims:
+        if not -ndim <= d < ndim:
+            raise ValueError(f"{what}: axis {d} is out of range for a tensor of shape {tuple(shape)}")
+    return tuple(sorted({d % ndim for d in dims}))
+
+
+def unitwise_norm(x: Tensor, axis: Union[None, int, Sequence[int]] = None) -> Tensor:
+    """The L2 norm of each unit of ``x``, broadcastable against ``x``, in float32 or wider (real for a
+    complex ``x``: the norm of the moduli).
+
+    By default a unit is a slice along dim 0: torch stores weights output-first (``Linear``:
+    ``(out, in)``, ``Conv2d``: ``(out, in, kh, kw)``), so the norm reduces over every other dim, and
+    scalars and vectors (after squeezing) are one unit; this is optax's default in torch's layout.
+    ``axis`` (an int or a tuple) names the dims to reduce over instead, as optax's ``axis``.
+    """
+    dims = unit_dims(tuple(x.shape), axis)
+    if dims is None:
+        return torch.linalg.vector_norm(x, 2, dtype=norm_dtype(x.dtype))
+    return torch.linalg.vector_norm(x, 2, dim=dims, keepdim=True, dtype=norm_dtype(x.dtype))
 
 
 def torch_groups(tensors: Sequence[Tensor]) -> list[list[int]]:

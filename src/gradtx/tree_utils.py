@@ -428,27 +428,56 @@ def tree_sum(tree: PyTree, associative_reduction: bool = False) -> Tensor:
     return _combine(sums, torch.add)
 
 
-def _extreme(fn: str, tree: PyTree, reduce: Callable[[Tensor], Tensor], combine, empty: float) -> Tensor:
+def _lexicographic(larger: bool) -> Callable[[Tensor, Tensor], Tensor]:
+    """``maximum`` (or ``minimum``) of two tensors, ordering complex numbers as NumPy and JAX do:
+    by real part, then imaginary part. Real tensors use torch's own."""
+
+    def op(a: Tensor, b: Tensor) -> Tensor:
+        if not (a.is_complex() or b.is_complex()):
+            return torch.maximum(a, b) if larger else torch.minimum(a, b)
+        first = (a.real > b.real) | ((a.real == b.real) & (a.imag > b.imag))
+        if not larger:
+            first = (a.real < b.real) | ((a.real == b.real) & (a.imag < b.imag))
+        return torch.where(first, a, b)
+
+    return op
+
+
+def _lexicographic_extreme(t: Tensor, larger: bool) -> Tensor:
+    """The largest (or smallest) element of a complex tensor in NumPy's order, as a 0-d tensor."""
+    flat = t.reshape(-1)
+    real = flat.real
+    best = real.amax() if larger else real.amin()
+    imag = torch.where(real == best, flat.imag, torch.full_like(real, -math.inf if larger else math.inf))
+    return torch.complex(best, imag.amax() if larger else imag.amin())
+
+
+def _extreme(fn: str, tree: PyTree, larger: bool) -> Tensor:
     tensors = [t for t in _present_tensors(fn, tree) if t.numel() > 0]
     if not tensors:
-        return torch.tensor(empty)
-    return _combine([reduce(t) for t in tensors], combine)
+        return torch.tensor(-math.inf if larger else math.inf)
+    reduce = torch.amax if larger else torch.amin
+    return _combine(
+        [_lexicographic_extreme(t, larger) if t.is_complex() else reduce(t) for t in tensors], _lexicographic(larger)
+    )
 
 
 def tree_max(tree: PyTree) -> Tensor:
     """The largest element of the tree (``-inf`` for a tree with no element), as a 0-d tensor.
 
-    Empty leaves are skipped; the result has the leaves' common dtype.
+    Empty leaves are skipped; the result has the leaves' common dtype. Complex numbers are ordered
+    by real part, then imaginary part (NumPy's and JAX's order).
     """
-    return _extreme("tree_max", tree, torch.amax, torch.maximum, -math.inf)
+    return _extreme("tree_max", tree, larger=True)
 
 
 def tree_min(tree: PyTree) -> Tensor:
     """The smallest element of the tree (``inf`` for a tree with no element), as a 0-d tensor.
 
-    Empty leaves are skipped; the result has the leaves' common dtype.
+    Empty leaves are skipped; the result has the leaves' common dtype. Complex numbers are ordered
+    by real part, then imaginary part (NumPy's and JAX's order).
     """
-    return _extreme("tree_min", tree, torch.amin, torch.minimum, math.inf)
+    return _extreme("tree_min", tree, larger=False)
 
 
 def tree_size(tree: PyTree) -> int:

@@ -118,8 +118,12 @@ def check_layout(
 
     if params is not None:
         local_params = local_tree(params, pieces, mesh, stage_axis)
-        agc = gtx.adaptive_grad_clip(0.05, spec=spec)
-        clipped, _ = agc.update(local, None, local_params)
-        dense_agc, _ = gtx.adaptive_grad_clip(0.05).update(dense, None, params)
-        for name, value in clipped.items():
-            close(value, cut(dense_agc[pieces[name].source], pieces[name], mesh), f"agc {name!r}")
+        # torch's units (rows), optax's axis=0 (columns of a matrix) and the last dim: a sharded dim
+        # the norm keeps needs no communication, a reduced one is summed over its axes
+        axes = (None, 0, -1) if all(x.ndim >= 1 for x in dense.values()) else (None,)
+        for axis in axes:
+            agc = gtx.adaptive_grad_clip(0.05, spec=spec, axis=axis)
+            clipped, _ = agc.update(local, None, local_params)
+            dense_agc, _ = gtx.adaptive_grad_clip(0.05, axis=axis).update(dense, None, params)
+            for name, value in clipped.items():
+                close(value, cut(dense_agc[pieces[name].source], pieces[name], mesh), f"agc {name!r} axis={axis}")

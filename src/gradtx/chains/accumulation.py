@@ -29,6 +29,7 @@ from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace
 from gradtx.chains import step_gates
 from gradtx.chains._select import safe_increment, where_or_zero, where_tree, zeros_like_tree
+from gradtx.transforms import _foreach as fe
 
 PyTree = Any
 ShouldSkipUpdateFn = Callable[[PyTree, Tensor, Optional[PyTree]], tuple[Tensor, PyTree]]
@@ -197,7 +198,7 @@ class MultiSteps:
 
     def init(self, params: PyTree) -> MultiStepsState:
         dtype = self._accumulator_dtype
-        acc_grads = tree_lib.tree_map(lambda p: torch.zeros_like(p, dtype=dtype or p.dtype), params)
+        acc_grads = fe.zeros_like_tree(params, dtype)  # a real dtype is a precision for complex leaves
         # on the CPU when the host may decide (see the module docstring); with a skip function the
         # verdict is a device tensor, so the counters live beside it and nothing syncs
         device = torch.device("cpu") if self._should_skip is None else tree_lib.first_device(params)

@@ -56,8 +56,7 @@ def _integer_params(signature: inspect.Signature) -> set[str]:
 def _hyperparam_dtype(params: PyTree, override: Optional[torch.dtype]) -> torch.dtype:
     if override is not None:
         return override
-    dtypes = [leaf.dtype for leaf in tree_lib.leaves(params) if isinstance(leaf, Tensor) and leaf.is_floating_point()]
-    return tree_lib.accumulation_dtype(dtypes)
+    return tree_lib.accumulation_dtype(tree_lib.real_dtypes(params))
 
 
 def _as_hyperparam(value: Any, dtype: torch.dtype, device: torch.device, *, keep_dtype: bool = True) -> Tensor:

@@ -18,7 +18,7 @@ DOUBLE_EPS = float(torch.finfo(torch.float64).eps)  # optax's jnp.finfo(float).e
 def lowest_dtype(params: Any) -> torch.dtype:
     """The floating dtype of the least precision among the leaves (optax's ``tree.dtype(params, 'lowest')``);
     scalar states (learning-rate estimates, sums) are kept in it. float32 when no leaf is floating."""
-    dtypes = [leaf.dtype for leaf in tree_lib.leaves(params) if isinstance(leaf, Tensor) and leaf.is_floating_point()]
+    dtypes = tree_lib.real_dtypes(params)
     if not dtypes:
         return torch.float32
     return min(dtypes, key=lambda d: (torch.finfo(d).bits, -torch.finfo(d).eps))
@@ -79,4 +79,7 @@ def sums(fn: Callable[..., list[Tensor]], *trees: Any, spec: Any, dtype: torch.d
 
 
 def vdot(x: Tensor, y: Tensor) -> Tensor:
+    """The real inner product ``<x, y>``: ``Re(sum(conj(x) * y))`` for complex leaves."""
+    if x.is_complex() or y.is_complex():
+        return (x.conj() * y).real.sum()
     return (x * y).sum()

@@ -37,9 +37,9 @@ def _value(hyperparameter: Any, count: Tensor) -> Union[float, Tensor]:
 
 
 def _second_moment(nu: list[Tensor], g: list[Tensor], decay: Any, *, inplace: bool) -> list[Tensor]:
-    """``decay * nu + (1 - decay) * g * g`` (``decay`` a number or a 0-d tensor)."""
+    """``decay * nu + (1 - decay) * |g|^2`` (``decay`` a number or a 0-d tensor)."""
     nu = fe.mul(nu, fe.on(decay, nu), inplace=inplace)
-    return fe.addcmul(nu, fe.cast(g, nu[0].dtype), fe.cast(g, nu[0].dtype), fe.on(1.0 - decay, nu), inplace=True)
+    return fe.add_squares(nu, fe.cast(g, nu[0].dtype), fe.on(1.0 - decay, nu), inplace=True)
 
 
 def _rms_denominator(nu: list[Tensor], inv_bc: Tensor, eps: float, eps_root: float, dtype: torch.dtype) -> list[Tensor]:
@@ -90,6 +90,8 @@ def scale_by_adopt(
     b1, b2, eps = float(b1), float(b2), float(eps)
 
     def init_fn(params: Any) -> ScaleByAdamState:
+        if use_clipping:
+            tree_lib.refuse_complex(params, owner="scale_by_adopt", why="its clipping needs ordered numbers (use_clipping=False has a complex form)")
         return ScaleByAdamState(
             count=fe.zero_count(params), mu=fe.zeros_like_tree(params, mu_dtype), nu=fe.zeros_like_tree(params)
         )
@@ -312,6 +314,8 @@ def scale_by_simplified_ademamix(
     b1, b2, eps, eps_root = float(b1), float(b2), float(eps), float(eps_root)
 
     def init_fn(params: Any) -> ScaleBySimplifiedAdEMAMixState:
+        # optax squares a complex g as g * g here, not as |g|^2
+        tree_lib.refuse_complex(params, owner="scale_by_simplified_ademamix", why="its second moment is defined for real numbers")
         return ScaleBySimplifiedAdEMAMixState(
             t=fe.zero_count(params), m=fe.zeros_like_tree(params), n=fe.zeros_like_tree(params)
         )
@@ -392,7 +396,7 @@ def scale_by_acprop(
     """Rescales updates as ACProp (Zhuang et al., 2021): AdaBelief's centred second moment, taken
     asynchronously (the denominator uses the steps before the current gradient).
 
-    ``mu = b1 * mu + (1 - b1) * g``, ``nu = b2 * nu + (1 - b2) * (g - mu_old)^2 + eps_root``; the
+    ``mu = b1 * mu + (1 - b1) * g``, ``nu = b2 * nu + (1 - b2) * |g - mu_old|^2 + eps_root``; the
     update is ``g / (sqrt(nu_old / (1 - b2^(t-1))) + eps)``, and ``g / (1 + eps)`` on the first
     step, as optax computes it. State: :class:`~gradtx.transforms.ScaleByBeliefState`.
     """
@@ -415,7 +419,7 @@ def scale_by_acprop(
             d = fe.add(fe.sqrt(fe.add(d, fe.on(first, g), inplace=True), inplace=True), eps, inplace=True)
             error = fe.add(fe.cast(g, m[0].dtype), m, alpha=-1.0, inplace=False)
             m = fe.lerp(m, fe.cast(g, m[0].dtype), 1.0 - b1, inplace=inplace)
-            v = fe.addcmul(fe.mul(v, b2, inplace=inplace), error, error, 1.0 - b2, inplace=True)
+            v = fe.add_squares(fe.mul(v, b2, inplace=inplace), error, 1.0 - b2, inplace=True)
             v = fe.add(v, eps_root, inplace=True)
             out = fe.div_into(g, d)
             return out, m, v

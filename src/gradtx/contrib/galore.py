@@ -276,6 +276,7 @@ def scale_by_galore(
         return spec is not None or dtensor_lib.has_dtensor([x for x in tree_leaves if x is not None])
 
     def init_fn(params: Any) -> GaLoreState:
+        tree_lib.refuse_complex(params, owner=owner, why="its projectors are real singular vectors")
         tree_leaves, treedef, dim_nums, masked = resolve(params)
         # the logical shapes of the projected leaves (their local ones when nothing is sharded)
         shapes = matrices.logical_shapes(masked, spec, what=owner) if is_sharded(tree_leaves) else None

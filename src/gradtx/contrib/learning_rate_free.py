@@ -90,6 +90,7 @@ def prodigy(
     weight_decay = fe.number_or_tensor(weight_decay)
 
     def init_fn(params: Any) -> ProdigyState:
+        tree_lib.refuse_complex(params, owner=owner, why="its moments and distance estimate are defined for real numbers")
         dtype, device = sc.lowest_dtype(params), tree_lib.first_device(params)
         return ProdigyState(
             exp_avg=fe.zeros_like_tree(params),
@@ -210,6 +211,7 @@ def dadapt_adamw(
     weight_decay = fe.number_or_tensor(weight_decay)
 
     def init_fn(params: Any) -> DAdaptAdamWState:
+        tree_lib.refuse_complex(params, owner=owner, why="its moments and distance estimate are defined for real numbers")
         dtype, device = sc.lowest_dtype(params), tree_lib.first_device(params)
         return DAdaptAdamWState(
             exp_avg=fe.zeros_like_tree(params),
@@ -505,6 +507,7 @@ def scale_by_cocob(alpha: float = 100.0, eps: float = 1e-8) -> GradientTransform
     alpha, eps = float(alpha), float(eps)
 
     def init_fn(params: Any) -> COCOBState:
+        tree_lib.refuse_complex(params, owner=owner, why="its rewards and bets compare real numbers")
         return COCOBState(
             init_particles=sc.copy_params(params),
             cumulative_gradients=fe.zeros_like_tree(params),
@@ -627,6 +630,7 @@ def mechanize(
     weight_decay, eps, s_init, num_betas = float(weight_decay), float(eps), float(s_init), int(num_betas)
 
     def init_fn(params: Any) -> MechanicState:
+        tree_lib.refuse_complex(params, owner=owner, why="its scale is fitted to real inner products")
         dtype, device = sc.lowest_dtype(params), tree_lib.first_device(params)
         zeros = lambda: torch.zeros(num_betas, dtype=dtype, device=device)  # noqa: E731
         return MechanicState(

@@ -37,6 +37,7 @@ def scale_by_madgrad(learning_rate: ScalarOrSchedule, momentum: float = 0.9, eps
     rate = learning_rate if callable(learning_rate) else fe.number_or_tensor(learning_rate)
 
     def init_fn(params: Any) -> MadgradState:
+        tree_lib.refuse_complex(params, owner="scale_by_madgrad", why="its denominator is a cube root of g * g sums")
         return MadgradState(
             count=fe.zero_count(params),
             grad_sum_sq=fe.zeros_like_tree(params),

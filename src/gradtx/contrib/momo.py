@@ -77,6 +77,7 @@ def momo(
     beta, weight_decay = fe.number_or_tensor(beta), fe.number_or_tensor(weight_decay)
 
     def init_fn(params: Any) -> MomoState:
+        tree_lib.refuse_complex(params, owner=owner, why="its step size is fitted to real inner products")
         dtype, device = sc.lowest_dtype(params), tree_lib.first_device(params)
         return MomoState(
             exp_avg=fe.zeros_like_tree(params),
@@ -194,6 +195,7 @@ def momo_adam(
     weight_decay = fe.number_or_tensor(weight_decay)
 
     def init_fn(params: Any) -> MomoAdamState:
+        tree_lib.refuse_complex(params, owner=owner, why="its step size is fitted to real inner products")
         dtype, device = sc.lowest_dtype(params), tree_lib.first_device(params)
         return MomoAdamState(
             exp_avg=fe.zeros_like_tree(params),

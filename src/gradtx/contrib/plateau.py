@@ -34,8 +34,7 @@ class ReduceLROnPlateauState(NamedTuple):
 
 
 def _float_dtypes(params: Any) -> list[torch.dtype]:
-    dtypes = [t.dtype for t in tree_lib.leaves(params) if isinstance(t, Tensor) and t.is_floating_point()]
-    return dtypes or [torch.get_default_dtype()]
+    return tree_lib.real_dtypes(params) or [torch.get_default_dtype()]
 
 
 def reduce_on_plateau(

@@ -66,7 +66,7 @@ class ScheduleFreeState(NamedTuple):
 
 def _lowest_float_dtype(params: Any) -> torch.dtype:
     """The floating dtype of the fewest bits among the leaves (the default dtype if there is none)."""
-    dtypes = [leaf.dtype for leaf in tree_lib.leaves(params) if isinstance(leaf, Tensor) and leaf.is_floating_point()]
+    dtypes = tree_lib.real_dtypes(params)
     if not dtypes:
         return torch.get_default_dtype()
     return min(dtypes, key=lambda d: torch.finfo(d).bits)

@@ -115,6 +115,7 @@ def hutchinson_estimator_diag_hessian(random_seed: Seed = None) -> GradientTrans
     owner = "hutchinson_estimator_diag_hessian"
 
     def init_fn(params: Any) -> HutchinsonState:
+        tree_lib.refuse_complex(params, owner=owner, why="its Hessian-vector products take real probes")
         return HutchinsonState(key=_generator_state(random_seed, tree_lib.first_device(params), owner))
 
     def update_fn(updates, state, params=None, *, inplace=False, obj_fn=None, value_fn=None, **extra_args):
@@ -192,6 +193,7 @@ def scale_by_sophia(
     gamma_, eps_ = fe.number_or_tensor(gamma), fe.number_or_tensor(eps)
 
     def init_fn(params: Any) -> SophiaState:
+        tree_lib.refuse_complex(params, owner=owner, why="its Hessian estimate and clipping are defined for real numbers")
         return SophiaState(
             count=fe.zero_count(params),
             mu=fe.zeros_like_tree(params, dtype=mu_dtype),

@@ -287,21 +287,25 @@ def leaf_rms(tree: Any, spec: Optional[ShardingSpec] = None) -> Any:
 # --------------------------------------------------------------------------- unit norms
 
 
-def _unit_axes(layout: LeafLayout, local: Tensor, logical_shape: Sequence[int]) -> tuple[bool, tuple[str, ...]]:
-    """Whether the leaf is matrix-like (units along dim 0), and the axes its unit sums reduce over."""
-    vector_like = sum(1 for s in logical_shape if s != 1) <= 1
-    if vector_like:
-        return False, layout.axes
+def _unit_axes(
+    layout: LeafLayout, local: Tensor, logical_shape: Sequence[int], axis: Any
+) -> tuple[Optional[tuple[int, ...]], tuple[str, ...]]:
+    """The dims a unit's sum reduces over (``None``: the whole leaf is one unit, see
+    :func:`gradtx.tree.unit_dims`), and the mesh axes those sums reduce over: the axes that split
+    a reduced dim (a split kept dim gives each rank whole units of its own)."""
+    dims = tree_lib.unit_dims(logical_shape, axis, what=f"unitwise_norms: leaf {layout.path!r}")
+    if dims is None:
+        return None, layout.axes
     axes = []
-    for axis, dim in zip(layout.axes, layout.dims):
+    for mesh_axis, dim in zip(layout.axes, layout.dims):
         if dim is None:
             raise ValueError(
-                f"leaf {layout.path!r} is sharded over axis {axis!r} along an unknown tensor dim, and its "
-                f"unit norms need it: give Shard({axis!r}, dim=...) (0 for column-parallel, 1 for row-parallel)"
+                f"leaf {layout.path!r} is sharded over axis {mesh_axis!r} along an unknown tensor dim, and its "
+                f"unit norms need it: give Shard({mesh_axis!r}, dim=...) (0 for column-parallel, 1 for row-parallel)"
             )
-        if dim % max(local.ndim, 1) != 0:
-            axes.append(axis)
-    return True, tuple(axes)
+        if dim % max(local.ndim, 1) in dims:
+            axes.append(mesh_axis)
+    return dims, tuple(axes)
 
 
 def _logical_shape(layout: LeafLayout, leaf: Tensor, local: Tensor, mesh: MeshAxes) -> tuple[int, ...]:
@@ -320,20 +324,22 @@ def _logical_shape(layout: LeafLayout, leaf: Tensor, local: Tensor, mesh: MeshAx
     return tuple(shape)
 
 
-def unitwise_norms(*trees: Any, spec: Optional[ShardingSpec] = None) -> tuple[Any, ...]:
-    """Per-unit L2 norms (as :func:`gradtx.unitwise_norm`) of the logical leaves of each tree.
+def unitwise_norms(*trees: Any, spec: Optional[ShardingSpec] = None, axis: Any = None) -> tuple[Any, ...]:
+    """Per-unit L2 norms (as :func:`gradtx.unitwise_norm`, ``axis`` included) of the logical leaves
+    of each tree.
 
     Every tree is laid out as the first (gradients and their parameters, say); all partial sums
-    go into one all-reduce per distinct group. Units are slices along tensor dim 0: a leaf split
-    along dim 0 (column-parallel, FSDP) needs no communication, a leaf split along another dim
-    (row-parallel) reduces over those axes, and a vector-like leaf over all its ``Shard`` axes.
+    go into one all-reduce per distinct group. By default units are slices along tensor dim 0: a
+    leaf split along dim 0 (column-parallel, FSDP) needs no communication, a leaf split along
+    another dim (row-parallel) reduces over those axes, and a vector-like leaf over all its
+    ``Shard`` axes; with ``axis``, the sums reduce over the axes that split the dims in ``axis``.
     Results have the shape of this rank's local piece (``keepdim``), or are 0-d for vector-like leaves.
     """
     if not trees:
         return ()
     _check_spec(spec, "unitwise_norms")
     if spec is None and not any(dtensor_lib.has_dtensor(tree_lib.leaves(t)) for t in trees):
-        return tuple(tree_lib.tree_map(tree_lib.unitwise_norm, t) for t in trees)
+        return tuple(tree_lib.tree_map(lambda x: tree_lib.unitwise_norm(x, axis), t) for t in trees)
     plan, first = plan_for(trees[0], spec, what="unitwise_norms", op=f"unitwise_norms({len(trees)} trees)")
     all_leaves = [first] + [tree_lib.flatten_like(t, tree_lib.structure(trees[0]), trees[0], what="unitwise_norms: params", like="gradients") for t in trees[1:]]
     items: list[tuple[tuple[str, ...], Tensor]] = []
@@ -343,16 +349,16 @@ def unitwise_norms(*trees: Any, spec: Optional[ShardingSpec] = None) -> tuple[An
             continue
         leaf = first[index]
         local = dtensor_lib.local(leaf)
-        matrix_like, axes = _unit_axes(layout, local, _logical_shape(layout, leaf, local, plan.mesh))
+        dims, axes = _unit_axes(layout, local, _logical_shape(layout, leaf, local, plan.mesh), axis)
         for leaves in all_leaves:
             x = dtensor_lib.local(leaves[index])
             if x is None:
                 raise ValueError(f"unitwise_norms: leaf {layout.path!r} is None in one tree but not in the first")
-            dtype = tree_lib.accumulation_dtype([x.dtype])
-            if matrix_like:
-                sq = torch.linalg.vector_norm(x, 2, dim=tuple(range(1, x.ndim)), keepdim=True, dtype=dtype) ** 2
+            dtype = tree_lib.accumulation_dtype([x.dtype])  # real: a complex leaf's norm is that of its moduli
+            if dims is not None:
+                sq = torch.linalg.vector_norm(x, 2, dim=dims, keepdim=True, dtype=tree_lib.norm_dtype(x.dtype)) ** 2
             else:
-                sq = torch.linalg.vector_norm(x, 2, dtype=dtype) ** 2
+                sq = torch.linalg.vector_norm(x, 2, dtype=tree_lib.norm_dtype(x.dtype)) ** 2
             items.append((axes, sq.reshape(-1)))
             shapes.append((index, tuple(sq.shape), dtype))
     reduced = reduce_grouped(plan.mesh, items, dist.ReduceOp.SUM)

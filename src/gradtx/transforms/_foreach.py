@@ -70,8 +70,9 @@ def leaves_of(updates: Any, *, what: str) -> Leaves:
 
 def params_of(leaves: Leaves, params: Any, *, owner: str) -> list[Tensor]:
     """The parameters matching the non-``None`` updates; ``params`` are required."""
-    if params is None:
-        raise ValueError(f"{owner}: params are required (pass them to update)")
+    tree_lib.require_params(leaves.tree, params, owner=owner)
+    if not leaves.present:  # nothing selected (see require_params): no params needed
+        return []
     values = leaves.aligned(params, what=f"{owner}: params")
     for i, p, u in zip(leaves.present, values, leaves.tensors):
         if p.shape != u.shape:
@@ -83,8 +84,16 @@ def params_of(leaves: Leaves, params: Any, *, owner: str) -> list[Tensor]:
 
 
 def zeros_like_tree(params: Any, dtype: Optional[torch.dtype] = None) -> Any:
-    """A tree of zeros shaped like ``params`` (``None`` stays ``None``), optionally in ``dtype``."""
-    return tree_lib.tree_map(lambda p: torch.zeros_like(p, dtype=dtype or p.dtype), params)
+    """A tree of zeros shaped like ``params`` (``None`` stays ``None``), optionally in ``dtype`` (for
+    a complex leaf, a real ``dtype`` is a precision: :func:`gradtx.tree.state_dtype`)."""
+    if dtype is None:
+        return tree_lib.tree_map(torch.zeros_like, params)
+    all_leaves, treedef = tree_lib.flatten(params)
+    zeros = [
+        None if p is None else torch.zeros_like(p, dtype=tree_lib.state_dtype(dtype, p, where=tree_lib.path_at(params, i)))
+        for i, p in enumerate(all_leaves)
+    ]
+    return tree_lib.unflatten(treedef, zeros)
 
 
 def full_like_tree(params: Any, value: float) -> Any:
@@ -241,6 +250,26 @@ def addcmul(selves: Sequence[Tensor], t1: Sequence[Tensor], t2: Sequence[Tensor]
     return tree_lib.foreach("addcmul", selves, t1, t2, inplace=inplace, value=value)
 
 
+def abs_sq(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``|t|^2`` of complex tensors as new real tensors: ``re^2 + im^2``, optax's ``abs_sq``."""
+    return [torch.view_as_real(t).square().sum(-1) for t in tensors]
+
+
+def squares(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``|t|^2`` in new tensors of the dtype of ``tensors`` (``t * t``, or the squared modulus)."""
+    if tensors[0].is_complex():
+        return [s.to(t.dtype) for s, t in zip(abs_sq(tensors), tensors)]
+    return mul(tensors, tensors, inplace=False)
+
+
+def add_squares(acc: Sequence[Tensor], tensors: Sequence[Tensor], value: Scalar, *, inplace: bool) -> list[Tensor]:
+    """``acc + value * |t|^2``: the square of a complex entry is its squared modulus, a real number
+    (optax's second moments; a complex ``acc`` keeps a zero imaginary part)."""
+    if tensors[0].is_complex():
+        return add(acc, abs_sq(tensors), alpha=value, inplace=inplace)
+    return addcmul(acc, tensors, tensors, value, inplace=inplace)
+
+
 def sqrt(selves: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
     return tree_lib.foreach("sqrt", selves, inplace=inplace)
 
@@ -250,14 +279,33 @@ def reciprocal(selves: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
 
 
 def abs(selves: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:  # noqa: A001 - mirrors torch
+    """``|x|`` in the dtype of ``selves``: the modulus of a complex entry, with a zero imaginary part."""
+    if selves[0].is_complex():
+        return _real_valued([torch.abs(s) for s in selves], selves, inplace=inplace)
     return tree_lib.foreach("abs", selves, inplace=inplace)
 
 
 def sign(selves: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
+    """``sign(x)``; ``x / |x|`` (0 at 0) for a complex entry, as ``numpy.sign`` and JAX's ``sign``."""
+    if selves[0].is_complex():
+        if inplace and not tree_lib.needs_graph(list(selves)):
+            return [s.sgn_() for s in selves]
+        return [torch.sgn(s) for s in selves]
     return tree_lib.foreach("sign", selves, inplace=inplace)
 
 
+def _real_valued(values: Sequence[Tensor], like: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
+    """Real ``values`` in the complex dtype of ``like`` (zero imaginary parts), written into ``like``
+    when ``inplace``."""
+    if inplace and not tree_lib.needs_graph(list(like), list(values)):
+        return [t.copy_(v) for t, v in zip(like, values)]
+    return [v.to(t.dtype) for t, v in zip(like, values)]
+
+
 def clamp_min(selves: Sequence[Tensor], low: float, *, inplace: bool) -> list[Tensor]:
+    """``max(x, low)``; on complex tensors holding real values (second moments), on their real parts."""
+    if selves[0].is_complex():
+        return _real_valued([torch.clamp_min(s.real, low) for s in selves], selves, inplace=inplace)
     return tree_lib.foreach("clamp_min", selves, low, inplace=inplace)
 
 
@@ -279,8 +327,12 @@ def zero(selves: Sequence[Tensor]) -> list[Tensor]:
 
 
 def maximum(selves: Sequence[Tensor], others: Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
-    """Elementwise ``max(selves, others)``."""
+    """Elementwise ``max(selves, others)``; on complex tensors holding real values (moments), on
+    their real parts (the imaginary parts stay zero)."""
     selves, others = list(selves), list(others)
+    if selves[0].is_complex():
+        values = [torch.maximum(s.real, o.real if o.is_complex() else o) for s, o in zip(selves, others)]
+        return _real_valued(values, selves, inplace=inplace)
     if tree_lib.needs_graph(selves, others):
         return [torch.maximum(s, o) for s, o in zip(selves, others)]
     if inplace:

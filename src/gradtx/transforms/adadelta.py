@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.adam import ScaleByAdamState, _check_decay, _correction, first_moment, second_moment
@@ -23,6 +24,8 @@ def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> GradientTransforma
     rho, eps = _check_decay("rho", rho, owner), float(eps)
 
     def init_fn(params: Any) -> ScaleByAdaDeltaState:
+        # optax squares a complex g as g * g here, and lists Adadelta among its real-only optimizers
+        tree_lib.refuse_complex(params, owner=owner, why="Adadelta's moments are defined for real numbers")
         return ScaleByAdaDeltaState(e_g=fe.zeros_like_tree(params), e_x=fe.zeros_like_tree(params))
 
     def update_fn(updates, state, params=None, *, inplace=False):
@@ -55,7 +58,8 @@ def scale_by_yogi(
     eps_root: float = 0.0,
     initial_accumulator_value: float = 1e-6,
 ) -> GradientTransformation:
-    """Yogi: Adam whose second moment moves additively, ``nu -= (1 - b2) * sign(nu - g^2) * g^2``.
+    """Yogi: Adam whose second moment moves additively, ``nu -= (1 - b2) * sign(nu - g^2) * g^2``
+    (``g^2`` is ``|g|^2`` for complex ``g``, as in optax).
 
     Both moments start at ``initial_accumulator_value``; the update is
     ``mu_hat / (sqrt(nu_hat + eps_root) + eps)`` with the usual bias corrections, and the state is a
@@ -80,7 +84,7 @@ def scale_by_yogi(
 
         def group(g, m, v):
             m = first_moment(m, g, b1, inplace=inplace)
-            g_sq = fe.mul(fe.cast(g, v[0].dtype), fe.cast(g, v[0].dtype), inplace=False)
+            g_sq = fe.squares(fe.cast(g, v[0].dtype))
             direction = fe.sign(fe.add(v, g_sq, alpha=-1.0, inplace=False), inplace=True)
             v = fe.add(v, fe.mul(direction, g_sq, inplace=True), alpha=-(1.0 - b2), inplace=inplace)
             d = fe.mul(v, fe.on(inv_bc2, v), inplace=False)

@@ -75,9 +75,10 @@ def first_moment(mu: list[Tensor], grads: list[Tensor], b1: Any, *, inplace: boo
 
 
 def second_moment(nu: list[Tensor], grads: list[Tensor], b2: Any, *, inplace: bool) -> list[Tensor]:
-    """``b2 * nu + (1 - b2) * g * g``."""
+    """``b2 * nu + (1 - b2) * |g|^2`` (``|g|^2`` is ``g * g`` for real ``g``, the squared modulus
+    for complex ``g``: ``nu`` stays real-valued, as optax's)."""
     nu = fe.mul(nu, fe.on(b2, nu), inplace=inplace)
-    return fe.addcmul(nu, grads, grads, 1.0 - b2, inplace=True)
+    return fe.add_squares(nu, grads, 1.0 - b2, inplace=True)
 
 
 def denominator(
@@ -247,6 +248,8 @@ def fused_adam(
     folded into Adam's step factor and the decay term is added to the direction in its buffer, so
     the donated path makes a few passes over memory and allocates nothing. ``weight_decay=None``
     leaves the decay step out of the chain (Adam); a number or a schedule puts it in (AdamW).
+    Like that chain, ``update`` takes extra keyword arguments (``value=``, ``grad=``, ...) and
+    ignores them, so the optimizer can stand wherever another one may.
     """
     adam = _Adam("adamw" if weight_decay is not None else "adam", b1, b2, eps, eps_root, mu_dtype, nesterov)
     with_decay = weight_decay is not None
@@ -263,7 +266,8 @@ def fused_adam(
         decay_state = WeightDecaySchedule(count=fe.zero_count(params)) if decay_is_schedule else EmptyState()
         return (adam.init(params), decay_state, lr_state)
 
-    def update_fn(updates, state, params=None, *, inplace=False):
+    def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
+        del extra_args  # value=, grad=, ...: taken and ignored, as by optax's aliases (the chain it stands for)
         adam_state, lr_state = state[0], state[-1]
         _, own_state = donation(inplace)
         if lr_is_schedule:
@@ -275,8 +279,7 @@ def fused_adam(
         decay, decay_state = None, None
         if with_decay:
             decay_state = state[1]
-            if params is None:
-                raise ValueError(f"{adam.owner}: params are required for weight decay (pass them to update)")
+            tree_lib.require_params(updates, params, owner=adam.owner, why=" for weight decay")
             if decay_is_schedule:
                 wd: Any = fe.schedule_value(weight_decay, decay_state.count)
                 decay_state = WeightDecaySchedule(count=fe.increment(decay_state.count, inplace=own_state))

@@ -89,7 +89,7 @@ def keep_params_nonnegative() -> GradientTransformation:
     owner = "keep_params_nonnegative"
 
     def init_fn(params: Any) -> NonNegativeParamsState:
-        del params
+        tree_lib.refuse_complex(params, owner=owner, why="complex numbers have no sign")
         return NonNegativeParamsState()
 
     def update_fn(updates, state, params=None, *, inplace=False):
@@ -138,6 +138,8 @@ def scale_by_distance_over_gradients(
         return torch.promote_types(p.dtype, torch.float32)
 
     def init_fn(params: Any) -> ScaleByDistanceOverGradientsState:
+        # optax keeps the initial params in a real param_dtype and sums the complex g * g
+        tree_lib.refuse_complex(params, owner=owner, why="its distances and sums of squares are kept for real numbers")
         norms = sharding.leaf_norms(params, spec)
         return ScaleByDistanceOverGradientsState(
             max_dist=tree_lib.tree_map(lambda n, p: (reps_rel * (1.0 + n)).to(scalar_dtype(p)), norms, params),

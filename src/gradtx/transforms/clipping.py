@@ -10,14 +10,21 @@ dtype, and the norm before clipping is kept in the state for logging.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import EmptyState, GradientTransformation, donation, init_empty_state, supports_donated_updates
+from gradtx.base import (
+    EmptyState,
+    GradientTransformation,
+    donation,
+    init_empty_state,
+    real_empty_state,
+    supports_donated_updates,
+)
 from gradtx.transforms import _foreach as fe
 from gradtx.tree import unitwise_norm
 
@@ -190,7 +197,8 @@ def clip_by_value(max_delta: float) -> GradientTransformation:
                 clipped[i] = value
         return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, clipped)), state
 
-    return GradientTransformation(init_empty_state, supports_donated_updates(update_fn))
+    init_fn = real_empty_state("clip_by_value", "complex numbers have no order to clamp in")
+    return GradientTransformation(init_fn, supports_donated_updates(update_fn))
 
 
 clip = clip_by_value
@@ -237,24 +245,35 @@ def clip_by_block_rms(threshold: float, spec: Optional[sharding.ShardingSpec] = 
 
 
 def adaptive_grad_clip(
-    clipping: float, eps: float = 1e-3, spec: Optional[sharding.ShardingSpec] = None
+    clipping: float,
+    eps: float = 1e-3,
+    spec: Optional[sharding.ShardingSpec] = None,
+    *,
+    axis: Union[None, int, Sequence[int]] = None,
 ) -> GradientTransformation:
     """Adaptive gradient clipping (Brock et al., 2021), as ``optax.adaptive_grad_clip``.
 
     Each unit's gradient norm is capped at ``clipping * max(||param unit||, eps)``; units under the
-    cap are left as they are. Needs ``params``; unit norms follow torch's output-first layout
-    (see :func:`unitwise_norm`). With a ``spec`` (or DTensor leaves) unit norms are those of the
-    logical tensors: a leaf split along dim 0 needs no communication, one split along another dim
-    (row-parallel; say ``Shard("tp", dim=1)``) reduces its per-unit sums over those axes, all
-    batched into one collective per distinct group (see :func:`gradtx.sharding.unitwise_norms`).
+    cap are left as they are. Needs ``params``. By default unit norms follow torch's output-first
+    layout (see :func:`unitwise_norm`); ``axis`` (an int or a tuple, the same for every leaf, as
+    optax's) names the dims each unit norm reduces over instead: ``axis=0`` gives optax's default
+    for JAX's ``(in, out)`` matrices. A complex leaf's norms are those of its moduli. With a
+    ``spec`` (or DTensor leaves) unit norms are those of the logical tensors: a leaf split along a
+    dim the norm keeps needs no communication, one split along a reduced dim (with the default,
+    a row-parallel ``Shard("tp", dim=1)``) reduces its per-unit sums over those axes, all batched
+    into one collective per distinct group (see :func:`gradtx.sharding.unitwise_norms`).
     """
     clipping = _check_non_negative("clipping", clipping, "adaptive_grad_clip")
     eps = _check_non_negative("eps", eps, "adaptive_grad_clip")
+    if spec is not None and not isinstance(spec, sharding.ShardingSpec):
+        raise TypeError(
+            f"adaptive_grad_clip: spec must be a gradtx.sharding.ShardingSpec, got {spec!r}; "
+            "give the unit axes as axis= (optax's third argument is gradtx's keyword axis=)"
+        )
 
 
     def update_fn(updates, state, params=None, *, inplace=False):
-        if params is None:
-            raise ValueError("adaptive_grad_clip: params are required (pass them to update)")
+        tree_lib.require_params(updates, params, owner="adaptive_grad_clip")
         tree_leaves, treedef, present = tree_lib.tensor_leaves(updates, what="adaptive_grad_clip")
         param_leaves = tree_lib.flatten_like(params, treedef, updates, what="adaptive_grad_clip: params", like="updates")
         for i in present:
@@ -268,13 +287,15 @@ def adaptive_grad_clip(
                 )
         grads = [tree_leaves[i] for i in present]
         if sharding.is_sharded(grads, spec) or sharding.is_sharded([param_leaves[i] for i in present], None):
-            grad_tree, param_tree = sharding.unitwise_norms(updates, params, spec=spec)
+            grad_tree, param_tree = sharding.unitwise_norms(updates, params, spec=spec, axis=axis)
             all_grad_norms, all_param_norms = tree_lib.leaves(grad_tree), tree_lib.leaves(param_tree)
             grad_norms = [all_grad_norms[i] for i in present]
             param_norms = [all_param_norms[i] for i in present]
         else:
-            grad_norms = [unitwise_norm(g) for g in grads]
-            param_norms = [unitwise_norm(param_leaves[i]) for i in present]
+            for i in present:  # a bad axis names its leaf
+                tree_lib.unit_dims(tuple(tree_leaves[i].shape), axis, what=f"adaptive_grad_clip: leaf {tree_lib.path_at(updates, i)!r}")
+            grad_norms = [unitwise_norm(g, axis) for g in grads]
+            param_norms = [unitwise_norm(param_leaves[i], axis) for i in present]
         local_grads, rewrap = sharding.locals_of(grads)
         clipped = []
         for grad, grad_norm, param_norm in zip(local_grads, grad_norms, param_norms):

@@ -141,7 +141,7 @@ def scale_by_factored_rms(
             layout = layouts.layouts[index] if layouts is not None else None
             shape = layout.shape if layout is not None else tuple(leaves.all_leaves[index].shape)
             dims = _factored_dims(shape, factored, min_dim_size_to_factor)
-            sq = g.to(v.dtype) * g.to(v.dtype) + epsilon
+            sq = fe.squares([g.to(v.dtype)])[0] + epsilon  # |g|^2 for a complex g
             split = dims is not None and layout is not None and bool(layout.axes_of(*dims))
             if split:
                 d1, d0 = dims

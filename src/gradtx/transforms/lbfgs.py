@@ -44,16 +44,19 @@ def _pairs(a: PyTree, b: PyTree) -> list[tuple[Tensor, Tensor]]:
 
 
 def _vdot(a: PyTree, b: PyTree, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``sum_i <a_i, b_i>`` over the leaves of two like-shaped trees, in ``dtype`` on ``device``."""
+    """``sum_i Re <a_i, b_i>`` over the leaves of two like-shaped trees (conjugated for complex
+    leaves, optax's ``real(vdot)``), in the real ``dtype`` on ``device``."""
     total = torch.zeros((), dtype=dtype, device=device)
     for x, y in _pairs(a, b):
-        total = total + torch.dot(x.reshape(-1).to(dtype), y.reshape(-1).to(dtype)).to(device)
+        total = total + tree_lib.real_inner(x, y, dtype).to(device)
     return total
 
 
 def _axpy(alpha: Tensor, x: PyTree, y: PyTree) -> PyTree:
-    """``y + alpha * x`` leaf by leaf, in ``y``'s dtypes."""
-    return tree_lib.tree_map(lambda yi, xi: yi + (alpha.to(yi.device) * xi.to(alpha.dtype)).to(yi.dtype), y, x)
+    """``y + alpha * x`` leaf by leaf, in ``y``'s dtypes (``alpha`` real, ``x`` real or complex)."""
+    return tree_lib.tree_map(
+        lambda yi, xi: yi + (alpha.to(yi.device) * xi.to(torch.promote_types(alpha.dtype, xi.dtype))).to(yi.dtype), y, x
+    )
 
 
 def _select(memory: PyTree, index: Tensor) -> PyTree:

@@ -37,14 +37,15 @@ PyTree = Any
 
 
 def _vdot(a: PyTree, b: PyTree) -> Tensor:
-    """``sum_i <a_i, b_i>`` over the leaves present in both, in float32 at least."""
+    """``sum_i Re <a_i, b_i>`` over the leaves present in both (conjugated for complex leaves: the
+    slope along ``a`` of a real objective whose gradient is ``b``), in float32 at least."""
     pairs = [(x, y) for x, y in zip(tree_lib.leaves(a), tree_lib.leaves(b)) if x is not None and y is not None]
     if not pairs:
         return torch.zeros((), dtype=torch.float64)
     dtype = tree_lib.accumulation_dtype([x.dtype for x, _ in pairs] + [y.dtype for _, y in pairs])
     device = pairs[0][0].device
     return sum(
-        (torch.dot(x.reshape(-1).to(dtype), y.reshape(-1).to(dtype)).to(device) for x, y in pairs),
+        (tree_lib.real_inner(x, y, dtype).to(device) for x, y in pairs),
         torch.zeros((), dtype=dtype, device=device),
     )
 
@@ -65,10 +66,10 @@ def _scale(stepsize: Tensor, updates: PyTree) -> PyTree:
 
 
 def _value_dtype(params: PyTree) -> torch.dtype:
-    for leaf in tree_lib.leaves(params):
-        if isinstance(leaf, Tensor) and leaf.is_floating_point():
-            return leaf.dtype
-    return torch.get_default_dtype()
+    """The dtype of the objective's values and step sizes: the first floating leaf's (the real
+    dtype of a complex one: values are real)."""
+    dtypes = tree_lib.real_dtypes(params)
+    return dtypes[0] if dtypes else torch.get_default_dtype()
 
 
 def _as_float(x: Any) -> float:
@@ -78,7 +79,8 @@ def _as_float(x: Any) -> float:
 def value_and_grad(value_fn: Callable[..., Any]) -> Callable[..., tuple[Tensor, PyTree]]:
     """``params, *args, **kwargs -> (value, grad)`` for a scalar torch function of a params tree.
 
-    The gradient (with respect to the floating-point leaves of ``params``, the first argument) is
+    The gradient (with respect to the floating-point and complex leaves of ``params``, the first
+    argument; for a complex leaf torch's conjugate Wirtinger gradient, the direction of steepest ascent) is
     taken with ``torch.autograd`` on detached copies, so it works on params that do not require
     grad and builds no graph into them. A leaf the value does not depend on gets a zero gradient;
     non-floating and ``None`` leaves get ``None``.
@@ -86,7 +88,7 @@ def value_and_grad(value_fn: Callable[..., Any]) -> Callable[..., tuple[Tensor, 
 
     def fn(params: PyTree, *args: Any, **kwargs: Any) -> tuple[Tensor, PyTree]:
         leaves, treedef = tree_lib.flatten(params)
-        differentiable = [i for i, x in enumerate(leaves) if isinstance(x, Tensor) and x.is_floating_point()]
+        differentiable = [i for i, x in enumerate(leaves) if isinstance(x, Tensor) and (x.is_floating_point() or x.is_complex())]
         with torch.enable_grad():
             inputs = [leaves[i].detach().requires_grad_(True) for i in differentiable]
             new_leaves = list(leaves)

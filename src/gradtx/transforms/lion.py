@@ -31,7 +31,7 @@ def scale_by_lion(
     """Updates ``sign((1 - b1) * g + b1 * mu)``, then ``mu = (1 - b2) * g + b2 * mu``, as optax.
 
     ``mode="smooth"`` uses ``tanh(smooth_beta * x)`` and ``mode="refined"`` keeps ``x`` where
-    ``|x| < 1`` (``clamp(x, -1, 1)``) instead of the sign.
+    ``|x| < 1`` (``clamp(x, -1, 1)``) instead of the sign. The sign of a complex entry is ``x / |x|``.
     """
     if mode not in _MODES:
         raise ValueError(f"scale_by_lion: mode must be one of {_MODES}, got {mode!r}")
@@ -52,6 +52,8 @@ def scale_by_lion(
                 x = fe.sign(x, inplace=True)
             elif mode == "smooth":
                 x = fe.tanh(fe.mul(x, smooth_beta, inplace=True), inplace=True)
+            elif x[0].is_complex():  # x where |x| < 1, else x / |x|: the real clamp, on the unit disc
+                x = [torch.where(xi.abs() < 1.0, xi, torch.sgn(xi)) for xi in x]
             else:
                 x = fe.clamp_max(fe.clamp_min(x, -1.0, inplace=True), 1.0, inplace=True)
             m = fe.lerp(m, fe.cast(g, m[0].dtype), 1.0 - b2, inplace=inplace)

@@ -45,9 +45,10 @@ def _batched_leaves(grads: PyTree, owner: str) -> tuple[list[Any], Any, list[int
 
 
 def _per_example_norms(grad: Tensor, dtype: torch.dtype) -> Tensor:
-    """The L2 norm of every example (slice along dim 0) of ``grad``, accumulated in ``dtype``."""
+    """The L2 norm of every example (slice along dim 0) of ``grad``, accumulated and returned in the
+    real ``dtype`` (a complex example's is the norm of its moduli)."""
     flat = grad.reshape(grad.shape[0], math.prod(grad.shape[1:]))
-    return torch.linalg.vector_norm(flat, 2, dim=1, dtype=dtype)
+    return torch.linalg.vector_norm(flat, 2, dim=1, dtype=tree_lib.norm_dtype(tree_lib.state_dtype(dtype, grad))).to(dtype)
 
 
 def _multipliers(norms: Tensor, clip: float | Tensor) -> Tensor:
@@ -56,8 +57,9 @@ def _multipliers(norms: Tensor, clip: float | Tensor) -> Tensor:
 
 
 def _weighted_sum(multipliers: Tensor, grad: Tensor) -> Tensor:
-    """``sum_b multipliers[b] * grad[b]``, in float32 or wider, returned in ``grad``'s dtype."""
-    dtype = tree_lib.accumulation_dtype([grad.dtype, multipliers.dtype])
+    """``sum_b multipliers[b] * grad[b]``, in float32 or wider (complex for a complex ``grad``),
+    returned in ``grad``'s dtype."""
+    dtype = torch.promote_types(grad.dtype, tree_lib.accumulation_dtype([grad.dtype, multipliers.dtype]))
     weights = multipliers.to(device=grad.device, dtype=dtype)
     return torch.tensordot(weights, grad.to(dtype), dims=1).to(grad.dtype)
 

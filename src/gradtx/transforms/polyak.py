@@ -19,10 +19,10 @@ Scalar = Union[float, Tensor]
 
 
 def _squared_norm(tensors: list[Tensor]) -> Tensor:
-    """``sum_i ||t_i||^2`` accumulated in float32 at least (float64 kept)."""
+    """``sum_i ||t_i||^2`` (moduli squared for complex leaves) accumulated in float32 at least (float64 kept)."""
     dtype = tree_lib.accumulation_dtype([t.dtype for t in tensors])
     device = tensors[0].device
-    return sum((t.to(dtype).square().sum().to(device) for t in tensors), torch.zeros((), dtype=dtype, device=device))
+    return sum((tree_lib.real_inner(t, t, dtype).to(device) for t in tensors), torch.zeros((), dtype=dtype, device=device))
 
 
 def _scalar(x: Scalar, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -89,7 +89,7 @@ def scale_by_rms(
             inv_bc = 1.0 / (1.0 - fe.decay_power(decay, count))
 
         def group(g, v):
-            v = fe.addcmul(fe.mul(v, decay, inplace=inplace), g, g, 1.0 - decay, inplace=True)
+            v = fe.add_squares(fe.mul(v, decay, inplace=inplace), g, 1.0 - decay, inplace=True)
             if inv_bc is None:
                 d = _rms_denominator(fe.cast(v, g[0].dtype), eps, eps_in_sqrt, owned=False)
             else:
@@ -132,13 +132,13 @@ def scale_by_stddev(
 
         def group(g, m, v):
             m = fe.lerp(m, g, 1.0 - decay, inplace=inplace)
-            v = fe.addcmul(fe.mul(v, decay, inplace=inplace), g, g, 1.0 - decay, inplace=True)
+            v = fe.add_squares(fe.mul(v, decay, inplace=inplace), g, 1.0 - decay, inplace=True)
             dtype = g[0].dtype
             if inv_bc is None:
                 mean, variance = fe.cast(m, dtype), fe.fresh(fe.cast(v, dtype), into=None)
             else:
                 mean, variance = _corrected(m, inv_bc, dtype), _corrected(v, inv_bc, dtype)
-            variance = fe.addcmul(variance, mean, mean, -1.0, inplace=True)  # nu_hat - mu_hat^2
+            variance = fe.add_squares(variance, mean, -1.0, inplace=True)  # nu_hat - |mu_hat|^2
             d = _rms_denominator(variance, eps, eps_in_sqrt, owned=True)
             return fe.div(g, d, inplace=inplace), m, v
 
@@ -168,7 +168,7 @@ def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7) -> G
         sums = leaves.aligned(state.sum_of_squares, what="scale_by_rss: state.sum_of_squares")
 
         def group(g, acc):
-            acc = fe.addcmul(acc, g, g, 1.0, inplace=inplace)
+            acc = fe.add_squares(acc, g, 1.0, inplace=inplace)
             d = fe.add(fe.cast(acc, g[0].dtype), eps, inplace=False)
             if eps == 0.0:
                 # A zero sum means every gradient so far was zero: the update is 0, not 0 / 0.

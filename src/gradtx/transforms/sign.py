@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, init_empty_state
 from gradtx.transforms import _foreach as fe
 
@@ -54,6 +55,7 @@ def scale_by_rprop(
     min_step_size, max_step_size = float(min_step_size), float(max_step_size)
 
     def init_fn(params: Any) -> ScaleByRpropState:
+        tree_lib.refuse_complex(params, owner=owner, why="Rprop compares the signs of successive gradients")
         return ScaleByRpropState(step_sizes=fe.full_like_tree(params, learning_rate), prev_updates=fe.zeros_like_tree(params))
 
     def update_fn(updates, state, params=None, *, inplace=False):

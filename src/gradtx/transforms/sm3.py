@@ -50,6 +50,7 @@ def scale_by_sm3(b1: float = 0.9, b2: float = 1.0, eps: float = 1e-8) -> Gradien
         return [torch.zeros((n,), dtype=p.dtype, device=p.device) for n in p.shape]
 
     def init_fn(params: Any) -> ScaleBySM3State:
+        tree_lib.refuse_complex(params, owner=owner, why="its accumulators are maxima (as in optax, which refuses them too)")
         leaves, treedef = tree_lib.flatten(params)
         mu = [None if p is None else accumulators(p) for p in leaves]
         return ScaleBySM3State(mu=tree_lib.unflatten(treedef, mu), nu=fe.zeros_like_tree(params))

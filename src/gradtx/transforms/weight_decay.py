@@ -38,8 +38,7 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Optional[Any
         return WeightDecaySchedule(count=fe.zero_count(params)) if is_schedule else EmptyState()
 
     def update_fn(updates, state, params=None, *, inplace=False):
-        if params is None:
-            raise ValueError("add_decayed_weights: params are required (pass them to update)")
+        tree_lib.require_params(updates, params, owner="add_decayed_weights")
         inplace, own_state = donation(inplace)  # from here on ``inplace`` is about the updates
         if is_schedule:
             factor: Any = fe.schedule_value(weight_decay, state.count)
