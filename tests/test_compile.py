@@ -161,3 +161,17 @@ def test_a_state_read_through_tx_state_is_never_changed_by_later_steps(compiled)
     assert len({float(s[0].norm) for s in held}) == STEPS  # the steps' norms differ
     for state, copy in zip(held, copies):
         assert_same(tree_lib.leaves(state), copy)
+
+
+@pytest.mark.parametrize("chain,expected", [("multisteps", [True, False, True]), ("clip_by_global_norm", [False] * 3)])
+def test_last_step_skipped_is_kept_across_compiled_steps(chain, expected):
+    model, batches = model_and_data()
+    opt = gtx.wrap(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), CHAINS[chain](), model=model)
+    step = torch.compile(lambda: opt.step(), backend="eager")
+    seen = []
+    for x in batches:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        step()
+        seen.append(opt.last_step_skipped)
+    assert seen == expected

@@ -64,6 +64,14 @@ def leaves_equal(a, b) -> bool:
     )
 
 
+def assert_unchanged(target: gtx.ChainedOptimizer, inner_before: dict, chain_before) -> None:
+    """Neither the inner optimizer's state dict nor the chain's state moved."""
+    after = target.optimizer.state_dict()
+    assert leaves_equal(after["state"], inner_before["state"])
+    assert after["param_groups"] == inner_before["param_groups"]
+    assert leaves_equal(target.tx_state, chain_before)
+
+
 @pytest.mark.parametrize("inner", ["adamw", "sgd"])
 def test_get_and_set_state_dict_resume_exactly(inner, tmp_path):
     straight = mlp()
@@ -135,10 +143,7 @@ def test_load_state_dict_that_does_not_fit_changes_nothing(what):
     }[what]()
     with pytest.raises(ValueError, match="transformation state"):
         target.load_state_dict(bad)
-    after = target.optimizer.state_dict()
-    assert leaves_equal(after["state"], inner_before["state"])
-    assert after["param_groups"] == inner_before["param_groups"]
-    assert leaves_equal(target.tx_state, chain_before)
+    assert_unchanged(target, inner_before, chain_before)
     target.load_state_dict(good)  # and the good one still loads
     assert leaves_equal(target.tx_state, opt.tx_state)
 
@@ -295,7 +300,4 @@ def test_an_inner_state_that_does_not_fit_is_refused_before_anything_loads(what,
         return
     with pytest.raises(ValueError, match="wrap: .*(state dict|param group)"):
         target.load_state_dict(bad)
-    after = target.optimizer.state_dict()
-    assert leaves_equal(after["state"], inner_before["state"])
-    assert after["param_groups"] == inner_before["param_groups"]
-    assert leaves_equal(target.tx_state, chain_before)
+    assert_unchanged(target, inner_before, chain_before)

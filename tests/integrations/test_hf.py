@@ -18,6 +18,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import gradtx as gtx  # noqa: E402
+from _loops import accumulate_then_clip_and_step  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -162,17 +163,7 @@ def test_trainer_with_multisteps_and_apply_if_finite_inside_wrap_matches_a_plain
         reference(x, y)["loss"].backward()
         if step == NAN_STEP:
             reference.net[0].weight.grad[0, 0] = float("nan")
-        n = step % ACCUMULATE
-        for a, p in zip(acc, reference.parameters()):
-            a.lerp_(p.grad, 1.0 / (n + 1))
-        if n == ACCUMULATE - 1:
-            if all(bool(a.isfinite().all()) for a in acc):
-                for a, p in zip(acc, reference.parameters()):
-                    p.grad = a.clone()
-                torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
-                ref_opt.step()
-            for a in acc:
-                a.zero_()
+        accumulate_then_clip_and_step(list(reference.parameters()), acc, step, ACCUMULATE, ref_opt, MAX_NORM)
     applied = STEPS // ACCUMULATE - 1
     assert int(opt.optimizer.state[model.net[0].weight]["step"]) == applied
     assert int(ref_opt.state[reference.net[0].weight]["step"]) == applied

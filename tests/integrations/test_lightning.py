@@ -24,6 +24,7 @@ from torch import nn
 
 import gradtx as gtx
 from gradtx.interop.wrap import STATE_KEY
+from _loops import accumulate_then_clip_and_step
 from _ranks import free_port, run_ranks
 
 pl = pytest.importorskip("lightning.pytorch")
@@ -132,16 +133,7 @@ def test_multisteps_and_apply_if_finite_inside_wrap_match_a_plain_loop():
         nn.functional.cross_entropy(reference(x), y).backward()
         if i == NAN_BATCH:
             reference[0].weight.grad[0, 0] = float("nan")
-        for a, p in zip(acc, reference.parameters()):
-            a.lerp_(p.grad, 1.0 / (i % ACCUMULATE + 1))
-        if i % ACCUMULATE == ACCUMULATE - 1:
-            if all(bool(a.isfinite().all()) for a in acc):
-                for a, p in zip(acc, reference.parameters()):
-                    p.grad = a.clone()
-                torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
-                opt.step()
-            for a in acc:
-                a.zero_()
+        accumulate_then_clip_and_step(list(reference.parameters()), acc, i, ACCUMULATE, opt, MAX_NORM)
     wrapped = module.trainer.optimizers[0]
     applied = BATCHES // ACCUMULATE - 1
     assert int(wrapped.optimizer.state[module.net[0].weight]["step"]) == applied

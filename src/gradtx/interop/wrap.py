@@ -219,13 +219,13 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self._state_box: list[Any] = [None, False]
         with torch.no_grad():
             self._tx_state = None if tx is None else tx.init(self._param_tree())
+        self._gate = None if tx is None else step_gates.gate_of(tx)
+        if tx is not None:
+            _check_gates(self._tx_state, self._gate)
+        self._skipped_box: list[Optional[bool]] = [None]  # in a list for the reason _state_box is
         self._keep_state_slot()
         self._tx_update = None if tx is None else with_inplace(tx)
         self._fold_plan = self._plan_fold(tx)
-        self._gate = None if tx is None else step_gates.gate_of(tx)
-        self._last_step_skipped: Optional[bool] = None
-        if tx is not None:
-            _check_gates(self._tx_state, self._gate)
 
     # ------------------------------------------------------------------ shared with the inner optimizer
 
@@ -292,7 +292,15 @@ class ChainedOptimizer(torch.optim.Optimizer):
         optimizer then learns nothing of it: its ``step`` is not called, so its parameters, state,
         step counts and own hooks stay as they were, exactly as the pure path leaves them.
         """
-        return self._last_step_skipped
+        return self._skipped_box[0]
+
+    @property
+    def _last_step_skipped(self) -> Optional[bool]:
+        return self._skipped_box[0]
+
+    @_last_step_skipped.setter
+    def _last_step_skipped(self, skipped: bool) -> None:
+        self._skipped_box[0] = skipped
 
     @property
     def tx_state(self) -> Any:
@@ -775,6 +783,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
         state = dict(state)
         if "_tx_state" in state:  # pickled before the state moved into ``_state_box``
             state["_state_box"] = [state.pop("_tx_state"), False]
+        state.setdefault("_skipped_box", [None])
+        state.setdefault("_gate", None)
         self.__dict__.update(state)
         for hooks in _HOOK_DICTS:
             if hooks not in self.__dict__:
