@@ -16,12 +16,11 @@ from torch import Tensor
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation
 from gradtx.chains import chain
+from gradtx.numerics import ScalarOrSchedule
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.adam import ScaleByAdamState, ScaleByBeliefState
 from gradtx.transforms.scaling import scale_by_learning_rate
 from gradtx.transforms.weight_decay import add_decayed_weights
-
-ScalarOrSchedule = Union[float, Callable[[Tensor], Any]]
 
 
 def _inv_correction(decay: float, count: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ donated moments in place and writing the step into the donated gradients' buffer
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, NamedTuple, Optional, Union
+from typing import Any, Literal, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -26,10 +26,9 @@ from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, identity, with_extra_args_support
 from gradtx.chains import chain
 from gradtx.contrib import _scalars as sc
+from gradtx.numerics import ScalarOrSchedule
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms import add_decayed_weights, scale_by_learning_rate
-
-ScalarOrSchedule = Union[float, Tensor, Callable[[Tensor], Any]]
 
 
 # --------------------------------------------------------------------------- Prodigy

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Union
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -10,10 +10,9 @@ from torch import Tensor
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation
 from gradtx.chains import chain
+from gradtx.numerics import ScalarOrSchedule
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.weight_decay import add_decayed_weights
-
-ScalarOrSchedule = Union[float, Callable[[Tensor], Any]]
 
 
 class MadgradState(NamedTuple):

@@ -9,7 +9,7 @@ they are those of the logical tree (:func:`gradtx.sharding.global_sums`, one col
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -18,9 +18,8 @@ from gradtx import sharding
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformationExtraArgs
 from gradtx.contrib import _scalars as sc
+from gradtx.numerics import ScalarOrSchedule
 from gradtx.transforms import _foreach as fe
-
-ScalarOrSchedule = Union[float, Tensor, Callable[[Tensor], Any]]
 
 
 def _check_value(value: Any, owner: str) -> None:

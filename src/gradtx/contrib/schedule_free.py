@@ -27,7 +27,7 @@ step behind (Meta's code reads ``t`` for both).
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -41,13 +41,12 @@ from gradtx.base import (
     with_inplace,
 )
 from gradtx.chains import chain
+from gradtx.numerics import ScalarOrSchedule
 from gradtx.schedules import warmup_constant_schedule
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.rms import scale_by_rms
 from gradtx.transforms.scaling import scale_by_learning_rate
 from gradtx.transforms.weight_decay import add_decayed_weights
-
-ScalarOrSchedule = Union[float, Callable[[Tensor], Any]]
 
 
 class ScheduleFreeState(NamedTuple):

@@ -13,19 +13,18 @@ one pass per op, with that chain's state; the ``adam``/``adamw``/``nadam`` alias
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
 from gradtx.base import EmptyState, GradientTransformation, donation, supports_donated_updates
+from gradtx.numerics import ScalarOrSchedule
 from gradtx.state_check import named
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.scaling import ScaleByScheduleState
 from gradtx.transforms.weight_decay import WeightDecaySchedule
-
-ScalarOrSchedule = Union[float, Callable[[Tensor], Any]]
 
 
 class ScaleByAdamState(NamedTuple):

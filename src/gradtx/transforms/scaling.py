@@ -22,10 +22,10 @@ from gradtx.base import (
     init_empty_state,
     supports_donated_updates,
 )
+from gradtx.numerics import ScalarOrSchedule
 from gradtx.transforms import _foreach as fe
 
 Schedule = Callable[[Tensor], Union[float, Tensor]]
-ScalarOrSchedule = Union[float, Schedule]
 
 
 def scale(step_size: Union[float, Tensor]) -> GradientTransformation:

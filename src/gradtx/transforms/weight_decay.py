@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional
 
 from torch import Tensor
 
 from gradtx import tree as tree_lib
 from gradtx.base import EmptyState, GradientTransformation, donation, supports_donated_updates
+from gradtx.numerics import ScalarOrSchedule
 from gradtx.transforms import _foreach as fe
-
-ScalarOrSchedule = Union[float, Callable[[Tensor], Any]]
 
 
 class WeightDecaySchedule(NamedTuple):
