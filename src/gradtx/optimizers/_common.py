@@ -20,3 +20,15 @@ def _one(tx: GradientTransformation) -> GradientTransformation:
 
 def _momentum(momentum: Optional[float], nesterov: bool) -> GradientTransformation:
     return trace(decay=momentum, nesterov=nesterov) if momentum is not None else identity()
+
+
+def check_learning_rate(learning_rate: Any, owner: str) -> None:
+    """Refuses ``learning_rate=None`` where the signature does not take it.
+
+    ``scale_by_learning_rate(None)`` is the identity, so an optimizer built on it would silently
+    return the unscaled direction, which ``apply_updates`` adds: the params would climb. Only the
+    optimizers whose signatures say so (``adadelta``, ``adafactor``, ``lbfgs``, as in optax) take
+    ``None``, and each documents what it does.
+    """
+    if learning_rate is None:
+        raise TypeError(f"{owner}: learning_rate must be a number, a 0-d tensor or a schedule, got None")
