@@ -24,7 +24,9 @@ from gradtx import tree_utils
 
 PyTree = Any
 ScalarOrSchedule = Union[float, Tensor, Callable[[Tensor], Any]]
-"""A hyperparameter given as a number, a 0-d tensor, or a schedule ``step -> value``."""
+"""A hyperparameter given as a number, a 0-d tensor, or a schedule: a callable of the 0-d int32
+step count returning a number or a 0-d tensor (see :mod:`gradtx.schedules`). Every signature in
+gradtx that names this type takes all three."""
 
 
 def safe_norm(

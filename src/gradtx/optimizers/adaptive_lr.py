@@ -2,8 +2,8 @@
 AdaGrad, AdaDelta, RMSProp, Adafactor, SM3.
 
 Each optimizer is the chain optax builds, with that chain's tuple state; ``learning_rate`` is a
-number or a schedule (a callable of the 0-d step count), and an optimizer inside another ``chain``
-keeps its own tuple state.
+number, a 0-d tensor or a schedule (a callable of the 0-d step count), and an optimizer inside
+another ``chain`` keeps its own tuple state.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Steps from the sign of (a momentum of) the gradient: signSGD, Signum, Lion, Rprop.
 
 Each optimizer is the chain optax builds, with that chain's tuple state; ``learning_rate`` is a
-number or a schedule (a callable of the 0-d step count), and an optimizer inside another ``chain``
-keeps its own tuple state.
+number, a 0-d tensor or a schedule (a callable of the 0-d step count), and an optimizer inside
+another ``chain`` keeps its own tuple state.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from gradtx.base import GradientTransformation
 from gradtx.chains.chain import chain
-from gradtx.optimizers._common import _one
+from gradtx.optimizers._common import _one, check_learning_rate
 from gradtx.transforms.lion import scale_by_lion
 from gradtx.transforms.momentum import ema
 from gradtx.transforms.scaling import ScalarOrSchedule, scale, scale_by_learning_rate
@@ -22,15 +22,89 @@ from gradtx.transforms.weight_decay import add_decayed_weights
 
 
 def sign_sgd(learning_rate: ScalarOrSchedule) -> GradientTransformation:
-    """signSGD: ``chain(scale_by_sign(), scale_by_learning_rate(learning_rate))``."""
+    """signSGD: steps of a fixed size along the sign of each gradient entry.
+
+    The update is ``-learning_rate * sign(g)``: every coordinate moves by ``learning_rate``
+    whatever its gradient's magnitude (0 where the gradient is 0). ``chain(scale_by_sign(),
+    scale_by_learning_rate(learning_rate))``. One bit per coordinate is all a worker needs to
+    send, which is the paper's motivation.
+
+    Args:
+      learning_rate: the step size: a number, a 0-d tensor, or a schedule called with the step
+        count (see :mod:`gradtx.schedules`).
+
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformation`.
+
+    References:
+      Bernstein, Wang, Azizzadenesheli & Anandkumar, `signSGD: Compressed Optimisation for
+      Non-Convex Problems <https://arxiv.org/abs/1802.04434>`_, ICML, 2018
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.sign_sgd(learning_rate=0.1)
+      >>> state = tx.init(params)
+      >>> for _ in range(5):
+      ...     grads = torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     print(f"{f(params):.4f}")
+      12.8300
+      11.7200
+      10.6700
+      9.6800
+      8.7500
+    """
+    check_learning_rate(learning_rate, "sign_sgd")
     return _one(chain(scale_by_sign(), scale_by_learning_rate(learning_rate)))
 
 
 def signum(
     learning_rate: ScalarOrSchedule, beta: float = 0.9, accumulator_dtype: Optional[torch.dtype] = None
 ) -> GradientTransformation:
-    """Signum: the sign of an undebiased moving average of the gradients,
-    ``chain(ema(beta, debias=False), scale_by_sign(), scale_by_learning_rate(learning_rate))``."""
+    """Signum: signSGD on a moving average of the gradients.
+
+    ``m = beta * m + (1 - beta) * g`` (no bias correction) and the update is
+    ``-learning_rate * sign(m)``: ``chain(ema(beta, debias=False), scale_by_sign(),
+    scale_by_learning_rate(learning_rate))``.
+
+    Args:
+      learning_rate: the step size: a number, a 0-d tensor, or a schedule called with the step
+        count (see :mod:`gradtx.schedules`).
+      beta: the decay of the moving average.
+      accumulator_dtype: the dtype of the moving average's buffer (``None``: the params' dtype).
+
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformation`.
+
+    References:
+      Bernstein, Wang, Azizzadenesheli & Anandkumar, `signSGD: Compressed Optimisation for
+      Non-Convex Problems <https://arxiv.org/abs/1802.04434>`_, ICML, 2018
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.signum(learning_rate=0.1)
+      >>> state = tx.init(params)
+      >>> for _ in range(5):
+      ...     grads = torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     print(f"{f(params):.4f}")
+      12.8300
+      11.7200
+      10.6700
+      9.6800
+      8.7500
+    """
+    check_learning_rate(learning_rate, "signum")
     return _one(
         chain(
             ema(beta, debias=False, accumulator_dtype=accumulator_dtype),
@@ -48,7 +122,52 @@ def lion(
     weight_decay: ScalarOrSchedule = 1e-3,
     mask: Any = None,
 ) -> GradientTransformation:
-    """Lion (Chen et al., 2023): signed momentum updates with decoupled weight decay."""
+    """Lion: the sign of an interpolation of momentum and gradient, with decoupled weight decay.
+
+    The update is ``-learning_rate * (sign(b1 * m + (1 - b1) * g) + weight_decay * param)``,
+    then the momentum moves with a different rate, ``m = b2 * m + (1 - b2) * g``. Every
+    coordinate steps by ``learning_rate`` (before the decay), so Lion usually wants a learning
+    rate 3-10x smaller than AdamW's and a weight decay that much larger; it keeps one buffer,
+    Adam two. Found by a program search in the paper.
+
+    Args:
+      learning_rate: the step size: a number, a 0-d tensor, or a schedule called with the step
+        count (see :mod:`gradtx.schedules`).
+      b1: the weight of the momentum in the interpolation whose sign is the step.
+      b2: the decay rate of the momentum.
+      mu_dtype: the dtype of the momentum's buffer (``None``: the params' dtype).
+      weight_decay: the rate of the decoupled weight decay: each step also subtracts
+        ``learning_rate * weight_decay * param``. A number, a 0-d tensor or a schedule.
+      mask: the leaves to decay: a tree of bools like the params (or a prefix of it), or a
+        callable ``params -> such a tree``; ``None`` decays every leaf.
+
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformation`.
+
+    References:
+      Chen et al., `Symbolic Discovery of Optimization Algorithms
+      <https://arxiv.org/abs/2302.06675>`_, NeurIPS, 2023
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.lion(learning_rate=0.1)
+      >>> state = tx.init(params)
+      >>> for _ in range(5):
+      ...     grads = torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     print(f"{f(params):.4f}")
+      12.8273
+      11.7150
+      10.6630
+      9.6713
+      8.7399
+    """
+    check_learning_rate(learning_rate, "lion")
     return _one(
         chain(
             scale_by_lion(b1=b1, b2=b2, mu_dtype=mu_dtype),
@@ -65,8 +184,51 @@ def rprop(
     min_step_size: float = 1e-6,
     max_step_size: float = 50.0,
 ) -> GradientTransformation:
-    """Rprop: ``chain(scale_by_rprop(...), scale(-1.0))``, optax's definition (see :func:`scale_by_rprop`
-    for how its one-step lag relates to ``torch.optim.Rprop``)."""
+    """Rprop: a step size per coordinate that grows while the gradient keeps its sign.
+
+    Each coordinate's step size is multiplied by ``eta_plus`` while its gradient keeps its sign
+    and by ``eta_minus`` when the sign flips (clipped to ``[min_step_size, max_step_size]``);
+    it moves by that step size against the sign of its gradient, and takes no step right after
+    a flip. Only the signs of the gradients are used, so it suits full-batch training. optax's
+    definition (``chain(scale_by_rprop(...), scale(-1))``), whose update lags one step behind
+    its state: the first update is zero, and on the same gradients the ``k``-th is the step
+    ``torch.optim.Rprop`` takes at its ``(k-1)``-th (see :func:`~gradtx.scale_by_rprop`).
+
+    Args:
+      learning_rate: the initial step size of every coordinate, a number or a 0-d tensor (no
+        schedule, as in optax).
+      eta_minus: the factor applied to a step size when its gradient changes sign.
+      eta_plus: the factor applied to a step size when its gradient keeps its sign.
+      min_step_size: the smallest step size.
+      max_step_size: the largest step size.
+
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformation`.
+
+    References:
+      Riedmiller & Braun, `A direct adaptive method for faster backpropagation learning: the
+      RPROP algorithm <https://doi.org/10.1109/ICNN.1993.298623>`_, IEEE ICNN, 1993
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.rprop(learning_rate=0.1)
+      >>> state = tx.init(params)
+      >>> for _ in range(5):
+      ...     grads = torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     print(f"{f(params):.4f}")
+      14.0000
+      12.8300
+      11.5052
+      10.0295
+      8.4229
+    """
+    check_learning_rate(learning_rate, "rprop")
     return _one(
         chain(
             scale_by_rprop(learning_rate, eta_minus, eta_plus, min_step_size, max_step_size),
