@@ -17,6 +17,7 @@ from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation
 from gradtx.chains import chain
 from gradtx.numerics import ScalarOrSchedule
+from gradtx.optimizers._common import check_learning_rate
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.adam import ScaleByAdamState, ScaleByBeliefState
 from gradtx.transforms.scaling import scale_by_learning_rate
@@ -146,27 +147,55 @@ def adopt(
     use_clipping: bool = True,
     clip_value_fn: Callable[[Tensor], Any] = _adopt_clip_value,
 ) -> GradientTransformation:
-    """ADOPT: ``chain(scale_by_adopt(...), scale_by_learning_rate(learning_rate))``.
+    """ADOPT: Adam that normalises by the previous steps' second moment, then takes momentum.
 
-    Adam modified to converge with any ``b2`` (Taniguchi et al., 2024, "ADOPT: Modified Adam Can
-    Converge with Any beta2 with the Optimal Rate", https://arxiv.org/abs/2411.02853): the current
-    gradient is left out of the second moment it is divided by, and the normalisation comes before
-    the momentum. See :func:`scale_by_adopt`.
+    At step ``t``, the gradient is divided by the root of the second moment of the steps before
+    it (floored at ``eps``), ``u = g / max(sqrt(nu), eps)``, clipped to
+    ``[-c(t), c(t)]``; then ``mu = b1 * mu + (1 - b1) * u``,
+    ``nu = b2 * nu + (1 - b2) * g^2``, and the update is ``-learning_rate * mu``. Leaving the
+    current gradient out of its own denominator, and normalising before the momentum, makes
+    the method converge for any ``b2``, where Adam needs ``b2`` tuned to the problem. The first
+    step only sets ``nu = g^2`` and its update is zero. See :func:`scale_by_adopt`.
 
-    ```python
-    import torch
-    from gradtx import apply_updates
-    from gradtx.contrib import adopt
+    Args:
+      learning_rate: the step size: a number, a 0-d tensor, or a schedule called with the step
+        count (see :mod:`gradtx.schedules`).
+      b1: the decay rate of the momentum of the normalised gradients.
+      b2: the decay rate of the second moment.
+      eps: the floor of ``sqrt(nu)`` in the division.
+      mu_dtype: the dtype of the momentum's buffer (``None``: the params' dtype).
+      nesterov: use Nesterov's momentum: the update is ``b1 * mu + (1 - b1) * u``.
+      use_clipping: clip the normalised gradient (the paper's stabilised version).
+      clip_value_fn: the clipping bound ``c`` as a function of the step count (``count^0.25``
+        by default), or a number for a fixed bound.
 
-    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
-    tx = adopt(learning_rate=0.1)
-    state = tx.init(params)
-    for _ in range(5):
-        grads = {"w": 2 * params["w"]}
-        updates, state = tx.update(grads, state, params)
-        params = apply_updates(params, updates)
-    ```
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformation`.
+
+    References:
+      Taniguchi et al., `ADOPT: Modified Adam Can Converge with Any beta2 with the Optimal Rate
+      <https://arxiv.org/abs/2411.02853>`_, NeurIPS, 2024
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.contrib.adopt(learning_rate=0.1)
+      >>> state = tx.init(params)
+      >>> for _ in range(5):
+      ...     grads = torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     print(f"{f(params):.4f}")
+      14.0000
+      13.8803
+      13.6551
+      13.3390
+      12.9465
     """
+    check_learning_rate(learning_rate, "adopt")
     return chain(
         scale_by_adopt(
             b1, b2, eps, mu_dtype, nesterov=nesterov, use_clipping=use_clipping, clip_value_fn=clip_value_fn
@@ -260,28 +289,60 @@ def ademamix(
     weight_decay: ScalarOrSchedule = 0.0,
     mask: Any = None,
 ) -> GradientTransformation:
-    """AdEMAMix: ``chain(scale_by_ademamix(...), add_decayed_weights(weight_decay, mask),
-    scale_by_learning_rate(learning_rate))``.
+    """AdEMAMix: Adam whose numerator adds a slow moving average of the gradients.
 
-    AdamW with a mixture of a fast and a slow EMA of the gradients, to make use of old gradients
-    (Pagliardini et al., 2024, "The AdEMAMix Optimizer: Better, Faster, Older",
-    https://arxiv.org/abs/2409.03137). The paper warms ``alpha`` and ``b3`` up with schedules;
-    both accept one here, as in optax. See :func:`scale_by_ademamix`.
+    ``m1 = b1 * m1 + (1 - b1) * g`` (fast), ``m2 = b3 * m2 + (1 - b3) * g`` (slow, not
+    bias-corrected), ``nu = b2 * nu + (1 - b2) * g^2``, and the update is
+    ``-learning_rate * ((m1_hat + alpha * m2) / (sqrt(nu_hat + eps_root) + eps) + weight_decay * param)``.
+    With ``b3`` near 1 the slow average remembers gradients from tens of thousands of steps
+    back, which the paper finds still useful. The paper warms ``alpha`` and ``b3`` up with
+    schedules (a large ``b3`` is unstable early); both take one here, as in optax, called with
+    the step count. See :func:`scale_by_ademamix`.
 
-    ```python
-    import torch
-    from gradtx import apply_updates, linear_schedule
-    from gradtx.contrib import ademamix
+    Args:
+      learning_rate: the step size: a number, a 0-d tensor, or a schedule called with the step
+        count (see :mod:`gradtx.schedules`).
+      b1: the decay rate of the fast moving average.
+      b2: the decay rate of the second moment.
+      b3: the decay rate of the slow moving average: a number, a 0-d tensor or a schedule.
+      alpha: the weight of the slow average in the numerator: a number, a 0-d tensor or a
+        schedule.
+      eps: added to the square root of the second moment.
+      eps_root: added to the second moment inside the square root.
+      mu_dtype: the dtype of all three moments' buffers (``None``: the params' dtype), as in
+        optax.
+      weight_decay: the rate of the decoupled weight decay: each step also subtracts
+        ``learning_rate * weight_decay * param``. A number, a 0-d tensor or a schedule.
+      mask: the leaves to decay: a tree of bools like the params (or a prefix of it), or a
+        callable ``params -> such a tree``; ``None`` decays every leaf.
 
-    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
-    tx = ademamix(learning_rate=0.01, alpha=linear_schedule(0.0, 5.0, 100))
-    state = tx.init(params)
-    for _ in range(5):
-        grads = {"w": 2 * params["w"]}
-        updates, state = tx.update(grads, state, params)
-        params = apply_updates(params, updates)
-    ```
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformation`.
+
+    References:
+      Pagliardini, Ablin & Grangier, `The AdEMAMix Optimizer: Better, Faster, Older
+      <https://arxiv.org/abs/2409.03137>`_, 2024
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.contrib.ademamix(learning_rate=0.1, alpha=gtx.linear_schedule(0.0, 5.0, 100))
+      >>> state = tx.init(params)
+      >>> for _ in range(5):
+      ...     grads = torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     print(f"{f(params):.4f}")
+      12.8300
+      11.7218
+      10.6764
+      9.6942
+      8.7756
     """
+    check_learning_rate(learning_rate, "ademamix")
     return chain(
         scale_by_ademamix(b1, b2, b3, alpha, eps, eps_root, mu_dtype),
         add_decayed_weights(weight_decay, mask),
@@ -354,28 +415,55 @@ def simplified_ademamix(
     weight_decay: ScalarOrSchedule = 0.0,
     mask: Any = None,
 ) -> GradientTransformation:
-    """Simplified AdEMAMix: ``chain(scale_by_simplified_ademamix(...), add_decayed_weights(
-    weight_decay, mask), scale_by_learning_rate(learning_rate))``.
+    """Simplified AdEMAMix: one undamped momentum buffer plus a weighted current gradient.
 
-    AdEMAMix with a single, undamped momentum buffer and no schedule needed for ``alpha``
-    (Morwani et al., 2025, "Connections between Schedule-Free Optimizers, AdEMAMix, and
-    Accelerated SGD Variants", https://arxiv.org/abs/2502.02431); ``alpha = 0`` is Adam up to a
-    rescaling of the learning rate and ``b1``. See :func:`scale_by_simplified_ademamix`.
+    ``m = b1 * m + g`` (no ``1 - b1`` damping), ``n = b2 * n + (1 - b2) * g^2`` and the update is
+    ``-learning_rate * ((m + alpha * g) / (sqrt(n_hat + eps_root) + eps) + weight_decay * param)``:
+    AdEMAMix's long memory from a single buffer, with no schedule needed for ``alpha``. With
+    ``alpha = 0`` it is Adam up to a rescaling of the learning rate and ``b1``. See
+    :func:`scale_by_simplified_ademamix`.
 
-    ```python
-    import torch
-    from gradtx import apply_updates
-    from gradtx.contrib import simplified_ademamix
+    Args:
+      learning_rate: the step size: a number, a 0-d tensor, or a schedule called with the step
+        count (see :mod:`gradtx.schedules`).
+      b1: the decay of the undamped momentum.
+      b2: the decay rate of the second moment.
+      alpha: the weight of the current gradient added to the momentum: a number, a 0-d tensor or
+        a schedule.
+      eps: added to the square root of the second moment.
+      eps_root: added to the second moment inside the square root.
+      weight_decay: the rate of the decoupled weight decay: each step also subtracts
+        ``learning_rate * weight_decay * param``. A number, a 0-d tensor or a schedule.
+      mask: the leaves to decay: a tree of bools like the params (or a prefix of it), or a
+        callable ``params -> such a tree``; ``None`` decays every leaf.
 
-    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
-    tx = simplified_ademamix(learning_rate=0.01, b1=0.9, alpha=2.0)
-    state = tx.init(params)
-    for _ in range(5):
-        grads = {"w": 2 * params["w"]}
-        updates, state = tx.update(grads, state, params)
-        params = apply_updates(params, updates)
-    ```
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformation`.
+
+    References:
+      Morwani et al., `Connections between Schedule-Free Optimizers, AdEMAMix, and Accelerated
+      SGD Variants <https://arxiv.org/abs/2502.02431>`_, 2025
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.contrib.simplified_ademamix(learning_rate=0.01, b1=0.9, alpha=2.0)
+      >>> state = tx.init(params)
+      >>> for _ in range(5):
+      ...     grads = torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     print(f"{f(params):.4f}")
+      13.6427
+      13.1880
+      12.6532
+      12.0543
+      11.4068
     """
+    check_learning_rate(learning_rate, "simplified_ademamix")
     return chain(
         scale_by_simplified_ademamix(b1, b2, alpha, eps, eps_root),
         add_decayed_weights(weight_decay, mask),
@@ -442,28 +530,55 @@ def acprop(
     weight_decay: ScalarOrSchedule = 0.0,
     mask: Any = None,
 ) -> GradientTransformation:
-    """ACProp: ``chain(scale_by_acprop(...), add_decayed_weights(weight_decay, mask),
-    scale_by_learning_rate(learning_rate))``.
+    """ACProp: AdaBelief's centred second moment, used asynchronously.
 
-    Momentum centring and an asynchronous update (Zhuang et al., 2021, "Momentum Centering and
-    Asynchronous Update for Adaptive Gradient Methods", https://arxiv.org/abs/2110.05454): the step
-    divides the current gradient by the spread of the earlier ones around their mean. See
-    :func:`scale_by_acprop`.
+    ``mu = b1 * mu + (1 - b1) * g`` and ``nu = b2 * nu + (1 - b2) * |g - mu_old|^2 + eps_root``,
+    the spread of the gradients around their mean; the gradient is divided by the root of the
+    spread of the steps *before* it, ``g / (sqrt(nu_old / (1 - b2^(t-1))) + eps)``
+    (``g / (1 + eps)`` on the first step), and the update is ``-learning_rate`` times that plus
+    ``weight_decay * param``, as optax computes it. Keeping the current gradient out of its own
+    denominator (the "asynchronous" update) is what lets the paper prove convergence under weaker
+    conditions than Adam's. See :func:`scale_by_acprop`.
 
-    ```python
-    import torch
-    from gradtx import apply_updates
-    from gradtx.contrib import acprop
+    Args:
+      learning_rate: the step size: a number, a 0-d tensor, or a schedule called with the step
+        count (see :mod:`gradtx.schedules`).
+      b1: the decay rate of the moving average of the gradients.
+      b2: the decay rate of the spread around it.
+      eps: added to the square root of the spread.
+      eps_root: added to the spread at every step.
+      weight_decay: the rate of the decoupled weight decay: each step also subtracts
+        ``learning_rate * weight_decay * param``. A number, a 0-d tensor or a schedule.
+      mask: the leaves to decay: a tree of bools like the params (or a prefix of it), or a
+        callable ``params -> such a tree``; ``None`` decays every leaf.
 
-    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
-    tx = acprop(learning_rate=0.01)
-    state = tx.init(params)
-    for _ in range(5):
-        grads = {"w": 2 * params["w"]}
-        updates, state = tx.update(grads, state, params)
-        params = apply_updates(params, updates)
-    ```
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformation`.
+
+    References:
+      Zhuang et al., `Momentum Centering and Asynchronous Update for Adaptive Gradient Methods
+      <https://arxiv.org/abs/2110.05454>`_, NeurIPS, 2021
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.contrib.acprop(learning_rate=0.1)
+      >>> state = tx.init(params)
+      >>> for _ in range(5):
+      ...     grads = torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     print(f"{f(params):.4f}")
+      8.9600
+      8.2112
+      7.4304
+      6.6656
+      5.9348
     """
+    check_learning_rate(learning_rate, "acprop")
     return chain(
         scale_by_acprop(b1, b2, eps, eps_root),
         add_decayed_weights(weight_decay, mask),
