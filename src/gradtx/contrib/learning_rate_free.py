@@ -27,6 +27,7 @@ from gradtx.base import GradientTransformation, GradientTransformationExtraArgs,
 from gradtx.chains import chain
 from gradtx.contrib import _scalars as sc
 from gradtx.numerics import ScalarOrSchedule
+from gradtx.optimizers._common import check_learning_rate
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms import add_decayed_weights, scale_by_learning_rate
 
@@ -60,28 +61,58 @@ def prodigy(
     *,
     spec: Optional[sharding.ShardingSpec] = None,
 ) -> GradientTransformationExtraArgs:
-    """Prodigy (Mishchenko & Defazio, 2023, https://arxiv.org/abs/2306.06101): learning-rate-free AdamW.
+    """Prodigy: AdamW whose learning rate is an estimate of the distance to the solution.
 
-    A D-Adaptation AdamW whose estimate ``D`` of the distance to the solution grows faster, by
-    weighting recent gradients more: ``D = max(D, coef * sum_k w_k <g_k, x_0 - x_k> / ||sum_k w_k g_k||_1)``,
-    and the step is AdamW's with learning rate ``D * learning_rate`` (use a schedule with 1.0 as its
-    peak). ``beta3`` (default ``sqrt(b2)``) weights the estimate's sums; ``safeguard_warmup`` leaves
-    the scheduled rate out of the estimate's denominator. ``params`` are required. Under ``spec``
-    the inner product and the L1 norm are those of the logical tree (one collective a step).
+    A D-Adaptation AdamW (see :func:`dadapt_adamw`) whose estimate ``D`` grows faster, by weighting
+    recent gradients more: ``D = max(D, estim_lr_coef * sum_k w_k <g_k, x_0 - x_k> /
+    ||sum_k w_k g_k||_1)`` with weights ``w_k`` decaying by ``beta3``; the step is AdamW's with the
+    learning rate ``D * learning_rate`` (bias corrections included), plus
+    ``-D * learning_rate * weight_decay * param``. ``D`` starts at ``estim_lr0`` and never
+    decreases. ``params`` are required (for ``x_0 - x_k`` and the decay).
 
-    ```python
-    import torch, gradtx as gtx
-    from gradtx.contrib import prodigy
+    Args:
+      learning_rate: multiplies the step the method finds (a schedule's peak should be 1): a
+        number, a 0-d tensor, or a schedule called with the step count.
+      betas: ``(b1, b2)``, the decay rates of Adam's two moments.
+      beta3: the decay of the sums in the estimate (``None``: ``sqrt(b2)``).
+      eps: added to the square root of the second moment (times ``D``).
+      estim_lr0: the initial estimate ``D``.
+      estim_lr_coef: multiplies the estimate (the reference implementation's ``d_coef``).
+      weight_decay: the rate of the decoupled weight decay, a number.
+      safeguard_warmup: leave the learning rate (a warmup schedule) out of the estimate's
+        denominator, which keeps ``D`` from being overestimated during warmup.
+      spec: a :class:`gradtx.sharding.ShardingSpec` describing how plain-tensor leaves are
+        sharded (DTensor leaves need none): the inner products and norms over the tree are then
+        those of the logical tree, exact under any sharding.
 
-    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
-    opt = prodigy()
-    state = opt.init(params)
-    for _ in range(5):
-        grads = {"w": 2 * params["w"]}  # of sum(w ** 2)
-        updates, state = opt.update(grads, state, params)
-        params = gtx.apply_updates(params, updates)
-    ```
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformationExtraArgs`.
+
+    References:
+      Mishchenko & Defazio, `Prodigy: An Expeditiously Adaptive Parameter-Free Learner
+      <https://arxiv.org/abs/2306.06101>`_, ICML, 2024
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.contrib.prodigy()
+      >>> state = tx.init(params)
+      >>> for step in range(1, 51):  # slow while the estimate grows from its small start
+      ...     grads = torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     if step % 10 == 0:
+      ...         print(f"{f(params):.4f}  D = {state.estim_lr:.3g}")
+      13.9996  D = 1.65e-05
+      13.9805  D = 0.000856
+      12.7244  D = 0.0562
+      3.6840  D = 0.833
+      1.1181  D = 0.833
     """
+    check_learning_rate(learning_rate, "prodigy")
     owner = "prodigy"
     beta1, beta2 = (fe.number_or_tensor(b) for b in betas)
     beta3 = beta2**0.5 if beta3 is None else fe.number_or_tensor(beta3)
@@ -184,25 +215,54 @@ def dadapt_adamw(
     *,
     spec: Optional[sharding.ShardingSpec] = None,
 ) -> GradientTransformationExtraArgs:
-    """AdamW with its learning rate found by D-Adaptation (Defazio & Mishchenko, 2023,
-    https://arxiv.org/abs/2301.07733).
+    """D-Adaptation AdamW: AdamW whose learning rate is an estimate of the distance to the solution.
 
-    The base learning rate ``D`` estimates the distance to the solution: ``D = max(D,
-    sum_k <g_k, s_k / (sqrt(v_k) + eps)> / ||s||_1)`` with ``s`` a weighted sum of past steps. Use a
-    schedule that treats 1.0 as the peak for ``learning_rate``. ``params`` are required (for the
-    decay). Under ``spec`` the inner product and the L1 norm are those of the logical tree.
+    The base learning rate ``D`` is a lower bound on the distance from the initial point to a
+    solution, grown from what the gradients show: ``D = max(D, sum_k <g_k, s_k / (sqrt(v_k) +
+    eps)> / ||s||_1)``, with ``s`` a weighted sum of past steps and ``v`` Adam's second moment.
+    The step is AdamW's with the learning rate ``D * learning_rate`` (bias corrections
+    included), plus ``-D * learning_rate * weight_decay * param``; ``D`` starts at ``estim_lr0``
+    and never decreases. ``params`` are required (for the decay).
 
-    ```python
-    import torch, gradtx as gtx
-    from gradtx.contrib import dadapt_adamw
+    Args:
+      learning_rate: multiplies the step the method finds (a schedule's peak should be 1): a
+        number, a 0-d tensor, or a schedule called with the step count.
+      betas: ``(b1, b2)``, the decay rates of Adam's two moments.
+      eps: added to the square root of the second moment.
+      estim_lr0: the initial estimate ``D``.
+      weight_decay: the rate of the decoupled weight decay, a number.
+      spec: a :class:`gradtx.sharding.ShardingSpec` describing how plain-tensor leaves are
+        sharded (DTensor leaves need none): the inner products and norms over the tree are then
+        those of the logical tree, exact under any sharding.
 
-    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
-    opt = dadapt_adamw()
-    state = opt.init(params)
-    updates, state = opt.update({"w": 2 * params["w"]}, state, params)
-    params = gtx.apply_updates(params, updates)
-    ```
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformationExtraArgs`.
+
+    References:
+      Defazio & Mishchenko, `Learning-Rate-Free Learning by D-Adaptation
+      <https://arxiv.org/abs/2301.07733>`_, ICML, 2023
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.contrib.dadapt_adamw()
+      >>> state = tx.init(params)
+      >>> for step in range(1, 51):  # slow while the estimate grows from its small start
+      ...     grads = torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     if step % 10 == 0:
+      ...         print(f"{f(params):.4f}  D = {state.estim_lr:.3g}")
+      13.9971  D = 0.000426
+      13.8221  D = 0.0237
+      8.5912  D = 0.767
+      1.4614  D = 2.9
+      0.4580  D = 2.9
     """
+    check_learning_rate(learning_rate, "dadapt_adamw")
     owner = "dadapt_adamw"
     beta1, beta2 = (fe.number_or_tensor(b) for b in betas)
     sb2 = beta2**0.5
@@ -365,26 +425,58 @@ def dog(
     *,
     spec: Optional[sharding.ShardingSpec] = None,
 ) -> GradientTransformation:
-    """Distance over Gradients (Ivgi, Hinder & Carmon, 2023, https://arxiv.org/abs/2302.12022).
+    """DoG ("Distance over Gradients"): SGD whose step is the distance travelled over the gradients' norms.
 
-    SGD with the step ``eta_t = max_{k<=t} ||x_k - x_0|| / sqrt(sum_{k<=t} ||g_k||^2 + eps)``,
-    learning-rate free (``learning_rate`` only scales or schedules it). ``init_step`` sets the
-    first step (see :func:`scale_by_dog`); the authors suggest averaging the iterates. As optax:
-    ``chain([add_decayed_weights(weight_decay, mask),] scale_by_dog(init_step, eps), scale_by_learning_rate(learning_rate))``.
-    Under ``spec`` the norms are those of the logical tree (exact under sharding).
+    The update is ``-learning_rate * eta_t * g`` with
+    ``eta_t = max_{k<=t} ||x_k - x_0|| / sqrt(sum_{k<=t} ||g_k||^2 + eps)``: no learning rate to
+    tune (``learning_rate`` only scales or schedules the step), and a step that grows while the
+    iterates travel. ``init_step`` sets the first step, when no distance has been travelled;
+    the authors suggest averaging the iterates. As optax: ``chain([add_decayed_weights(weight_decay,
+    mask),] scale_by_dog(init_step, eps), scale_by_learning_rate(learning_rate))``.
+    ``params`` are required.
 
-    ```python
-    import torch, gradtx as gtx
-    from gradtx.contrib import dog
+    Args:
+      learning_rate: multiplies the step the method finds (a schedule's peak should be 1): a
+        number, a 0-d tensor, or a schedule called with the step count.
+      init_step: how the first step is set: ``("distance", r0)``, the initial distance;
+        ``("heuristic", alpha)``, ``r0 = alpha * (1 + ||x_0||)`` (``init`` must get the real
+        params); or ``("learning_rate", eta0)``, the first step's rate.
+      eps: added to the sum of squared norms.
+      weight_decay: the rate of an L2 penalty added to the gradients first (``None``: none).
+      mask: the leaves to decay: a tree of bools like the params (or a prefix of it), or a
+        callable ``params -> such a tree``; ``None`` decays every leaf.
+      spec: a :class:`gradtx.sharding.ShardingSpec` describing how plain-tensor leaves are
+        sharded (DTensor leaves need none): the inner products and norms over the tree are then
+        those of the logical tree, exact under any sharding.
 
-    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
-    opt = dog()
-    state = opt.init(params)
-    for _ in range(5):
-        updates, state = opt.update({"w": 2 * params["w"]}, state, params)
-        params = gtx.apply_updates(params, updates)
-    ```
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformation`.
+
+    References:
+      Ivgi, Hinder & Carmon, `DoG is SGD's Best Friend: A Parameter-Free Dynamic Step Size
+      Schedule <https://arxiv.org/abs/2302.12022>`_, ICML, 2023
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.contrib.dog()
+      >>> state = tx.init(params)
+      >>> for step in range(1, 51):  # slow while the estimate grows from its small start
+      ...     grads = torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     if step % 10 == 0:
+      ...         print(f"{f(params):.4f}")
+      13.9990
+      13.9906
+      13.9422
+      13.7289
+      12.9558
     """
+    check_learning_rate(learning_rate, "dog")
     return chain(
         _with_decay(weight_decay, mask), scale_by_dog(init_step, eps, spec=spec), scale_by_learning_rate(learning_rate)
     )
@@ -455,25 +547,54 @@ def dowg(
     *,
     spec: Optional[sharding.ShardingSpec] = None,
 ) -> GradientTransformation:
-    """Distance over Weighted Gradients (Khaled, Mishchenko & Jin, 2023, https://arxiv.org/abs/2305.16284).
+    """DoWG ("Distance over Weighted Gradients"): DoG with gradients weighted by the squared distance.
 
-    SGD with the step ``r_t^2 / (sqrt(v_t) + eps)``, where ``r_t^2 = max_{k<=t} ||x_k - x_0||^2`` and
-    ``v_t = sum_{k<=t} r_k^2 ||g_k||^2``. As optax: ``chain([add_decayed_weights(weight_decay, mask),]
-    scale_by_dowg(init_estim_sq_dist, eps), scale_by_learning_rate(learning_rate))``. Under ``spec``
-    the squared norms are those of the logical tree.
+    The update is ``-learning_rate * r_t^2 / (sqrt(v_t) + eps) * g``, with
+    ``r_t^2 = max_{k<=t} ||x_k - x_0||^2`` (at least the initial guess) and
+    ``v_t = sum_{k<=t} r_k^2 ||g_k||^2``: weighting later gradients more lets the step adapt to
+    the problem's smoothness. As optax: ``chain([add_decayed_weights(weight_decay, mask),]
+    scale_by_dowg(init_estim_sq_dist, eps), scale_by_learning_rate(learning_rate))``.
+    ``params`` are required.
 
-    ```python
-    import torch, gradtx as gtx
-    from gradtx.contrib import dowg
+    Args:
+      learning_rate: multiplies the step the method finds (a schedule's peak should be 1): a
+        number, a 0-d tensor, or a schedule called with the step count.
+      init_estim_sq_dist: the initial guess of the squared distance ``r_0^2`` (``None``: ``eps``).
+      eps: added to ``sqrt(v_t)``.
+      weight_decay: the rate of an L2 penalty added to the gradients first (``None``: none).
+      mask: the leaves to decay: a tree of bools like the params (or a prefix of it), or a
+        callable ``params -> such a tree``; ``None`` decays every leaf.
+      spec: a :class:`gradtx.sharding.ShardingSpec` describing how plain-tensor leaves are
+        sharded (DTensor leaves need none): the inner products and norms over the tree are then
+        those of the logical tree, exact under any sharding.
 
-    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
-    opt = dowg()
-    state = opt.init(params)
-    for _ in range(5):
-        updates, state = opt.update({"w": 2 * params["w"]}, state, params)
-        params = gtx.apply_updates(params, updates)
-    ```
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformation`.
+
+    References:
+      Khaled, Mishchenko & Jin, `DoWG Unleashed: An Efficient Universal Parameter-Free
+      Gradient Descent Method <https://arxiv.org/abs/2305.16284>`_, NeurIPS, 2023
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.contrib.dowg()
+      >>> state = tx.init(params)
+      >>> for _ in range(5):
+      ...     grads = torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     print(f"{f(params):.4f}")
+      13.9254
+      13.8728
+      13.7754
+      13.5962
+      13.2688
     """
+    check_learning_rate(learning_rate, "dowg")
     return chain(
         _with_decay(weight_decay, mask),
         scale_by_dowg(init_estim_sq_dist, eps, spec=spec),
@@ -550,25 +671,52 @@ def cocob(
     weight_decay: float = 0.0,
     mask: Any = None,
 ) -> GradientTransformation:
-    """COntinuous COin Betting (Orabona & Tommasi, 2017, https://arxiv.org/abs/1705.07795), Algorithm 2.
+    """COCOB-Backprop: learning-rate-free steps from a coin-betting game, per coordinate.
 
-    Learning-rate free: each coordinate bets a fraction of its accumulated "wealth" on the sign of
-    the negative gradient sum. As optax: ``chain(add_decayed_weights(weight_decay, mask),
-    scale_by_learning_rate(learning_rate, flip_sign=False), scale_by_cocob(alpha, eps))`` (the
-    learning rate scales the gradients the bets see). Per coordinate, so exact under sharding as is.
+    Each coordinate is a gambler betting on the sign of the negative gradient sum, a fraction of
+    its wealth (the reward it has accumulated) at a time: with ``L`` the largest ``|g|`` seen,
+    ``G`` the sum of ``|g|``, ``R`` the reward and ``C`` minus the sum of gradients, the new
+    point is ``x_0 + C (L + R) / (L max(G + L, alpha L))`` (Algorithm 2 of the paper). As optax:
+    ``chain(add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate,
+    flip_sign=False), scale_by_cocob(alpha, eps))``, so ``learning_rate`` scales the gradients
+    the bets see. Elementwise, so exact under any sharding as it is. ``params`` are required.
 
-    ```python
-    import torch, gradtx as gtx
-    from gradtx.contrib import cocob
+    Args:
+      learning_rate: multiplies the gradients before the bets: a number, a 0-d tensor, or a
+        schedule called with the step count.
+      alpha: bounds the fraction bet early on, while ``G`` is small (the paper's ``alpha``).
+      eps: the initial ``L``, so the first bets are defined.
+      weight_decay: the rate of an L2 penalty added to the gradients first, a number.
+      mask: the leaves to decay: a tree of bools like the params (or a prefix of it), or a
+        callable ``params -> such a tree``; ``None`` decays every leaf.
 
-    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
-    opt = cocob()
-    state = opt.init(params)
-    for _ in range(5):
-        updates, state = opt.update({"w": 2 * params["w"]}, state, params)
-        params = gtx.apply_updates(params, updates)
-    ```
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformation`.
+
+    References:
+      Orabona & Tommasi, `Training Deep Networks without Learning Rates Through Coin Betting
+      <https://arxiv.org/abs/1705.07795>`_, NeurIPS, 2017
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.contrib.cocob()
+      >>> state = tx.init(params)
+      >>> for _ in range(5):
+      ...     grads = torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     print(f"{f(params):.4f}")
+      13.8803
+      13.7594
+      13.6339
+      13.5003
+      13.3548
     """
+    check_learning_rate(learning_rate, "cocob")
     return chain(
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate, flip_sign=False),
@@ -602,27 +750,53 @@ def mechanize(
     *,
     spec: Optional[sharding.ShardingSpec] = None,
 ) -> GradientTransformationExtraArgs:
-    """Mechanic (Cutkosky, Defazio & Mehta, 2023, https://arxiv.org/abs/2306.00144): learns the scale
-    of ``base_optimizer``'s updates.
+    """Mechanic: learns, online, the scale of another optimizer's updates.
 
-    The base optimizer's updates are accumulated into ``delta``; the iterate is ``x_0 - (sum s) * delta``,
-    where the scales ``s`` (one per beta in ``1 - 0.1^k``, ``k = 1..num_betas``) are tuned online by a
-    coin-betting rule on ``h = <g + wd * (sum s) ||g|| / ||x|| x, delta>``. Keep the base optimizer's
-    learning rate (or schedule peak) at 1.0 and let Mechanic find the scale. ``weight_decay`` is the
-    tuner's own decay, not the base optimizer's. Extra arguments (``value=``...) are passed on to
-    the base optimizer. Under ``spec`` the norms and the inner product are those of the logical tree.
+    The base optimizer's updates are summed into ``Delta`` and the iterate is
+    ``x = x_0 + (sum s) * Delta``: the scales ``s``, one for each decay ``1 - 0.1^k``
+    (``k = 1..num_betas``), are tuned by a coin-betting rule on
+    ``h = <g + weight_decay * (sum s) * ||g|| / ||x|| * x, -Delta_prev>``, the derivative of the
+    loss along the direction travelled. Keep the base optimizer's learning rate (or schedule
+    peak) at 1.0 and let Mechanic find the scale. Extra arguments (``value=``...) are passed on
+    to the base optimizer. ``params`` are required.
 
-    ```python
-    import torch, gradtx as gtx
-    from gradtx.contrib import mechanize
+    Args:
+      base_optimizer: the optimizer whose updates are scaled, its learning rate at 1.0.
+      weight_decay: the tuner's own weight decay (in ``h``), not the base optimizer's.
+      eps: added to denominators, for numerical stability.
+      s_init: the initial value of each scale, and the tuner's initial wealth, shared among
+        them.
+      num_betas: the number of scales, each with its own decay.
+      spec: a :class:`gradtx.sharding.ShardingSpec` describing how plain-tensor leaves are
+        sharded (DTensor leaves need none): the inner products and norms over the tree are then
+        those of the logical tree, exact under any sharding.
 
-    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
-    opt = mechanize(gtx.adam(1.0))
-    state = opt.init(params)
-    for _ in range(5):
-        updates, state = opt.update({"w": 2 * params["w"]}, state, params)
-        params = gtx.apply_updates(params, updates)
-    ```
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformationExtraArgs`.
+
+    References:
+      Cutkosky, Defazio & Mehta, `Mechanic: A Learning Rate Tuner
+      <https://arxiv.org/abs/2306.00144>`_, NeurIPS, 2023
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.contrib.mechanize(gtx.adam(learning_rate=1.0))
+      >>> state = tx.init(params)
+      >>> for step in range(1, 51):  # slow while the estimate grows from its small start
+      ...     grads = torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     if step % 10 == 0:
+      ...         print(f"{f(params):.4f}")
+      13.9988
+      13.9624
+      13.2668
+      5.2311
+      1.5100
     """
     owner = "mechanize"
     base = with_extra_args_support(base_optimizer)
