@@ -11,6 +11,7 @@ from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation
 from gradtx.chains import chain
 from gradtx.numerics import ScalarOrSchedule
+from gradtx.optimizers._common import check_learning_rate
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.weight_decay import add_decayed_weights
 
@@ -79,25 +80,50 @@ def scale_by_madgrad(learning_rate: ScalarOrSchedule, momentum: float = 0.9, eps
 def madgrad(
     learning_rate: ScalarOrSchedule, momentum: float = 0.9, weight_decay: float = 0.0, eps: float = 1e-6
 ) -> GradientTransformation:
-    """MADGRAD: ``chain(add_decayed_weights(weight_decay), scale_by_madgrad(learning_rate, momentum, eps))``.
+    """MADGRAD: dual averaging with a cube-root adaptive scaling, and momentum by averaging iterates.
 
-    Dual averaging with a cube-root adaptive scaling and momentum by averaging the iterates
-    (Defazio & Jelassi, 2021, "Adaptivity without Compromise: A Momentumized, Adaptive, Dual
-    Averaged Gradient Method for Stochastic Optimization", https://arxiv.org/abs/2101.11075).
-    The weight decay is L2 (added to the gradient). See :func:`scale_by_madgrad`.
+    With ``lamb_t = (learning_rate + eps) * sqrt(t + 1)`` (``t = 0`` first): the weighted sums
+    ``s += lamb_t * g`` and ``q += lamb_t * g^2``, the dual-averaging point
+    ``z = x_0 - s / (cbrt(q) + eps)``, and the new params
+    ``(1 - momentum) * z + momentum * x``: the momentum averages the iterates rather than the
+    gradients. The cube root (where AdaGrad takes a square root) is the paper's. As optax:
+    ``chain(add_decayed_weights(weight_decay), scale_by_madgrad(learning_rate, momentum, eps))``,
+    so the weight decay is an L2 penalty added to the gradient. ``params`` are required (the
+    initial point is kept in the state). See :func:`scale_by_madgrad`.
 
-    ```python
-    import torch
-    from gradtx import apply_updates
-    from gradtx.contrib import madgrad
+    Args:
+      learning_rate: the step size: a number, a 0-d tensor, or a schedule called with the step
+        count (see :mod:`gradtx.schedules`).
+      momentum: the weight of the current params in the average with ``z`` (the paper's
+        ``1 - c``).
+      weight_decay: the rate of an L2 penalty added to the gradient, a number.
+      eps: added to the learning rate in the weights and to the cube root.
 
-    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
-    tx = madgrad(learning_rate=0.01)
-    state = tx.init(params)
-    for _ in range(5):
-        grads = {"w": 2 * params["w"]}
-        updates, state = tx.update(grads, state, params)
-        params = apply_updates(params, updates)
-    ```
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformation`.
+
+    References:
+      Defazio & Jelassi, `Adaptivity without Compromise: A Momentumized, Adaptive, Dual Averaged
+      Gradient Method for Stochastic Optimization <https://arxiv.org/abs/2101.11075>`_, 2021
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.contrib.madgrad(learning_rate=0.1)
+      >>> state = tx.init(params)
+      >>> for _ in range(5):
+      ...     grads = torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     print(f"{f(params):.4f}")
+      13.5775
+      12.8774
+      11.9620
+      10.8891
+      9.7134
     """
+    check_learning_rate(learning_rate, "madgrad")
     return chain(add_decayed_weights(weight_decay), scale_by_madgrad(learning_rate, momentum, eps))

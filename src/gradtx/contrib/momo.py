@@ -19,6 +19,7 @@ from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformationExtraArgs
 from gradtx.contrib import _scalars as sc
 from gradtx.numerics import ScalarOrSchedule
+from gradtx.optimizers._common import check_learning_rate
 from gradtx.transforms import _foreach as fe
 
 
@@ -47,31 +48,55 @@ def momo(
     *,
     spec: Optional[sharding.ShardingSpec] = None,
 ) -> GradientTransformationExtraArgs:
-    """MoMo (Schaipp, Ohana, Eickenberg, Defazio & Gower, 2023, https://arxiv.org/abs/2305.07583):
-    SGD with momentum and an adaptive, Polyak-type step.
+    """MoMo: SGD with momentum whose step is capped by a Polyak-type model of the loss.
 
-    The step is ``min(learning_rate, max(f_bar - lb - gamma + <d, x>, 0) / ||d||^2)`` (with the
-    decay folded in), where ``d``, ``f_bar`` and ``gamma`` are moving averages of the gradients, of
-    the losses and of ``<g, x>``; ``lower_bound`` bounds the loss from below (0 suits most losses),
-    or is estimated on the fly with ``adapt_lower_bound=True``. The update takes the loss at
-    ``params`` as ``value=``; ``params`` are required.
+    ``d``, ``f_bar`` and ``gamma`` are moving averages (with ``beta``) of the gradients, of the
+    losses and of ``<g, x>``: together a model of the loss, whose step to the lower bound ``lb``
+    is ``tau = min(learning_rate, max(f_bar - lb - gamma + <d, x>, 0) / ||d||^2)`` (with the
+    weight decay folded in); the update is ``-tau * d``. The learning rate is only a cap, so
+    MoMo needs little tuning. ``update`` takes the loss at ``params`` as ``value=``; ``params``
+    are required.
 
-    ```python
-    import torch, gradtx as gtx
-    from gradtx.contrib import momo
+    Args:
+      learning_rate: the largest step: a number, a 0-d tensor, or a schedule called with the
+        step count.
+      beta: the decay of the three moving averages.
+      lower_bound: a lower bound of the loss (0 suits most losses, which are non-negative).
+      weight_decay: the rate of the weight decay, folded into the step as in the paper: the
+        params are also divided by ``1 + learning_rate * weight_decay`` at every step. A number.
+      adapt_lower_bound: estimate the lower bound on the fly, starting from ``lower_bound``
+        (for losses whose minimum is far above it).
+      spec: a :class:`gradtx.sharding.ShardingSpec` describing how plain-tensor leaves are
+        sharded (DTensor leaves need none): the inner products and norms over the tree are then
+        those of the logical tree, exact under any sharding.
 
-    def f(p):
-        return (p["w"] ** 2).sum()
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformationExtraArgs`.
 
-    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
-    opt = momo()
-    state = opt.init(params)
-    for _ in range(5):
-        grads = torch.func.grad(f)(params)
-        updates, state = opt.update(grads, state, params, value=f(params))
-        params = gtx.apply_updates(params, updates)
-    ```
+    References:
+      Schaipp, Ohana, Eickenberg, Defazio & Gower, `MoMo: Momentum Models for Adaptive Learning
+      Rates <https://arxiv.org/abs/2305.07583>`_, ICML, 2024
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0 where it is 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.contrib.momo()
+      >>> state = tx.init(params)
+      >>> for _ in range(5):
+      ...     value, grads = f(params), torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params, value=value)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     print(f"{f(params):.4f}")
+      3.5000
+      3.3182
+      3.1419
+      2.9713
+      2.8069
     """
+    check_learning_rate(learning_rate, "momo")
     owner = "momo"
     beta, weight_decay = fe.number_or_tensor(beta), fe.number_or_tensor(weight_decay)
 
@@ -165,30 +190,56 @@ def momo_adam(
     *,
     spec: Optional[sharding.ShardingSpec] = None,
 ) -> GradientTransformationExtraArgs:
-    """MoMo-Adam (Schaipp et al., 2023, https://arxiv.org/abs/2305.07583): Adam(W) with MoMo's
-    adaptive step.
+    """MoMo-Adam: Adam whose step is capped by MoMo's Polyak-type model of the loss.
 
-    As :func:`momo` in the geometry of Adam's preconditioner ``D = eps + sqrt(v / (1 - b2^t))``: the
-    step is ``min(learning_rate / bc1, max(gap, 0) / <d, D^-1 d>)`` and the update ``-tau D^-1 d``,
-    plus AdamW-style decay. The update takes the loss at ``params`` as ``value=``; ``params`` are
-    required.
+    :func:`momo` in the geometry of Adam's preconditioner ``D = eps + sqrt(v / (1 - b2^t))``:
+    ``d`` is the moving average of the gradients (with ``b1``), the step is
+    ``tau = min(learning_rate / (1 - b1^t), max(gap, 0) / <d, D^-1 d>)`` with ``gap`` the model's
+    gap to the lower bound, and the update ``-tau * D^-1 d`` (with the weight decay folded in).
+    ``update`` takes the loss at ``params`` as ``value=``; ``params`` are required.
 
-    ```python
-    import torch, gradtx as gtx
-    from gradtx.contrib import momo_adam
+    Args:
+      learning_rate: the largest step (before Adam's bias correction): a number, a 0-d tensor,
+        or a schedule called with the step count.
+      b1: the decay of the moving averages of the gradients, losses and ``<g, x>``.
+      b2: the decay of the second moment in the preconditioner.
+      eps: added to the root of the second moment in the preconditioner.
+      lower_bound: a lower bound of the loss (0 suits most losses, which are non-negative).
+      weight_decay: the rate of the weight decay, folded into the step as in the paper: the
+        params are also divided by ``1 + learning_rate * weight_decay`` at every step. A number.
+      adapt_lower_bound: estimate the lower bound on the fly, starting from ``lower_bound``
+        (for losses whose minimum is far above it).
+      spec: a :class:`gradtx.sharding.ShardingSpec` describing how plain-tensor leaves are
+        sharded (DTensor leaves need none): the inner products and norms over the tree are then
+        those of the logical tree, exact under any sharding.
 
-    def f(p):
-        return (p["w"] ** 2).sum()
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformationExtraArgs`.
 
-    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
-    opt = momo_adam()
-    state = opt.init(params)
-    for _ in range(5):
-        grads = torch.func.grad(f)(params)
-        updates, state = opt.update(grads, state, params, value=f(params))
-        params = gtx.apply_updates(params, updates)
-    ```
+    References:
+      Schaipp, Ohana, Eickenberg, Defazio & Gower, `MoMo: Momentum Models for Adaptive Learning
+      Rates <https://arxiv.org/abs/2305.07583>`_, ICML, 2024
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0 where it is 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.contrib.momo_adam(learning_rate=0.1)
+      >>> state = tx.init(params)
+      >>> for _ in range(5):
+      ...     value, grads = f(params), torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params, value=value)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     print(f"{f(params):.4f}")
+      12.8300
+      11.7218
+      10.6764
+      9.6943
+      8.7758
     """
+    check_learning_rate(learning_rate, "momo_adam")
     owner = "momo_adam"
     b1, b2, eps = fe.number_or_tensor(b1), fe.number_or_tensor(b2), float(eps)
     weight_decay = fe.number_or_tensor(weight_decay)
