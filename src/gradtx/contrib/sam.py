@@ -95,39 +95,64 @@ def sam(
     opaque_mode: bool = False,
     batch_axis_name: Optional[str] = None,
 ) -> GradientTransformationExtraArgs:
-    """Sharpness-aware minimization (Foret et al., 2021, https://arxiv.org/abs/2010.01412) as
-    optax.contrib's combinator: ``sync_period - 1`` adversarial steps, then an outer step.
+    """SAM (sharpness-aware minimization): outer steps taken with the gradient at an adversarial point.
+
+    SAM minimises the largest loss within a ball around the params: from the params ``x``, it
+    takes ``sync_period - 1`` adversarial steps uphill (with ``adv_optimizer``, whose update is
+    negated; ``chain(normalize(), sgd(rho))`` gives the paper's ``x + rho * g / ||g||``), then
+    an outer step with ``optimizer``, using the gradient at the adversarial point but taken from
+    ``x``. This is optax.contrib's combinator.
 
     In the default *transparent* mode every ``update`` is one step the caller applies: the
-    adversarial ones move the params uphill with ``adv_optimizer`` (its update negated), and every
-    ``sync_period``-th returns the outer ``optimizer``'s update taken from the cached params
-    (``cache - params + update``), so the params land where the outer step from the cache leads.
-    Both optimizers run at every call and the step's one is selected with tensor ops (as optax: no
-    host decision); the outer state advances only on outer steps, and the adversarial state is
-    reset to ``adv_optimizer.init(params)`` after each (``reset_state``), else kept as it was.
+    adversarial ones move the params uphill, and every ``sync_period``-th returns the outer
+    update taken from the cached ``x`` (``cache - params + update``), so the params land where
+    the outer step from ``x`` leads. Both optimizers run at every call and the step's one is
+    selected with tensor ops (no host decision, as in optax); the outer state advances only on
+    outer steps, and the adversarial state is reset to ``adv_optimizer.init(params)`` after
+    each (``reset_state``). In *opaque* mode every ``update`` runs the adversarial steps itself
+    and returns the outer update: it needs ``grad_fn=``, a function ``(params, i) -> gradients``
+    it calls ``sync_period - 1`` times (``i`` = 0, 1, ...). Other extra arguments are accepted
+    and ignored, as in optax.
 
-    In *opaque* mode (``opaque_mode=True``) every ``update`` runs the adversarial steps itself and
-    returns the outer update: it needs ``grad_fn=``, a function ``(params, i) -> gradient tree`` it
-    calls ``sync_period - 1`` times (``i`` = 0, 1, ...). ``batch_axis_name`` (optax's ``pmean``
-    axis) has no counterpart here: average the gradients inside ``grad_fn`` under data parallelism.
+    Args:
+      optimizer: the outer optimizer, which takes the real steps.
+      adv_optimizer: the adversarial optimizer; its (descent) update is negated, so it climbs.
+      sync_period: the number of calls per outer step: ``sync_period - 1`` adversarial steps,
+        then the outer one.
+      reset_state: reset the adversarial optimizer's state after each outer step (else it is
+        kept).
+      opaque_mode: run the adversarial steps inside each ``update`` (through ``grad_fn=``)
+        rather than one per call.
+      batch_axis_name: optax's ``pmean`` axis, which has no counterpart here: average the
+        gradients inside ``grad_fn`` under data parallelism.
 
-    Other extra arguments are accepted and ignored, as in optax.
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformationExtraArgs`.
 
-    Example::
+    References:
+      Foret, Kleiner, Mobahi & Neyshabur, `Sharpness-Aware Minimization for Efficiently
+      Improving Generalization <https://arxiv.org/abs/2010.01412>`_, ICLR, 2021
 
-        import torch
-        import gradtx as gtx
-        from gradtx.contrib import normalize, sam
-
-        def loss(p):
-            return ((p["w"] - 1.0) ** 2).sum()
-
-        opt = sam(gtx.sgd(0.1), gtx.chain(normalize(), gtx.sgd(0.05)), sync_period=2)
-        params = {"w": torch.tensor([3.0, -2.0])}
-        state = opt.init(params)
-        for _ in range(40):   # 20 adversarial and 20 outer steps
-            updates, state = opt.update(torch.func.grad(loss)(params), state, params)
-            params = gtx.apply_updates(params, updates)
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 1
+      ...     return ((params["w"] - 1.0) ** 2).sum()
+      >>> params = {"w": torch.tensor([3.0, -2.0])}
+      >>> adversary = gtx.chain(gtx.contrib.normalize(), gtx.sgd(0.05))  # rho = 0.05
+      >>> tx = gtx.contrib.sam(gtx.sgd(0.1), adversary, sync_period=2)
+      >>> state = tx.init(params)
+      >>> for step in range(1, 21):  # adversarial and outer steps in turn
+      ...     grads = torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     if step % 4 == 0:  # after an outer step
+      ...         print(f"{f(params):.4f}")
+      5.2421
+      2.0947
+      0.8250
+      0.3173
+      0.1173
     """
     if sync_period < 1:
         raise ValueError("sam: sync_period must be >= 1")

@@ -42,6 +42,7 @@ from gradtx.base import (
 )
 from gradtx.chains import chain
 from gradtx.numerics import ScalarOrSchedule
+from gradtx.optimizers._common import check_learning_rate
 from gradtx.schedules import warmup_constant_schedule
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.rms import scale_by_rms
@@ -88,31 +89,56 @@ def schedule_free(
     weight_lr_power: float = 2.0,
     state_dtype: Optional[torch.dtype] = None,
 ) -> GradientTransformationExtraArgs:
-    """Makes ``base_optimizer`` schedule-free (Defazio et al., 2024, "The Road Less Scheduled",
-    https://arxiv.org/abs/2405.15682): its updates move ``z``, the params follow the interpolation
-    ``y`` of ``z`` and the running average ``x`` (see the module's docstring for the step).
+    """Schedule-Free: replaces a decaying learning-rate schedule by averaging and interpolation.
 
-    ``base_optimizer`` should have no momentum of its own (``b1 = 0`` for Adam) and apply
-    ``learning_rate`` itself; ``learning_rate`` (a number or a schedule of the step, from 1) here
-    only weighs the average: ``c_t = max_lr_t ** weight_lr_power / sum``. Evaluate the model at
-    :func:`schedule_free_eval_params`. Extra arguments (``value=``, ...) go to the base optimizer.
-    ``state_dtype`` is the dtype of ``z`` (the params' by default).
+    Three sequences: ``z``, the base optimizer's iterates (``z' = z + base_update(g)``); ``x``,
+    their weighted average (``x' = (1 - c) x + c z'``, ``c`` the step's share of the weights
+    ``lr_max^weight_lr_power``), where the model should be evaluated; and
+    ``y = b1 * x + (1 - b1) * z``, the params, where the gradients are taken. The average
+    plays the part of the schedule's decay and the interpolation the part of momentum, so no
+    schedule or stopping time is needed. Only ``z`` is stored; :func:`schedule_free_eval_params`
+    recovers ``x`` from ``y`` and ``z``. As optax.contrib's ``schedule_free`` (the module's
+    docstring gives the step and where it differs from the paper).
 
-    ```python
-    import torch
-    from gradtx import apply_updates, sgd
-    from gradtx.contrib import schedule_free, schedule_free_eval_params
+    Args:
+      base_optimizer: the optimizer whose updates move ``z``: with no momentum of its own
+        (``b1 = 0`` for Adam), applying ``learning_rate`` itself. Extra arguments
+        (``value=``...) are passed on to it.
+      learning_rate: the base optimizer's learning rate, here only for the averaging weights:
+        a number, a 0-d tensor, or a schedule called with the step count (from 1).
+      b1: the interpolation weight: the params are ``y = b1 * x + (1 - b1) * z`` (the role of
+        momentum; must be positive).
+      weight_lr_power: the power of the largest learning rate so far in the averaging weights
+        ``c_t = lr_max^weight_lr_power / sum``.
+      state_dtype: the dtype of ``z``, the state's copy of the params (``None``: the params').
 
-    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
-    tx = schedule_free(sgd(0.1), learning_rate=0.1, b1=0.9)
-    state = tx.init(params)
-    for _ in range(5):
-        grads = {"w": 2 * params["w"]}
-        updates, state = tx.update(grads, state, params)
-        params = apply_updates(params, updates)
-    eval_params = schedule_free_eval_params(state, params)
-    ```
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformationExtraArgs`.
+
+    References:
+      Defazio et al., `The Road Less Scheduled <https://arxiv.org/abs/2405.15682>`_, NeurIPS, 2024
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.contrib.schedule_free(gtx.sgd(0.1), learning_rate=0.1)
+      >>> state = tx.init(params)
+      >>> for _ in range(5):
+      ...     grads = torch.func.grad(f)(params)  # taken at y, the params
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     x = gtx.contrib.schedule_free_eval_params(state, params)  # where to evaluate
+      ...     print(f"{f(x):.4f}")
+      8.9600
+      7.2576
+      5.8400
+      4.6650
+      3.6960
     """
+    check_learning_rate(learning_rate, "schedule_free")
     b1, weight_lr_power = float(b1), float(weight_lr_power)
     if not b1 > 0.0:
         raise ValueError(f"schedule_free: b1 must be strictly positive, got {b1}")
@@ -188,26 +214,52 @@ def schedule_free_sgd(
     weight_lr_power: float = 2.0,
     state_dtype: Optional[torch.dtype] = None,
 ) -> GradientTransformationExtraArgs:
-    """Schedule-Free SGD: :func:`schedule_free` around ``sgd(learning_rate)`` (after
-    ``add_decayed_weights(weight_decay)`` when one is given), with a linear warmup from 0 over
-    ``warmup_steps`` when given (Defazio et al., 2024, "The Road Less Scheduled",
-    https://arxiv.org/abs/2405.15682). The weight decay is multiplied by the learning rate.
+    """Schedule-Free SGD: SGD with averaging and interpolation in place of a schedule.
 
-    ```python
-    import torch
-    from gradtx import apply_updates
-    from gradtx.contrib import schedule_free_eval_params, schedule_free_sgd
+    :func:`schedule_free` around ``sgd(learning_rate)`` (without momentum, after
+    ``add_decayed_weights(weight_decay)`` when a decay is given), with a linear warmup from 0
+    over ``warmup_steps`` when given. The params are ``y``, where gradients are taken; evaluate
+    the model at :func:`schedule_free_eval_params`.
 
-    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
-    tx = schedule_free_sgd(learning_rate=0.1)
-    state = tx.init(params)
-    for _ in range(5):
-        grads = {"w": 2 * params["w"]}
-        updates, state = tx.update(grads, state, params)
-        params = apply_updates(params, updates)
-    eval_params = schedule_free_eval_params(state, params)
-    ```
+    Args:
+      learning_rate: the (peak) step size, a number (as in optax).
+      warmup_steps: the number of steps of a linear warmup from 0 to ``learning_rate``
+        (``None``: none).
+      b1: the interpolation weight: the params are ``y = b1 * x + (1 - b1) * z`` (the role of
+        momentum; must be positive).
+      weight_decay: the rate of an L2 penalty added to the gradient (so multiplied by the
+        learning rate), evaluated at ``y``; ``None`` for none.
+      weight_lr_power: the power of the largest learning rate so far in the averaging weights
+        ``c_t = lr_max^weight_lr_power / sum``.
+      state_dtype: the dtype of ``z``, the state's copy of the params (``None``: the params').
+
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformationExtraArgs`.
+
+    References:
+      Defazio et al., `The Road Less Scheduled <https://arxiv.org/abs/2405.15682>`_, NeurIPS, 2024
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.contrib.schedule_free_sgd(learning_rate=0.1)
+      >>> state = tx.init(params)
+      >>> for _ in range(5):
+      ...     grads = torch.func.grad(f)(params)  # taken at y, the params
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     x = gtx.contrib.schedule_free_eval_params(state, params)  # where to evaluate
+      ...     print(f"{f(x):.4f}")
+      8.9600
+      7.2576
+      5.8400
+      4.6650
+      3.6960
     """
+    check_learning_rate(learning_rate, "schedule_free_sgd")
     learning_rate = _warmed_up(learning_rate, warmup_steps)
     optimizer = chain(identity(), scale_by_learning_rate(learning_rate))  # optax's sgd, without momentum
     if weight_decay is not None:
@@ -225,28 +277,58 @@ def schedule_free_adamw(
     weight_lr_power: float = 2.0,
     state_dtype: Optional[torch.dtype] = None,
 ) -> GradientTransformationExtraArgs:
-    """Schedule-Free AdamW (Defazio et al., 2024, "The Road Less Scheduled",
-    https://arxiv.org/abs/2405.15682): :func:`schedule_free` around ``chain(scale_by_rms(b2, eps,
-    eps_in_sqrt=False, bias_correction=True), add_decayed_weights(weight_decay),
-    scale_by_learning_rate(learning_rate))`` (Adam with ``b1 = 0``, without the unused first
-    moment), with a linear warmup from 0 over ``warmup_steps`` when given. The decay is applied at
-    ``y``, the point where gradients are taken, as in Meta's ``AdamWScheduleFree``.
+    """Schedule-Free AdamW: Adam without momentum, averaged and interpolated in place of a schedule.
 
-    ```python
-    import torch
-    from gradtx import apply_updates
-    from gradtx.contrib import schedule_free_adamw, schedule_free_eval_params
+    :func:`schedule_free` around ``chain(scale_by_rms(b2, eps, eps_in_sqrt=False,
+    bias_correction=True), add_decayed_weights(weight_decay), scale_by_learning_rate(learning_rate))``:
+    Adam with ``b1 = 0`` (the interpolation takes momentum's place), with a linear warmup from 0
+    over ``warmup_steps`` when given. The decay is applied at ``y``, where gradients are taken,
+    as in Meta's ``AdamWScheduleFree``; the second moment is bias-corrected inside the
+    denominator, as optax does (the paper multiplies the learning rate by
+    ``sqrt(1 - b2^t)`` instead; see the module's docstring). Evaluate the model at
+    :func:`schedule_free_eval_params`.
 
-    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
-    tx = schedule_free_adamw(learning_rate=0.1, warmup_steps=2, weight_decay=1e-4)
-    state = tx.init(params)
-    for _ in range(5):
-        grads = {"w": 2 * params["w"]}
-        updates, state = tx.update(grads, state, params)
-        params = apply_updates(params, updates)
-    eval_params = schedule_free_eval_params(state, params)
-    ```
+    Args:
+      learning_rate: the (peak) step size, a number (as in optax).
+      warmup_steps: the number of steps of a linear warmup from 0 to ``learning_rate``
+        (``None``: none).
+      b1: the interpolation weight: the params are ``y = b1 * x + (1 - b1) * z`` (the role of
+        momentum; must be positive).
+      b2: the decay rate of the second moment.
+      eps: added to the square root of the (bias-corrected) second moment.
+      weight_decay: the rate of the decoupled weight decay, evaluated at ``y``: each step also
+        subtracts ``learning_rate * weight_decay * y`` from ``z``. A number.
+      weight_lr_power: the power of the largest learning rate so far in the averaging weights
+        ``c_t = lr_max^weight_lr_power / sum``.
+      state_dtype: the dtype of ``z``, the state's copy of the params (``None``: the params').
+
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformationExtraArgs`.
+
+    References:
+      Defazio et al., `The Road Less Scheduled <https://arxiv.org/abs/2405.15682>`_, NeurIPS, 2024
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # a quadratic, smallest at w = 0
+      ...     return (params["w"] ** 2).sum()
+      >>> params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+      >>> tx = gtx.contrib.schedule_free_adamw(learning_rate=0.1, warmup_steps=2)
+      >>> state = tx.init(params)
+      >>> for _ in range(5):
+      ...     grads = torch.func.grad(f)(params)  # taken at y, the params
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     x = gtx.contrib.schedule_free_eval_params(state, params)  # where to evaluate
+      ...     print(f"{f(x):.4f}")
+      14.0000
+      13.5248
+      12.9640
+      12.4158
+      11.8852
     """
+    check_learning_rate(learning_rate, "schedule_free_adamw")
     learning_rate = _warmed_up(learning_rate, warmup_steps)
     optimizer = chain(
         scale_by_rms(decay=b2, eps=eps, eps_in_sqrt=False, bias_correction=True),
