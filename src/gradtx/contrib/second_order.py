@@ -27,6 +27,8 @@ from gradtx.base import (
     with_extra_args_support,
 )
 from gradtx.chains import chain
+from gradtx.numerics import ScalarOrSchedule
+from gradtx.optimizers._common import check_learning_rate
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms import add_decayed_weights, scale_by_learning_rate
 
@@ -248,7 +250,7 @@ def scale_by_sophia(
 
 
 def sophia(
-    learning_rate: Any,
+    learning_rate: ScalarOrSchedule,
     b1: float = 0.965,
     b2: float = 0.99,
     eps: float = 1e-8,
@@ -262,34 +264,67 @@ def sophia(
     verbose: bool = False,
     print_win_rate_every_n_steps: int = 0,
 ) -> GradientTransformationExtraArgs:
-    """Sophia (Liu et al., 2023, https://arxiv.org/abs/2305.14342), optax.contrib's definition.
+    """Sophia: a momentum divided by an estimate of the Hessian's diagonal, clipped elementwise.
 
-    ``chain(scale_by_sophia(...), add_decayed_weights(weight_decay, weight_decay_mask),
-    scale_by_learning_rate(learning_rate))``: a clipped, Hessian-diagonal-preconditioned momentum
-    (see :func:`scale_by_sophia`). The default ``hessian_diagonal_fn`` is Hutchinson's estimator
-    (Sophia-H, with Rademacher rather than Gaussian probes, as optax), which needs the objective:
-    pass ``obj_fn=`` (a function of the params alone) or ``value_fn=`` to ``update``; every extra
-    argument reaches ``hessian_diagonal_fn``. Under data parallelism the estimator sees the local
-    objective: average its result over ranks (a custom ``hessian_diagonal_fn``) to keep replicas equal.
-    The effective Hessian decay is ``1 - (1 - b2) / update_interval``.
+    ``mu = b1 * mu + (1 - b1) * g``; every ``update_interval`` steps (the first included) the
+    Hessian's diagonal is estimated by ``hessian_diagonal_fn`` and averaged into
+    ``nu = b2 * nu + (1 - b2) * diag``; the step is ``mu_hat / max(gamma * nu, eps)`` clipped to
+    ``[-clip_threshold, clip_threshold]``, and the update ``-learning_rate`` times it plus
+    ``weight_decay * param``: ``chain(scale_by_sophia(...), add_decayed_weights(weight_decay,
+    weight_decay_mask), scale_by_learning_rate(learning_rate))``, optax.contrib's definition.
+    The clipping bounds the step where the curvature estimate is small or negative. The default
+    estimator is Hutchinson's (Sophia-H; Rademacher probes, as in optax), which needs the
+    objective: pass ``obj_fn=`` (a function of the params alone) or ``value_fn=`` to ``update``;
+    every extra argument reaches ``hessian_diagonal_fn``. Under data parallelism the estimator
+    sees the local objective: average its result over ranks (a custom ``hessian_diagonal_fn``) to
+    keep replicas equal. See :func:`scale_by_sophia`.
 
-    Example::
+    Args:
+      learning_rate: the step size: a number, a 0-d tensor, or a schedule called with the step
+        count (see :mod:`gradtx.schedules`).
+      b1: the decay rate of the momentum.
+      b2: the decay rate of the average of the Hessian's diagonal (per estimate).
+      eps: the floor of ``gamma * nu`` in the division.
+      weight_decay: the rate of the decoupled weight decay: each step also subtracts
+        ``learning_rate * weight_decay * param``. A number.
+      weight_decay_mask: the leaves to decay: a tree of bools like the params (or a prefix of
+        it), or a callable ``params -> such a tree``; ``None`` decays every leaf.
+      gamma: scales the Hessian's diagonal in the denominator.
+      clip_threshold: the bound of each entry of the step (``None``: no clipping).
+      update_interval: the number of steps between estimates of the Hessian's diagonal.
+      hessian_diagonal_fn: the estimator, a transformation whose update returns the diagonal
+        (by default :func:`hutchinson_estimator_diag_hessian`).
+      mu_dtype: the dtype of the momentum's buffer (``None``: the params' dtype).
+      verbose: print the win rate (the fraction of entries not clipped).
+      print_win_rate_every_n_steps: how often ``verbose`` prints it.
 
-        import torch
-        from gradtx import apply_updates
-        from gradtx.contrib import sophia
+    Returns:
+      The optimizer, a :class:`~gradtx.GradientTransformationExtraArgs`.
 
-        def obj_fn(p):
-            return ((p["w"] - 1.0) ** 2).sum() + (p["w"] ** 4).sum()
+    References:
+      Liu, Li, Hall, Liang & Ma, `Sophia: A Scalable Stochastic Second-order Optimizer for
+      Language Model Pre-training <https://arxiv.org/abs/2305.14342>`_, ICLR, 2024
 
-        params = {"w": torch.tensor([2.0, -1.0])}
-        opt = sophia(learning_rate=0.1, update_interval=1)
-        state = opt.init(params)
-        for _ in range(20):
-            grads = torch.func.grad(obj_fn)(params)
-            updates, state = opt.update(grads, state, params, obj_fn=obj_fn)
-            params = apply_updates(params, updates)
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> def f(params):  # separable: Hutchinson's estimate of its diagonal is exact
+      ...     return ((params["w"] - 1.0) ** 2).sum() + (params["w"] ** 4).sum()
+      >>> params = {"w": torch.tensor([2.0, -1.0])}
+      >>> tx = gtx.contrib.sophia(learning_rate=0.1, update_interval=1)
+      >>> state = tx.init(params)
+      >>> for _ in range(5):
+      ...     grads = torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params, obj_fn=f)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     print(f"{f(params):.4f}")
+      18.1075
+      14.7861
+      11.9709
+      9.6018
+      7.6236
     """
+    check_learning_rate(learning_rate, "sophia")
     return chain(
         scale_by_sophia(
             b1=b1,
