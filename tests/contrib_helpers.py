@@ -95,17 +95,3 @@ def assert_pure_update_does_not_mutate(make, steps: int = 3, with_value: bool = 
         after = tree_tensors((grads, state, params))
         assert all(torch.equal(a, b) for a, b in zip(before, after))
         params, state = gtx.apply_updates(params, updates), new_state
-
-
-def run_docstring_example(fn) -> None:
-    """Checks that ``fn``'s docstring cites a paper (an arXiv link) and runs its ```python example."""
-    import re
-
-    doc = fn.__doc__ or ""
-    assert "arxiv.org/abs/" in doc, f"{fn.__name__}: no paper cited"
-    blocks = re.findall(r"```python\n(.*?)```", doc, flags=re.S)
-    assert blocks, f"{fn.__name__}: no example"
-    import textwrap
-
-    for block in blocks:
-        exec(compile(textwrap.dedent(block), f"<{fn.__name__} docstring>", "exec"), {})

@@ -15,7 +15,6 @@ from contrib_helpers import (
     assert_pure_update_does_not_mutate,
     initial_params,
     run,
-    run_docstring_example,
     run_reference,
     value_and_grad,
 )
@@ -322,10 +321,6 @@ def test_float32_runs_and_keeps_dtypes():
         _, final, state = run(make(), 3, params=params)
         assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in final.values())
 
-
-@pytest.mark.parametrize("name", ["prodigy", "dadapt_adamw", "dog", "dowg", "cocob", "mechanize"])
-def test_docstring_cites_the_paper_and_its_example_runs(name):
-    run_docstring_example(getattr(contrib, name))
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,6 @@ denominator, iterate averaging with ``x0``, L2 weight decay added to the gradien
 
 from __future__ import annotations
 
-import textwrap
 
 import pytest
 import torch
@@ -92,10 +91,3 @@ def test_none_leaves_pass_through():
     tx = contrib.madgrad(0.05)
     updates, _ = tx.update(dict(grad_list(1)[0], b=None), tx.init(p), p)
     assert updates["b"] is None
-
-
-def test_example_in_docstring_runs():
-    code = textwrap.dedent(contrib.madgrad.__doc__.split("```python")[1].split("```")[0])
-    namespace: dict = {}
-    exec(compile(code, "madgrad", "exec"), namespace)
-    assert bool(torch.isfinite(namespace["params"]["w"]).all())

@@ -15,7 +15,6 @@ from contrib_helpers import (
     assert_pure_update_does_not_mutate,
     initial_params,
     run,
-    run_docstring_example,
     run_reference,
     value_and_grad,
 )
@@ -184,10 +183,6 @@ def test_float32_and_a_value_given_as_a_number():
         assert state.barf.dtype == torch.float32 and all(u.dtype == torch.float32 for u in updates.values())
         assert math.isfinite(float(state.barf))
 
-
-@pytest.mark.parametrize("name", ["momo", "momo_adam"])
-def test_docstring_cites_the_paper_and_its_example_runs(name):
-    run_docstring_example(getattr(contrib, name))
 
 
 @pytest.mark.parametrize("name", ["momo", "momo_adam"])

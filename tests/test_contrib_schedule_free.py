@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import textwrap
 
 import pytest
 import torch
@@ -263,14 +262,6 @@ def test_none_leaves_pass_through():
     tx = contrib.schedule_free_adamw(0.1)
     updates, state = tx.update(dict(grad_list(1)[0], b=None), tx.init(p), p)
     assert updates["b"] is None and torch.equal(state.z["b"], p["b"])
-
-
-@pytest.mark.parametrize("fn", [contrib.schedule_free, contrib.schedule_free_sgd, contrib.schedule_free_adamw])
-def test_example_in_docstring_runs(fn):
-    code = textwrap.dedent(fn.__doc__.split("```python")[1].split("```")[0])
-    namespace: dict = {}
-    exec(compile(code, fn.__name__, "exec"), namespace)
-    assert bool(torch.isfinite(namespace["eval_params"]["w"]).all())
 
 
 @settings(max_examples=25, deadline=None)

@@ -314,10 +314,11 @@ def amsgrad(
     """AMSGrad: Adam dividing by the running maximum of its second moment.
 
     Adam's moments, but the denominator never shrinks: ``nu_max = max(nu_max, nu_hat)`` and the
-    update is ``-learning_rate * mu_hat / (sqrt(nu_max + eps_root) + eps)``: the paper shows
-    Adam may fail to converge on convex problems and proves AMSGrad converges. As in optax, the maximum is taken of the bias-corrected ``nu_hat``;
-    ``torch.optim.Adam(amsgrad=True)`` keeps the maximum of the uncorrected ``nu`` and corrects it
-    afterwards, so the two differ while ``1 - b2^t`` changes.
+    update is ``-learning_rate * mu_hat / (sqrt(nu_max + eps_root) + eps)``: the paper shows Adam
+    may fail to converge on convex problems and proves AMSGrad converges. As in optax, the maximum
+    is taken of the bias-corrected ``nu_hat``; ``torch.optim.Adam(amsgrad=True)`` keeps the maximum
+    of the uncorrected ``nu`` and corrects it afterwards, so the two differ while ``1 - b2^t``
+    changes.
 
     Args:
       learning_rate: the step size: a number, a 0-d tensor, or a schedule called with the step
@@ -516,7 +517,8 @@ def radam(
       The optimizer, a :class:`~gradtx.GradientTransformation`.
 
     References:
-      Liu et al., `On the Variance of the Adaptive Learning Rate and Beyond <https://arxiv.org/abs/1908.03265>`_, ICLR, 2020
+      Liu et al., `On the Variance of the Adaptive Learning Rate and Beyond
+      <https://arxiv.org/abs/1908.03265>`_, ICLR, 2020
 
     Examples:
       >>> import torch

@@ -236,17 +236,17 @@ def adafactor(
 ) -> GradientTransformation:
     """Adafactor: a factored second moment and steps relative to the size of the params.
 
-    A matrix (a leaf whose two largest dimensions both have at least
-    ``min_dim_size_to_factor`` entries) keeps only the row and column means of ``g^2 + eps``,
-    averaged with the decay ``1 - k^-decay_rate`` at the ``k``-th step, and is divided by the
-    root of their outer product over their mean, so the state grows with ``m + n`` instead of
-    ``m * n``; any other leaf keeps the full average. Then, each when asked for: the step's RMS is clipped at
-    ``clipping_threshold``, multiplied by ``learning_rate``, by the RMS of the parameter (at
-    least ``1e-3``), averaged with ``momentum`` (no bias correction), and
-    ``weight_decay_rate * param`` is added (not multiplied by the learning rate); the result is
-    negated. This is optax's chain: ``scale_by_factored_rms``, ``clip_by_block_rms``,
-    ``scale_by_learning_rate(learning_rate, flip_sign=False)``, ``scale_by_param_block_rms``,
-    ``ema(momentum, debias=False)``, ``add_decayed_weights`` and ``scale(-1)``.
+    A matrix (a leaf whose two largest dimensions both have at least ``min_dim_size_to_factor``
+    entries) keeps only the row and column means of ``g^2 + eps``, averaged with the decay
+    ``1 - k^-decay_rate`` at the ``k``-th step, and is divided by the root of their outer product
+    over their mean, so the state grows with ``m + n`` instead of ``m * n``; any other leaf keeps
+    the full average. Then, each when asked for: the step's RMS is clipped at ``clipping_threshold``,
+    multiplied by ``learning_rate``, by the RMS of the parameter (at least ``1e-3``), averaged with
+    ``momentum`` (no bias correction), and ``weight_decay_rate * param`` is added (not multiplied by
+    the learning rate); the result is negated. This is optax's chain: ``scale_by_factored_rms``,
+    ``clip_by_block_rms``, ``scale_by_learning_rate(learning_rate, flip_sign=False)``,
+    ``scale_by_param_block_rms``, ``ema(momentum, debias=False)``, ``add_decayed_weights`` and
+    ``scale(-1)``.
 
     ``torch.optim.Adafactor(lr, beta2_decay=-decay_rate, d=clipping_threshold,
     weight_decay=wd)`` is this chain with ``learning_rate`` the schedule

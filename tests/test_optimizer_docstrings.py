@@ -1,0 +1,303 @@
+"""Every optimizer alias documents itself in optax's shape, and its example runs.
+
+The aliases are everything ``gradtx.optimizers`` exports and the optimizers of ``gradtx.contrib``.
+Each docstring has a one-line summary, a description, ``Args:`` naming every parameter of the
+signature in order (and nothing else), ``Returns:``, ``References:`` with a linked paper and its
+year, and ``Examples:`` that run as doctests and print what they show.
+
+Also checked here, across the aliases: ``learning_rate=None`` is taken exactly where the signature
+says so (and does what the docstring says), and every ``ScalarOrSchedule`` parameter takes a 0-d
+tensor as well as a number.
+"""
+
+from __future__ import annotations
+
+import doctest
+import inspect
+import io
+import re
+import sys
+import typing
+import warnings
+
+import pytest
+import torch
+
+import gradtx
+import gradtx.optimizers
+from gradtx import contrib
+
+# The optimizers of gradtx.contrib (dpsgd is gradtx.optimizers.dpsgd itself).
+CONTRIB_ALIASES = [
+    "acprop",
+    "ademamix",
+    "adopt",
+    "cocob",
+    "dadapt_adamw",
+    "dog",
+    "dowg",
+    "galore",
+    "madgrad",
+    "mechanize",
+    "momo",
+    "momo_adam",
+    "muon",
+    "prodigy",
+    "sam",
+    "schedule_free",
+    "schedule_free_adamw",
+    "schedule_free_sgd",
+    "simplified_ademamix",
+    "sophia",
+]
+
+# The other functions gradtx.contrib exports, besides its scale_by_* transformations, and why
+# they are not optimizers.
+CONTRIB_NOT_ALIASES = {
+    "differentially_private_aggregate": "DP-SGD's aggregation step, a transformation",
+    "dpsgd": "gradtx.optimizers.dpsgd, checked there",
+    "hutchinson_estimator_diag_hessian": "an estimator of the Hessian's diagonal, a transformation",
+    "normalize": "a transformation (unit global norm)",
+    "reduce_on_plateau": "a transformation that scales updates",
+    "schedule_free_eval_params": "a function of a state and params",
+    "split_real_and_imaginary": "a wrapper for complex parameters",
+}
+
+ALIASES = {name: getattr(gradtx.optimizers, name) for name in gradtx.optimizers.__all__}
+ALIASES.update({f"contrib.{name}": getattr(contrib, name) for name in CONTRIB_ALIASES})
+NAMES = sorted(ALIASES)
+
+SECTION_NAMES = ("Args", "Returns", "References", "Examples")
+
+
+def sections(fn) -> dict[str, list[str]]:
+    """The docstring's lines by section: "summary", "description", then each ``Name:`` section."""
+    lines = inspect.cleandoc(fn.__doc__ or "").splitlines()
+    found: dict[str, list[str]] = {"summary": lines[:1], "description": []}
+    current = "description"
+    for line in lines[1:]:
+        heading = re.fullmatch(r"([A-Z]\w*):", line)
+        if heading:
+            current = heading.group(1)
+            assert current not in found, f"{fn.__name__}: two {current}: sections"
+            found[current] = []
+        elif line and not line.startswith(" ") and current != "description":
+            raise AssertionError(f"{fn.__name__}: unindented text in its {current}: section: {line!r}")
+        else:
+            found[current].append(line)
+    return found
+
+
+def documented_args(fn) -> list[str]:
+    """The names the ``Args:`` section documents, in order (entries are ``  name: text``)."""
+    return [m.group(1) for m in (re.match(r"  (\w+): \S", line) for line in sections(fn).get("Args", [])) if m]
+
+
+def arg_text(fn, name: str) -> str:
+    """The text of one ``Args:`` entry, its continuation lines joined."""
+    lines = sections(fn)["Args"]
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"  {name}: "))
+    end = next((i for i in range(start + 1, len(lines)) if re.match(r"  \w+: ", lines[i])), len(lines))
+    return " ".join(line.strip() for line in lines[start:end])
+
+
+def test_every_contrib_function_is_classified():
+    functions = [name for name in contrib.__all__ if inspect.isfunction(getattr(contrib, name))]
+    unknown = [
+        name
+        for name in functions
+        if name not in CONTRIB_ALIASES and name not in CONTRIB_NOT_ALIASES and not name.startswith("scale_by_")
+    ]
+    assert not unknown, f"gradtx.contrib functions neither optimizers nor listed as other: {unknown}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_docstring_has_optax_sections(name):
+    fn = ALIASES[name]
+    found = sections(fn)
+    summary = found["summary"][0] if found["summary"] else ""
+    assert summary.endswith(".") and len(summary) <= 100, f"{name}: the first line is not a one-line summary: {summary!r}"
+    description = found["description"]
+    assert description and description[0] == "", f"{name}: no blank line after the summary"
+    assert any(line.strip() for line in description), f"{name}: no description of the algorithm"
+    missing = [s for s in SECTION_NAMES if not any(line.strip() for line in found.get(s, []))]
+    assert not missing, f"{name}: missing or empty sections {missing}"
+    references = " ".join(found["References"])
+    assert re.search(r"<https?://\S+>`_", references), f"{name}: References give no link"
+    assert re.search(r"\b(19|20)\d\d\b", references), f"{name}: References give no year"
+    outside = [line for s, lines in found.items() if s != "Examples" for line in lines if ">>>" in line]
+    assert not outside, f"{name}: doctest lines outside Examples: {outside}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_argument_is_documented_in_order(name):
+    fn = ALIASES[name]
+    parameters = [p.name for p in inspect.signature(fn).parameters.values()]
+    assert documented_args(fn) == parameters
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_docstring_example_runs_and_prints_what_it_shows(name):
+    fn = ALIASES[name]
+    test = doctest.DocTestParser().get_doctest(
+        fn.__doc__, {}, name, inspect.getsourcefile(fn), inspect.getsourcelines(fn)[1]
+    )
+    assert test.examples, f"{name}: no doctest example"
+    assert any(example.want for example in test.examples), f"{name}: the example shows no output"
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    report = io.StringIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # optimistic_adam warns, as optax's does
+        runner.run(test, out=report.write)
+    assert runner.failures == 0, report.getvalue()
+
+
+# --------------------------------------------------------------------------- learning_rate=None
+
+
+def hints(fn) -> dict[str, typing.Any]:
+    return typing.get_type_hints(fn)
+
+
+def takes_none(fn, parameter: str) -> bool:
+    return type(None) in typing.get_args(hints(fn).get(parameter))
+
+
+def test_the_aliases_that_take_no_learning_rate_are_optax_s():
+    names = [name for name in NAMES if takes_none(ALIASES[name], "learning_rate")]
+    assert names == ["adadelta", "adafactor", "lbfgs"]
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if takes_none(ALIASES[n], "learning_rate")])
+def test_docstring_says_what_a_learning_rate_of_none_does(name):
+    assert "``None``" in arg_text(ALIASES[name], "learning_rate")
+
+
+# required arguments besides the learning rate
+REQUIRED = {
+    "dpsgd": dict(l2_norm_clip=1.0, noise_multiplier=0.0, seed=0),
+    "contrib.schedule_free": dict(base_optimizer=gradtx.sgd(0.1)),
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n for n in NAMES if "learning_rate" in inspect.signature(ALIASES[n]).parameters and not takes_none(ALIASES[n], "learning_rate")],
+)
+def test_a_learning_rate_of_none_is_refused_by_name(name):
+    fn = ALIASES[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(TypeError, match=rf"^{fn.__name__}: learning_rate must be a number, a 0-d tensor or a schedule, got None"):
+            fn(learning_rate=None, **REQUIRED.get(name, {}))
+
+
+TARGET = {"w": torch.tensor([[1.0, -2.0], [0.5, 3.0]]), "b": torch.tensor([0.3, -0.7])}
+
+
+def objective(params):
+    return sum(((params[k] - TARGET[k]) ** 2).sum() for k in params)
+
+
+def run(tx, steps: int = 3, *, per_example: bool = False) -> dict:
+    """The params after ``steps`` steps of ``tx`` on ``objective`` from zeros."""
+    params = {"w": torch.zeros(2, 2), "b": torch.zeros(2)}
+    state = tx.init(params)
+    for _ in range(steps):
+        grads = torch.func.grad(objective)(params)
+        if per_example:  # dpsgd takes a batch of per-example gradients
+            grads = {k: torch.stack([g, 2 * g]) for k, g in grads.items()}
+        extra = {}
+        if isinstance(tx, gradtx.GradientTransformationExtraArgs):
+            extra = dict(value=objective(params), grad=grads, value_fn=objective)
+        updates, state = tx.update(grads, state, params, **extra)
+        params = gradtx.apply_updates(params, updates)
+    return params
+
+
+def test_adadelta_without_a_learning_rate_returns_the_unscaled_direction_and_ascends():
+    unscaled, descending = gradtx.adadelta(None, weight_decay=0.1), gradtx.adadelta(1.0, weight_decay=0.1)
+    params = {"w": torch.zeros(2, 2), "b": torch.zeros(2)}
+    grads = torch.func.grad(objective)(params)
+    up, _ = unscaled.update(grads, unscaled.init(params), params)
+    down, _ = descending.update(grads, descending.init(params), params)
+    for k in params:
+        assert torch.equal(up[k], -down[k])
+    assert objective(gradtx.apply_updates(params, up)) > objective(params) > objective(gradtx.apply_updates(params, down))
+
+
+def test_adafactor_without_a_learning_rate_takes_its_unit_step_and_descends():
+    # optax's chain still ends in scale(-1): no learning rate is a learning rate of 1
+    params = {"w": torch.zeros(2, 2), "b": torch.zeros(2)}
+    expected = run(gradtx.adafactor(1.0, min_dim_size_to_factor=1))
+    got = run(gradtx.adafactor(None, min_dim_size_to_factor=1))
+    for k in expected:
+        assert torch.equal(got[k], expected[k])
+    assert objective(got) < objective(params)
+
+
+def test_lbfgs_without_a_learning_rate_takes_its_unit_step_and_descends():
+    # scale(-1) before the line search (or alone, without one): a learning rate of 1
+    params = {"w": torch.zeros(2, 2), "b": torch.zeros(2)}
+    for linesearch in ({}, {"linesearch": None}):
+        expected = run(gradtx.lbfgs(1.0, **linesearch))
+        got = run(gradtx.lbfgs(None, **linesearch))
+        for k in expected:
+            assert torch.equal(got[k], expected[k])
+        assert objective(got) < objective(params)
+
+
+# --------------------------------------------------------------------------- 0-d tensors
+
+
+def scalar_or_schedule_parameters(fn) -> list[str]:
+    """The parameters typed ``ScalarOrSchedule`` (or ``Optional[ScalarOrSchedule]``)."""
+    out = []
+    for parameter, hint in hints(fn).items():
+        options = [t for t in typing.get_args(hint) if t is not type(None)] if typing.get_origin(hint) is typing.Union else []
+        if parameter != "return" and options == list(typing.get_args(gradtx.ScalarOrSchedule)):
+            out.append(parameter)
+    return out
+
+
+def test_scalar_or_schedule_is_one_type_that_takes_a_tensor():
+    # every module that names the type in its signatures uses gradtx.numerics' one
+    import gradtx.contrib.adam_variants  # noqa: F401 - imported for sys.modules
+    import gradtx.contrib.madgrad  # noqa: F401
+    import gradtx.contrib.schedule_free  # noqa: F401
+    import gradtx.transforms.adam  # noqa: F401
+    import gradtx.transforms.scaling  # noqa: F401
+    import gradtx.transforms.weight_decay  # noqa: F401
+
+    modules = [m for name, m in sorted(sys.modules.items()) if name.startswith("gradtx")]
+    defined = {m.__name__: m.ScalarOrSchedule for m in modules if hasattr(m, "ScalarOrSchedule")}
+    assert {"gradtx.transforms.scaling", "gradtx.transforms.weight_decay", "gradtx.contrib.madgrad"} <= set(defined)
+    assert all(t is gradtx.ScalarOrSchedule for t in defined.values()), defined
+    assert torch.Tensor in typing.get_args(gradtx.ScalarOrSchedule)
+
+
+TYPED_CASES = [(name, p) for name in NAMES for p in scalar_or_schedule_parameters(ALIASES[name])]
+# typed ``float`` as in optax (no schedule), and documented to take a 0-d tensor as well
+TENSOR_CASES = TYPED_CASES + [("rprop", "learning_rate"), ("sm3", "learning_rate")]
+
+
+def test_every_alias_with_a_learning_rate_types_it_as_a_scalar_or_schedule():
+    float_only = {"optimistic_adam", "rprop", "sm3", "contrib.schedule_free_adamw", "contrib.schedule_free_sgd"}
+    typed = {name for name, p in TYPED_CASES if p == "learning_rate"}
+    with_rate = {name for name in NAMES if "learning_rate" in inspect.signature(ALIASES[name]).parameters}
+    assert with_rate - typed == float_only  # as in optax, these take a number only
+
+
+@pytest.mark.parametrize(("name", "parameter"), TENSOR_CASES, ids=[f"{n}-{p}" for n, p in TENSOR_CASES])
+def test_a_scalar_or_schedule_parameter_takes_a_0d_tensor(name, parameter):
+    fn = ALIASES[name]
+    default = inspect.signature(fn).parameters[parameter].default
+    value = 0.1 if default in (inspect.Parameter.empty, None) or callable(default) or default == 0 else float(default)
+    kwargs = dict(REQUIRED.get(name, {}))
+    if "learning_rate" in inspect.signature(fn).parameters:
+        kwargs.setdefault("learning_rate", 0.1)
+    per_example = name == "dpsgd"
+    expected = run(fn(**{**kwargs, parameter: value}), per_example=per_example)
+    got = run(fn(**{**kwargs, parameter: torch.tensor(value)}), per_example=per_example)
+    for k in expected:  # the tensor is float32, the number a Python float: the last bits may differ
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-6)
