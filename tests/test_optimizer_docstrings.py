@@ -1,12 +1,14 @@
 """Every optimizer alias documents itself in optax's shape, and its example runs.
 
-The aliases are everything ``gradtx.optimizers`` exports and the optimizers of ``gradtx.contrib``.
-Each docstring has a one-line summary, a description, ``Args:`` naming every parameter of the
+The aliases are found, not listed: every public function of ``gradtx.optimizers`` and
+``gradtx.contrib`` except their ``scale_by_*`` transformations and the few named in NOT_ALIASES, so
+an optimizer added later is checked without being named here. Each docstring has a one-line summary, a description, ``Args:`` naming every parameter of the
 signature in order (and nothing else), ``Returns:``, ``References:`` with a linked paper and its
 year, and ``Examples:`` that run as doctests and print what they show.
 
 Also checked here, across the aliases: ``learning_rate=None`` is taken exactly where the signature
-says so (and does what the docstring says), and every ``ScalarOrSchedule`` parameter takes a 0-d
+says so (and does what the docstring says) and is refused by name elsewhere, and every
+``ScalarOrSchedule`` parameter, and every learning rate typed ``float`` as in optax, takes a 0-d
 tensor as well as a number.
 """
 
@@ -27,35 +29,9 @@ import gradtx
 import gradtx.optimizers
 from gradtx import contrib
 
-# The optimizers of gradtx.contrib (dpsgd is gradtx.optimizers.dpsgd itself).
-CONTRIB_ALIASES = [
-    "acprop",
-    "ademamix",
-    "adopt",
-    "cocob",
-    "dadapt_adamw",
-    "dog",
-    "dowg",
-    "galore",
-    "madgrad",
-    "mechanize",
-    "momo",
-    "momo_adam",
-    "muon",
-    "prodigy",
-    "sam",
-    "schedule_free",
-    "schedule_free_adamw",
-    "schedule_free_sgd",
-    "simplified_ademamix",
-    "sophia",
-]
-
-# The other functions gradtx.contrib exports, besides its scale_by_* transformations, and why
-# they are not optimizers.
-CONTRIB_NOT_ALIASES = {
-    "differentially_private_aggregate": "DP-SGD's aggregation step, a transformation",
-    "dpsgd": "gradtx.optimizers.dpsgd, checked there",
+# The public functions of gradtx.optimizers' and gradtx.contrib's modules that are not optimizers,
+# besides the scale_by_* transformations, and why. Every other one is an optimizer and is checked.
+NOT_ALIASES = {
     "hutchinson_estimator_diag_hessian": "an estimator of the Hessian's diagonal, a transformation",
     "normalize": "a transformation (unit global norm)",
     "reduce_on_plateau": "a transformation that scales updates",
@@ -63,9 +39,64 @@ CONTRIB_NOT_ALIASES = {
     "split_real_and_imaginary": "a wrapper for complex parameters",
 }
 
-ALIASES = {name: getattr(gradtx.optimizers, name) for name in gradtx.optimizers.__all__}
-ALIASES.update({f"contrib.{name}": getattr(contrib, name) for name in CONTRIB_ALIASES})
+# Public functions elsewhere that take a learning rate, and why they are not optimizers.
+TAKE_A_LEARNING_RATE = {
+    "scale_by_learning_rate": "the scaling every optimizer ends with",
+    "scale_by_madgrad": "MADGRAD's direction, a transformation",
+    "scale_by_rprop": "Rprop's direction, a transformation",
+}
+
+OPTIMIZER_PACKAGES = ("gradtx.optimizers.", "gradtx.contrib.")
+
+
+def public_functions() -> dict[str, typing.Any]:
+    """Every function ``gradtx`` or ``gradtx.contrib`` exports (contrib's are also top-level)."""
+    out = {}
+    for module in (gradtx, contrib):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if callable(obj) and not inspect.isclass(obj) and not inspect.ismodule(obj):
+                out[name] = obj
+    return out
+
+
+def discover_aliases() -> dict[str, typing.Any]:
+    """The optimizers: the public functions defined in gradtx.optimizers or gradtx.contrib that are
+    neither ``scale_by_*`` nor in NOT_ALIASES, keyed ``name`` or ``contrib.name`` by their package."""
+    out = {}
+    for name, fn in public_functions().items():
+        module = getattr(fn, "__module__", "") or ""
+        if module.startswith(OPTIMIZER_PACKAGES) and not name.startswith("scale_by_") and name not in NOT_ALIASES:
+            out[f"contrib.{name}" if module.startswith("gradtx.contrib.") else name] = fn
+    return out
+
+
+ALIASES = discover_aliases()
 NAMES = sorted(ALIASES)
+
+
+def test_the_aliases_are_found_and_exported():
+    # a sanity floor for the discovery above (optax's aliases and optax.contrib's optimizers)
+    assert {"adam", "adamw", "sgd", "lbfgs", "dpsgd", "contrib.muon", "contrib.sam", "contrib.mechanize"} <= set(ALIASES)
+    assert len(ALIASES) >= 52
+    # every optimizer of gradtx.optimizers is exported there and at the top level
+    assert {n for n in NAMES if not n.startswith("contrib.")} == set(gradtx.optimizers.__all__)
+    for name, fn in ALIASES.items():
+        assert getattr(gradtx, name.removeprefix("contrib."), None) is fn, f"{name} is not gradtx.{name}"
+    assert set(NOT_ALIASES) <= set(public_functions()), "NOT_ALIASES names a function no longer exported"
+
+
+def test_every_public_function_that_takes_a_learning_rate_is_an_optimizer():
+    aliases = set(ALIASES.values())
+    unknown = [
+        name
+        for name, fn in public_functions().items()
+        if fn not in aliases
+        and name not in TAKE_A_LEARNING_RATE
+        and "learning_rate" in inspect.signature(fn).parameters
+    ]
+    assert not unknown, f"functions that take a learning rate but are not checked as optimizers: {unknown}"
+
 
 SECTION_NAMES = ("Args", "Returns", "References", "Examples")
 
@@ -99,16 +130,6 @@ def arg_text(fn, name: str) -> str:
     start = next(i for i, line in enumerate(lines) if line.startswith(f"  {name}: "))
     end = next((i for i in range(start + 1, len(lines)) if re.match(r"  \w+: ", lines[i])), len(lines))
     return " ".join(line.strip() for line in lines[start:end])
-
-
-def test_every_contrib_function_is_classified():
-    functions = [name for name in contrib.__all__ if inspect.isfunction(getattr(contrib, name))]
-    unknown = [
-        name
-        for name in functions
-        if name not in CONTRIB_ALIASES and name not in CONTRIB_NOT_ALIASES and not name.startswith("scale_by_")
-    ]
-    assert not unknown, f"gradtx.contrib functions neither optimizers nor listed as other: {unknown}"
 
 
 @pytest.mark.parametrize("name", NAMES)
