@@ -196,7 +196,7 @@ def test_adamaxw_matches_torch_adamax_with_decoupled_decay(inplace):
 def test_optimistic_adam_is_deprecated_and_rejects_schedules():
     with pytest.warns(DeprecationWarning, match="optimistic_adam_v2"):
         gtx.optimistic_adam(0.1)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="schedule"):
+    with pytest.raises(TypeError, match="^optimistic_adam: learning_rate must be a number or a 0-d tensor, got a schedule"):
         gtx.optimistic_adam(gtx.constant_schedule(0.1))
 
 

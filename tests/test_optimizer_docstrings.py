@@ -184,6 +184,24 @@ def takes_none(fn, parameter: str) -> bool:
     return type(None) in typing.get_args(hints(fn).get(parameter))
 
 
+def scalar_or_schedule_parameters(fn) -> list[str]:
+    """The parameters typed ``ScalarOrSchedule`` (or ``Optional[ScalarOrSchedule]``)."""
+    out = []
+    for parameter, hint in hints(fn).items():
+        options = [t for t in typing.get_args(hint) if t is not type(None)] if typing.get_origin(hint) is typing.Union else []
+        if parameter != "return" and options == list(typing.get_args(gradtx.ScalarOrSchedule)):
+            out.append(parameter)
+    return out
+
+
+WITH_RATE = [name for name in NAMES if "learning_rate" in inspect.signature(ALIASES[name]).parameters]
+# learning rates typed ScalarOrSchedule; the others are typed ``float`` as in optax (no schedule)
+SCHEDULED = {name for name in WITH_RATE if "learning_rate" in scalar_or_schedule_parameters(ALIASES[name])}
+NUMBER_ONLY = sorted(set(WITH_RATE) - SCHEDULED)
+# typed ``float`` as in optax, yet a schedule works when there is no warmup to build from it
+SCHEDULED_WITHOUT_WARMUP = ["contrib.schedule_free_adamw", "contrib.schedule_free_sgd"]
+
+
 def test_the_aliases_that_take_no_learning_rate_are_optax_s():
     names = [name for name in NAMES if takes_none(ALIASES[name], "learning_rate")]
     assert names == ["adadelta", "adafactor", "lbfgs"]
@@ -201,15 +219,15 @@ REQUIRED = {
 }
 
 
-@pytest.mark.parametrize(
-    "name",
-    [n for n in NAMES if "learning_rate" in inspect.signature(ALIASES[n]).parameters and not takes_none(ALIASES[n], "learning_rate")],
-)
+@pytest.mark.parametrize("name", [n for n in WITH_RATE if not takes_none(ALIASES[n], "learning_rate")])
 def test_a_learning_rate_of_none_is_refused_by_name(name):
     fn = ALIASES[name]
+    # the message lists what the signature takes: a schedule only where the hint is ScalarOrSchedule
+    scheduled = name in SCHEDULED or name in SCHEDULED_WITHOUT_WARMUP
+    takes = "a number, a 0-d tensor or a schedule" if scheduled else "a number or a 0-d tensor"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        with pytest.raises(TypeError, match=rf"^{fn.__name__}: learning_rate must be a number, a 0-d tensor or a schedule, got None"):
+        with pytest.raises(TypeError, match=rf"^{fn.__name__}: learning_rate must be {takes}, got None$"):
             fn(learning_rate=None, **REQUIRED.get(name, {}))
 
 
@@ -271,16 +289,6 @@ def test_lbfgs_without_a_learning_rate_takes_its_unit_step_and_descends():
 # --------------------------------------------------------------------------- 0-d tensors
 
 
-def scalar_or_schedule_parameters(fn) -> list[str]:
-    """The parameters typed ``ScalarOrSchedule`` (or ``Optional[ScalarOrSchedule]``)."""
-    out = []
-    for parameter, hint in hints(fn).items():
-        options = [t for t in typing.get_args(hint) if t is not type(None)] if typing.get_origin(hint) is typing.Union else []
-        if parameter != "return" and options == list(typing.get_args(gradtx.ScalarOrSchedule)):
-            out.append(parameter)
-    return out
-
-
 def test_scalar_or_schedule_is_one_type_that_takes_a_tensor():
     # every module that names the type in its signatures uses gradtx.numerics' one
     import gradtx.contrib.adam_variants  # noqa: F401 - imported for sys.modules
@@ -298,19 +306,44 @@ def test_scalar_or_schedule_is_one_type_that_takes_a_tensor():
 
 
 TYPED_CASES = [(name, p) for name in NAMES for p in scalar_or_schedule_parameters(ALIASES[name])]
-# typed ``float`` as in optax (no schedule), and documented to take a 0-d tensor as well
-TENSOR_CASES = TYPED_CASES + [("rprop", "learning_rate"), ("sm3", "learning_rate")]
+# the learning rates typed ``float`` are documented to take a 0-d tensor as well
+TENSOR_CASES = TYPED_CASES + [(name, "learning_rate") for name in NUMBER_ONLY]
 
 
 def test_every_alias_with_a_learning_rate_types_it_as_a_scalar_or_schedule():
-    float_only = {"optimistic_adam", "rprop", "sm3", "contrib.schedule_free_adamw", "contrib.schedule_free_sgd"}
-    typed = {name for name, p in TYPED_CASES if p == "learning_rate"}
-    with_rate = {name for name in NAMES if "learning_rate" in inspect.signature(ALIASES[name]).parameters}
-    assert with_rate - typed == float_only  # as in optax, these take a number only
+    # as in optax, these take no schedule (schedule-free's two only without a warmup)
+    assert NUMBER_ONLY == ["contrib.schedule_free_adamw", "contrib.schedule_free_sgd", "optimistic_adam", "rprop", "sm3"]
 
 
+@pytest.mark.parametrize("name", NUMBER_ONLY)
+def test_a_schedule_where_a_number_is_needed_is_refused_by_name(name):
+    fn = ALIASES[name]
+    extra = {"warmup_steps": 2} if name in SCHEDULED_WITHOUT_WARMUP else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(TypeError, match=rf"^{fn.__name__}: learning_rate must be a number or a 0-d tensor.*got a schedule"):
+            fn(learning_rate=lambda count: 0.1, **extra)
+
+
+@pytest.mark.parametrize("name", SCHEDULED_WITHOUT_WARMUP)
+def test_schedule_free_without_a_warmup_reads_a_schedule_at_t_and_t_minus_1(name):
+    # what the docstring says: the averaging weights read it at t (from 1), the base optimizer at t - 1
+    seen = []
+
+    def constant(count):
+        seen.append(int(count))
+        return 0.1
+
+    got = run(ALIASES[name](learning_rate=constant), steps=3)
+    assert seen == [1, 0, 2, 1, 3, 2]
+    expected = run(ALIASES[name](learning_rate=0.1), steps=3)
+    for k in expected:
+        assert torch.equal(got[k], expected[k])
+
+
+@pytest.mark.filterwarnings("ignore:`optimistic_adam` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize(("name", "parameter"), TENSOR_CASES, ids=[f"{n}-{p}" for n, p in TENSOR_CASES])
-def test_a_scalar_or_schedule_parameter_takes_a_0d_tensor(name, parameter):
+def test_a_scalar_or_schedule_parameter_or_number_learning_rate_takes_a_0d_tensor(name, parameter):
     fn = ALIASES[name]
     default = inspect.signature(fn).parameters[parameter].default
     value = 0.1 if default in (inspect.Parameter.empty, None) or callable(default) or default == 0 else float(default)

@@ -200,9 +200,17 @@ def schedule_free(
     return GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _warmed_up(learning_rate: ScalarOrSchedule, warmup_steps: Optional[int]) -> ScalarOrSchedule:
+def _warmed_up(learning_rate: ScalarOrSchedule, warmup_steps: Optional[int], owner: str) -> ScalarOrSchedule:
+    """The learning rate, warmed up linearly from 0 over ``warmup_steps`` when given (as optax's
+    ``warmup_constant_schedule``, whose peak must then be a number or a 0-d tensor)."""
+    check_learning_rate(learning_rate, owner)
     if warmup_steps is None:
         return learning_rate
+    if callable(learning_rate):
+        raise TypeError(
+            f"{owner}: learning_rate must be a number or a 0-d tensor when warmup_steps is given, got a schedule"
+            " (without warmup_steps a schedule is taken)"
+        )
     return warmup_constant_schedule(init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps)
 
 
@@ -222,7 +230,9 @@ def schedule_free_sgd(
     the model at :func:`schedule_free_eval_params`.
 
     Args:
-      learning_rate: the (peak) step size, a number (as in optax).
+      learning_rate: the (peak) step size: a number or a 0-d tensor (typed ``float``, as in
+        optax). Without ``warmup_steps``, a schedule is taken too (the averaging weights read
+        it at ``t``, from 1, and the base optimizer at ``t - 1``).
       warmup_steps: the number of steps of a linear warmup from 0 to ``learning_rate``
         (``None``: none).
       b1: the interpolation weight: the params are ``y = b1 * x + (1 - b1) * z`` (the role of
@@ -259,8 +269,7 @@ def schedule_free_sgd(
       4.6650
       3.6960
     """
-    check_learning_rate(learning_rate, "schedule_free_sgd")
-    learning_rate = _warmed_up(learning_rate, warmup_steps)
+    learning_rate = _warmed_up(learning_rate, warmup_steps, "schedule_free_sgd")
     optimizer = chain(identity(), scale_by_learning_rate(learning_rate))  # optax's sgd, without momentum
     if weight_decay is not None:
         optimizer = chain(add_decayed_weights(weight_decay), optimizer)
@@ -289,7 +298,9 @@ def schedule_free_adamw(
     :func:`schedule_free_eval_params`.
 
     Args:
-      learning_rate: the (peak) step size, a number (as in optax).
+      learning_rate: the (peak) step size: a number or a 0-d tensor (typed ``float``, as in
+        optax). Without ``warmup_steps``, a schedule is taken too (the averaging weights read
+        it at ``t``, from 1, and the base optimizer at ``t - 1``).
       warmup_steps: the number of steps of a linear warmup from 0 to ``learning_rate``
         (``None``: none).
       b1: the interpolation weight: the params are ``y = b1 * x + (1 - b1) * z`` (the role of
@@ -328,8 +339,7 @@ def schedule_free_adamw(
       12.4158
       11.8852
     """
-    check_learning_rate(learning_rate, "schedule_free_adamw")
-    learning_rate = _warmed_up(learning_rate, warmup_steps)
+    learning_rate = _warmed_up(learning_rate, warmup_steps, "schedule_free_adamw")
     optimizer = chain(
         scale_by_rms(decay=b2, eps=eps, eps_in_sqrt=False, bias_correction=True),
         add_decayed_weights(weight_decay),

@@ -32,3 +32,18 @@ def check_learning_rate(learning_rate: Any, owner: str) -> None:
     """
     if learning_rate is None:
         raise TypeError(f"{owner}: learning_rate must be a number, a 0-d tensor or a schedule, got None")
+
+
+def check_number_learning_rate(learning_rate: Any, owner: str, *, instead: str = "") -> None:
+    """Refuses ``None`` and schedules where the learning rate must be a number or a 0-d tensor.
+
+    optax types these learning rates ``float`` (``rprop``'s initial step sizes, ``sm3``'s
+    constant scale, ``optimistic_adam``'s optimism): a schedule would otherwise fail later with
+    an error that names neither the optimizer nor the argument. ``instead`` says what takes a
+    schedule.
+    """
+    if learning_rate is None:
+        raise TypeError(f"{owner}: learning_rate must be a number or a 0-d tensor, got None")
+    if callable(learning_rate):
+        hint = f" ({instead})" if instead else ""
+        raise TypeError(f"{owner}: learning_rate must be a number or a 0-d tensor, got a schedule{hint}")

@@ -18,7 +18,7 @@ import torch
 from gradtx import sharding
 from gradtx.base import GradientTransformation
 from gradtx.chains.chain import chain
-from gradtx.optimizers._common import _one, check_learning_rate
+from gradtx.optimizers._common import _one, check_learning_rate, check_number_learning_rate
 from gradtx.transforms.adadelta import scale_by_yogi
 from gradtx.transforms.adam import (
     fused_adam,
@@ -804,12 +804,12 @@ def optimistic_adam(
     ``-((learning_rate + optimism) * a_t - optimism * a_{t-1})``, with ``a_0`` taken as the
     first direction. This is ``chain(scale_by_adam(...),
     scale_by_optimistic_gradient(alpha=learning_rate, beta=optimism), scale_by_learning_rate(1.0))``;
-    the learning rate must be a number. Building it warns with a ``DeprecationWarning``, as optax's
+    the learning rate must be a number or a 0-d tensor. Building it warns with a ``DeprecationWarning``, as optax's
     does.
 
     Args:
-      learning_rate: the step size, a number (a schedule is refused: :func:`optimistic_adam_v2`
-        takes one).
+      learning_rate: the step size, a number or a 0-d tensor (a schedule is refused, as in
+        optax: :func:`optimistic_adam_v2` takes one).
       optimism: the weight of the correction by the previous direction (``None``:
         ``learning_rate``).
       b1: the decay rate of the first moment, the moving average of the gradients.
@@ -849,12 +849,10 @@ def optimistic_adam(
       9.4669
       8.5755
     """
-    check_learning_rate(learning_rate, "optimistic_adam")
+    check_number_learning_rate(learning_rate, "optimistic_adam", instead="optimistic_adam_v2 takes a schedule")
     warnings.warn(
         "`optimistic_adam` is deprecated, please use `optimistic_adam_v2` instead.", category=DeprecationWarning, stacklevel=2
     )
-    if callable(learning_rate):
-        raise ValueError("optimistic_adam: learning rate schedules are not supported; optimistic_adam_v2 takes them")
     if optimism is None:
         optimism = learning_rate
     return _one(

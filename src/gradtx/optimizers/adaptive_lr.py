@@ -15,7 +15,7 @@ import torch
 from gradtx import sharding
 from gradtx.base import GradientTransformation
 from gradtx.chains.chain import chain
-from gradtx.optimizers._common import _momentum, _one, check_learning_rate
+from gradtx.optimizers._common import _momentum, _one, check_learning_rate, check_number_learning_rate
 from gradtx.transforms._foreach import number_or_tensor as fe_number
 from gradtx.transforms.adadelta import scale_by_adadelta
 from gradtx.transforms.block_norm import scale_by_param_block_rms
@@ -365,5 +365,5 @@ def sm3(learning_rate: float, momentum: float = 0.9) -> GradientTransformation:
       10.2381
       9.0684
     """
-    check_learning_rate(learning_rate, "sm3")
+    check_number_learning_rate(learning_rate, "sm3")
     return _one(chain(scale_by_sm3(momentum), scale(-fe_number(learning_rate))))

@@ -13,7 +13,7 @@ import torch
 
 from gradtx.base import GradientTransformation
 from gradtx.chains.chain import chain
-from gradtx.optimizers._common import _one, check_learning_rate
+from gradtx.optimizers._common import _one, check_learning_rate, check_number_learning_rate
 from gradtx.transforms.lion import scale_by_lion
 from gradtx.transforms.momentum import ema
 from gradtx.transforms.scaling import ScalarOrSchedule, scale, scale_by_learning_rate
@@ -228,7 +228,7 @@ def rprop(
       10.0295
       8.4229
     """
-    check_learning_rate(learning_rate, "rprop")
+    check_number_learning_rate(learning_rate, "rprop")
     return _one(
         chain(
             scale_by_rprop(learning_rate, eta_minus, eta_plus, min_step_size, max_step_size),
