@@ -93,7 +93,7 @@ class Family:
     lookahead: bool = False
 
 
-FAMILIES = {
+FAMILIES: dict[str, Family] = {
     "adamw": Family(lambda spec: gtx.chain(gtx.clip_by_global_norm(1.0, spec), gtx.adamw(1e-2, weight_decay=0.1))),
     "adafactor": Family(lambda spec: gtx.adafactor(1e-2, min_dim_size_to_factor=4, spec=spec)),
     "muon_owner": Family(lambda spec: gtx.contrib.muon(1e-2, spec=spec, strategy="owner")),
@@ -108,6 +108,9 @@ FAMILIES = {
         extra=lambda step: {"value": torch.tensor(float(step % 3 == 0) + 1.0)},
     ),
 }
+
+FAMILIES["noisy_sgd"] = Family(lambda spec: gtx.noisy_sgd(1e-2, eta=0.5, key=3))
+EXACT_ON_PIECES = [name for name in FAMILIES if name != "noisy_sgd"]  # noise is drawn per local piece
 
 
 def grads_at(shapes, step):
@@ -136,7 +139,7 @@ def dense_run(family: Family, shapes, steps):
     return run_steps(tx, family, Layout(), shapes, params, tx.init(params), steps)[0]
 
 
-def save(path: str, params, state, layout: Layout) -> None:
+def save(path: str, params, state, layout: Layout) -> dict:
     import torch.distributed.checkpoint as dcp
 
     plain = plain_of(params)
@@ -145,6 +148,7 @@ def save(path: str, params, state, layout: Layout) -> None:
         "params": gtx.checkpoint.state_dict(params, plain, layout.spec),
     }
     dcp.save(sd, checkpoint_id=path)
+    return sd
 
 
 def load(path: str, tx, family: Family, layout: Layout, shapes):
@@ -164,9 +168,10 @@ def load(path: str, tx, family: Family, layout: Layout, shapes):
     return new_params, new_state
 
 
-def resume_chain(world, family_names, shapes, layouts: list[Layout], steps: list[int]) -> None:
+def resume_chain(world, family_names, shapes, layouts: list[Layout], steps: list[int], saved: Optional[Callable] = None) -> None:
     """For each family: ``steps[0]`` steps on ``layouts[0]``, saved; loaded on ``layouts[1]``,
-    ``steps[1]`` more, saved; ... Every stretch ends equal to the dense run of as many steps."""
+    ``steps[1]`` more, saved; ... Every stretch ends equal to the dense run of as many steps.
+    ``saved(family, layout index, dict)`` sees each dict saved."""
     root = shared_dir(world)
     try:
         for name in family_names:
@@ -185,7 +190,9 @@ def resume_chain(world, family_names, shapes, layouts: list[Layout], steps: list
                 done += count
                 check_params(params, dense_run(family, shapes, range(done)), layout, f"{name}: layout {i} after {done} steps")
                 if i + 1 < len(layouts):
-                    save(f"{root}/{name}_{i}", params, state, layout)
+                    sd = save(f"{root}/{name}_{i}", params, state, layout)
+                    if saved is not None:
+                        saved(name, i, sd)
     finally:
         remove_dir(world, root)
 
@@ -216,7 +223,134 @@ def gpt_pieces(tp: bool) -> dict[str, Piece]:
 def tp2_pp2_to_pp2_to_dense(world):
     tp_pp = Layout(world.mesh((2, 2), ("pp", "tp")), gpt_pieces(tp=True), stage_axis="pp")
     pp = Layout(world.mesh((2, 2), ("pp", "dp")), gpt_pieces(tp=False), stage_axis="pp")
-    resume_chain(world, list(FAMILIES), GPT_SHAPES, [tp_pp, pp, Layout()], [N_STEPS, M_STEPS, K_STEPS])
+    resume_chain(world, EXACT_ON_PIECES, GPT_SHAPES, [tp_pp, pp, Layout()], [N_STEPS, M_STEPS, K_STEPS], saved=_gpt_saved)
+
+
+def _gpt_saved(name, index, sd):
+    from torch.distributed.tensor import DTensor
+
+    if index == 0 and name == "adafactor":
+        # (8, 6) split along its rows: the column moment (a mean along dim 1) is split as the rows
+        # are, the row moment (a mean along dim 0) is whole
+        moments = {k.split(".")[-5]: v for k, v in sd["state"].items() if k.endswith(("layers.0.qkv.weight", "layers.2.qkv.weight"))}
+        assert isinstance(moments["v_col"], DTensor) and tuple(moments["v_col"].shape) == (8,), moments
+        assert type(moments["v_row"]) is torch.Tensor and tuple(moments["v_row"].shape) == (6,), moments
+    if index == 0 and name == "galore":
+        projector = next(v for k, v in sd["state"].items() if ".projector.layers." in k and k.endswith("qkv.weight"))
+        assert type(projector) is torch.Tensor, projector  # whole on every rank
+
+
+
+# --------------------------------------------------------------------------- ZeRO flat pieces, dp 4 -> dp 2 -> dp 1
+
+FLAT_SHAPES = {"w": (5, 3), "b": (7,), "v": (3, 3)}  # 15, 7 and 9 elements: uneven flat pieces over 4 and 2
+
+
+def flat_pieces() -> dict[str, Piece]:
+    return {name: Piece(name, ((("dp",), None),)) for name in FLAT_SHAPES}
+
+
+@case(4)
+def zero_flat_dp4_to_dp2_to_dp1(world):
+    # a flat piece's logical tensor is the flattened leaf: it resumes on any flat layout
+    layouts = [
+        Layout(world.mesh((4,), ("dp",)), flat_pieces()),
+        Layout(world.mesh((2, 2), ("rep", "dp")), flat_pieces()),
+        Layout(world.mesh((4, 1), ("rep", "dp")), flat_pieces()),
+    ]
+    resume_chain(world, ["adamw", "multi_steps", "lookahead"], FLAT_SHAPES, layouts, [N_STEPS, M_STEPS, K_STEPS], saved=_flat_saved)
+
+
+def _flat_saved(name, index, sd):
+    from torch.distributed.tensor import DTensor
+
+    # 7 elements over 4 as 2, 2, 2, 1 is DTensor's chunking; 9 as 3, 2, 2, 2 is not (over 2: 5, 4 is)
+    if name == "lookahead":  # params "fast.b", "slow.b"
+        return
+    assert isinstance(sd["params"]["b"], DTensor) and tuple(sd["params"]["b"].shape) == (7,)
+    assert isinstance(sd["params"]["v"], gtx.checkpoint.Pieces if index == 0 else DTensor), sd["params"]["v"]
+    assert tuple(sd["params"]["v"].shape) == (9,)
+
+
+# --------------------------------------------------------------------------- TP 2 x FSDP 2 DTensors -> FSDP 4 -> dense
+
+DT_SHAPES = {"qkv.weight": (7, 6), "proj.weight": (10, 7), "bias": (11,)}
+
+
+@case(4)
+def tp2_fsdp2_dtensor_to_fsdp4_to_dense(world):
+    from torch.distributed.tensor import Replicate, Shard
+
+    two_d = {"qkv.weight": (Shard(0), Shard(1)), "proj.weight": (Shard(0), Shard(1)), "bias": (Shard(0), Replicate())}
+    layouts = [
+        Layout(world.mesh((2, 2), ("dp", "tp")), placements=two_d),  # uneven: 7 rows as 4 + 3, 7 columns as 4 + 3
+        Layout(world.mesh((4,), ("dp",)), placements={name: (Shard(0),) for name in DT_SHAPES}),  # 7 rows as 2, 2, 2, 1
+        Layout(),
+    ]
+    resume_chain(world, ["adamw", "adafactor", "muon_owner", "galore"], DT_SHAPES, layouts, [N_STEPS, M_STEPS, K_STEPS])
+
+
+# --------------------------------------------------------------------------- experts over ep 2 -> ep 1
+
+EXPERT_SHAPES = {"experts.w1": (4, 6, 8), "experts.w2": (4, 8, 6), "router.weight": (6, 4)}
+
+
+def expert_pieces() -> dict[str, Piece]:
+    return {
+        "experts.w1": Piece("experts.w1", ((("ep",), 0),)),
+        "experts.w2": Piece("experts.w2", ((("ep",), 0),)),
+        "router.weight": Piece("router.weight"),
+    }
+
+
+@case(4)
+def experts_ep2_to_ep1(world):
+    layouts = [
+        Layout(world.mesh((2, 2), ("ep", "dp")), expert_pieces()),
+        Layout(world.mesh((1, 4), ("ep", "dp")), expert_pieces()),
+    ]
+    resume_chain(world, ["adamw", "adafactor", "multi_steps"], EXPERT_SHAPES, layouts, [N_STEPS, M_STEPS])
+
+
+# --------------------------------------------------------------------------- uneven on both sides
+
+UNEVEN_SHAPES = {"w": (5, 4), "u": (6, 3), "b": (7,)}
+
+
+@case(4)
+def uneven_plain_tp_to_uneven_fsdp_dtensor(world):
+    from torch.distributed.tensor import Shard
+
+    # plain pieces cut as numpy's array_split does (5 rows: 2, 1, 1, 1), which DTensor's chunking does
+    # not describe, then FSDP2-style DTensors (5 rows: 2, 2, 1, 0)
+    plain = {name: Piece(name, ((("tp",), 0),)) for name in UNEVEN_SHAPES}
+    layouts = [
+        Layout(world.mesh((4,), ("tp",)), plain),
+        Layout(world.mesh((4,), ("dp",)), placements={name: (Shard(0),) for name in UNEVEN_SHAPES}),
+        Layout(),
+    ]
+    resume_chain(world, ["adamw", "inject_hyperparams"], UNEVEN_SHAPES, layouts, [N_STEPS, M_STEPS, K_STEPS], saved=_uneven_saved)
+
+
+def _uneven_saved(name, index, sd):
+    from torch.distributed.tensor import DTensor
+
+    kinds = {k: type(v) for k, v in sd["params"].items() if k != gtx.checkpoint.MANIFEST}
+    if index == 0:
+        assert kinds == {"w": gtx.checkpoint.Pieces, "u": gtx.checkpoint.Pieces, "b": DTensor}, kinds
+    else:
+        assert set(kinds.values()) == {DTensor}, kinds
+
+
+# --------------------------------------------------------------------------- a generator state
+
+
+@case(4)
+def replicated_generator_state_to_dense(world):
+    # every rank draws the same noise for the whole params: the generator state is one value
+    replicated = {name: Piece(name) for name in FLAT_SHAPES}
+    layouts = [Layout(world.mesh((4,), ("dp",)), replicated), Layout()]
+    resume_chain(world, ["noisy_sgd"], FLAT_SHAPES, layouts, [N_STEPS, M_STEPS])
 
 
 @pytest.mark.parametrize("size,name", _world.params_for(__name__))
