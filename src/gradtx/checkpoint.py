@@ -37,6 +37,7 @@ before anything is returned. Without a spec and without DTensors nothing is comm
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Optional
 
@@ -393,8 +394,14 @@ def state_dict(state: Any, params: Any, spec: Optional[ShardingSpec] = None, *, 
         else:
             shape, offsets, even = agreed.split.get(path, (layout.shape, (), True))
             out[path] = ckpt_lib.checkpointable(local, layout, resolved.mesh, shape, offsets, even)
-    out[MANIFEST] = {"format": _FORMAT, "leaves": {p: list(e) for p, e in agreed.manifest.items()}}
+    out[MANIFEST] = _manifest_text(agreed.manifest)
     return out
+
+
+def _manifest_text(manifest: Mapping[str, tuple[Any, ...]]) -> str:
+    """The manifest as one JSON string: DCP stores a string as one value (a dict it would split
+    into one entry per key, and a partial load would then mix the saved one with the template's)."""
+    return json.dumps({"format": _FORMAT, "leaves": {p: [e[0], e[1], list(e[2]) if len(e) > 2 and e[2] is not None else None] for p, e in manifest.items()}}, sort_keys=True)
 
 
 # --------------------------------------------------------------------------- loading
@@ -460,9 +467,14 @@ def _local_errors(resolved: _Resolved, loaded: Any) -> Optional[str]:
 
 def _manifest_problem(stored: Any, manifest: dict[str, tuple[Any, ...]]) -> Optional[str]:
     """Why the checkpoint's manifest does not fit this state's (``None`` when it does)."""
-    if not isinstance(stored, Mapping) or stored.get("format") != _FORMAT or not isinstance(stored.get("leaves"), Mapping):
+    try:
+        parsed = json.loads(stored) if isinstance(stored, str) else None
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict) or parsed.get("format") != _FORMAT or not isinstance(parsed.get("leaves"), dict):
         return f"the loaded {MANIFEST!r} is not a gradtx checkpoint manifest (format {_FORMAT})"
-    saved = {p: tuple(tuple(x) if isinstance(x, list) else x for x in e) for p, e in stored["leaves"].items()}
+    saved = {p: (e[0], e[1], tuple(e[2]) if isinstance(e[2], list) else e[2]) for p, e in parsed["leaves"].items()}
+    manifest = {p: (e[0], e[1], e[2] if len(e) > 2 else None) for p, e in manifest.items()}
     extra = sorted(set(saved) - set(manifest))
     missing = sorted(set(manifest) - set(saved))
     if extra:
@@ -506,7 +518,7 @@ def load_state_dict(template_state: Any, loaded: Mapping[str, Any], params: Any 
             records = _records(resolved, values=loaded)
             values = {r.path: _describe_value(loaded[r.path]) for r in records}
             if MANIFEST in loaded:
-                manifest_hash = hashlib.blake2b(repr(loaded[MANIFEST]).encode(), digest_size=16).hexdigest()
+                manifest_hash = hashlib.blake2b(str(loaded[MANIFEST]).encode(), digest_size=16).hexdigest()
         except (ValueError, TypeError) as exc:
             error = exc
     gathered = ckpt_lib.exchange(resolved.mesh, _payload(resolved, records, error, values=values, manifest=manifest_hash))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import pytest
 import torch
@@ -352,6 +352,209 @@ def replicated_generator_state_to_dense(world):
     layouts = [Layout(world.mesh((4,), ("dp",)), replicated), Layout()]
     resume_chain(world, ["noisy_sgd"], FLAT_SHAPES, layouts, [N_STEPS, M_STEPS])
 
+
+
+# --------------------------------------------------------------------------- bad input: the same error on every rank
+
+BAD_SHAPES = {"w": (6, 4), "b": (3,)}
+
+
+def bad_layout(world, shapes=BAD_SHAPES) -> Layout:
+    pieces = {name: Piece(name, ((("tp",), 0),)) if len(shape) == 2 else Piece(name) for name, shape in shapes.items()}
+    return Layout(world.mesh((world.size,), ("tp",)), pieces)
+
+
+def trained(tx, layout: Layout, shapes, steps: int = 2):
+    params = layout.local(dense_tree(shapes, seed=7))
+    return run_steps(tx, FAMILIES["adamw"], layout, shapes, params, tx.init(params), range(steps))
+
+
+def snapshot(tree) -> list:
+    return [None if x is None else local_of(x).clone() for x in gtx.tree.leaves(tree)]
+
+
+def assert_untouched(tree, before: list) -> None:
+    for x, old in zip(gtx.tree.leaves(tree), before):
+        assert (x is None and old is None) or torch.equal(local_of(x), old), "the template was changed"
+
+
+def everyone_raises(world, fn, match: str, error=ValueError) -> str:
+    from test_sharding_disagreement import _everyone_raises
+
+    return _everyone_raises(world, fn, match, error)
+
+
+def saved_checkpoint(world, root: str, tx, layout: Layout, shapes=BAD_SHAPES) -> tuple:
+    import torch.distributed.checkpoint as dcp
+
+    params, state = trained(tx, layout, shapes)
+    dcp.save(gtx.checkpoint.state_dict(state, params, layout.spec), checkpoint_id=root)
+    return params, state
+
+
+def load_into(root: str, template, params, layout: Layout, *, partial: bool = False):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    sd = gtx.checkpoint.state_dict(template, params, layout.spec, copy=True)
+    dcp.load(sd, checkpoint_id=root, planner=DefaultLoadPlanner(allow_partial_load=partial))
+    return gtx.checkpoint.load_state_dict(template, sd, params, layout.spec)
+
+
+@case(2)
+def checkpoint_of_another_chain_or_tree(world):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    root = shared_dir(world)
+    try:
+        layout = bad_layout(world)
+        tx = gtx.adamw(1e-2)
+        saved_checkpoint(world, root, tx, layout)
+        # more params than were saved: DCP itself refuses, on every rank, naming the key
+        bigger = bad_layout(world, {**BAD_SHAPES, "c": (2,)})
+        params = bigger.local(dense_tree({**BAD_SHAPES, "c": (2,)}))
+        template = tx.init(params)
+        before = snapshot(template)
+        with pytest.raises(CheckpointException, match=r"0\.mu\.c"):
+            load_into(root, template, params, bigger)
+        assert_untouched(template, before)
+        # ... and with a partial load, gradtx's manifest names it
+        message = everyone_raises(world, lambda: load_into(root, template, params, bigger, partial=True), r"lacks state leaf '0\.mu\.c'")
+        assert "another transformation or params" in message
+        assert_untouched(template, before)
+        # fewer params than were saved: DCP loads what is asked; the manifest finds the rest
+        smaller = bad_layout(world, {"w": (6, 4)})
+        params = smaller.local(dense_tree({"w": (6, 4)}))
+        template = tx.init(params)
+        before = snapshot(template)
+        everyone_raises(world, lambda: load_into(root, template, params, smaller), r"checkpoint holds state leaf '0\.mu\.b', which this state lacks")
+        assert_untouched(template, before)
+        # another chain: its paths differ ("1.0.mu.w")
+        chained = gtx.chain(gtx.clip_by_global_norm(1.0, layout.spec), gtx.adamw(1e-2))
+        params = layout.local(dense_tree(BAD_SHAPES))
+        template = chained.init(params)
+        everyone_raises(world, lambda: load_into(root, template, params, layout, partial=True), r"checkpoint holds state leaf '0\.count', which this state lacks")
+    finally:
+        remove_dir(world, root)
+
+
+@case(2)
+def changed_dtype_or_shape(world):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    root = shared_dir(world)
+    try:
+        layout = bad_layout(world)
+        saved_checkpoint(world, root, gtx.adamw(1e-2), layout)
+        params = layout.local(dense_tree(BAD_SHAPES))
+        # DCP would cast a float32 moment into a bfloat16 one silently
+        template = gtx.adamw(1e-2, mu_dtype=torch.bfloat16).init(params)
+        before = snapshot(template)
+        everyone_raises(world, lambda: load_into(root, template, params, layout), r"state leaf '0\.mu\.b' was saved as float32 .*, but this state holds bfloat16")
+        assert_untouched(template, before)
+        # another logical shape: DCP refuses on every rank; a dict made on another tree, gradtx
+        wider = {"w": (8, 4), "b": (3,)}
+        params = layout.local(dense_tree(wider))
+        template = gtx.adamw(1e-2).init(params)
+        with pytest.raises(CheckpointException, match="Size mismatch"):
+            load_into(root, template, params, layout)
+        other, other_state = trained(gtx.adamw(1e-2), layout, BAD_SHAPES)
+        loaded = gtx.checkpoint.state_dict(other_state, other, layout.spec)
+        before = snapshot(template)
+        load = lambda loaded: lambda: gtx.checkpoint.load_state_dict(template, loaded, params, layout.spec)  # noqa: E731
+        everyone_raises(world, load(loaded), r"state leaf '0\.mu\.w' was saved with logical shape \(6, 4\), but this state's is \(8, 4\)")
+        # without its manifest, the values themselves
+        bare = {k: v for k, v in loaded.items() if k != gtx.checkpoint.MANIFEST}
+        everyone_raises(world, load(bare), r"state leaf '0\.mu\.w' has logical shape \(8, 4\), but the loaded value's is \(6, 4\)")
+        assert_untouched(template, before)
+    finally:
+        remove_dir(world, root)
+
+
+@case(2)
+def a_missing_or_foreign_piece(world):
+    layout = bad_layout(world)
+    tx = gtx.adamw(1e-2)
+    params, state = trained(tx, layout, BAD_SHAPES)
+    template = tx.init(params)
+    before = snapshot(template)
+    loaded = gtx.checkpoint.state_dict(state, params, layout.spec)
+    # one rank lacks a piece: every rank raises
+    short = dict(loaded)
+    if world.rank == 1:
+        del short["0.nu.w"]
+    message = everyone_raises(world, lambda: gtx.checkpoint.load_state_dict(template, short, params, layout.spec), r"lacks state leaf '0\.nu\.w'")
+    assert "rank 1" in message
+    # one rank's piece is another rank's
+    from torch.distributed.tensor import DTensor
+
+    swapped = dict(loaded)
+    if world.rank == 0:
+        piece = loaded["0.mu.w"]
+        swapped["0.mu.w"] = gtx.checkpoint.Pieces(piece.to_local(), tuple(piece.shape), (3, 0))
+    everyone_raises(world, lambda: gtx.checkpoint.load_state_dict(template, swapped, params, layout.spec), r"'0\.mu\.w': the loaded pieces holds the piece \(3, 4\) at \(3, 0\)")
+    # a number where a tensor was
+    numbered = {**loaded, "0.count": 3}
+    everyone_raises(world, lambda: gtx.checkpoint.load_state_dict(template, numbered, params, layout.spec), r"'0\.count' is a tensor, but the loaded value is a int")
+    assert_untouched(template, before)
+    # whole logical tensors (dcp_to_torch_save's) load too: each rank keeps its piece
+    whole = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in loaded.items()}
+    restored = gtx.checkpoint.load_state_dict(template, whole, params, layout.spec)
+    for new, old in zip(gtx.tree.leaves(restored), gtx.tree.leaves(state)):
+        assert torch.equal(local_of(new), local_of(old))
+
+
+@case(2)
+def whole_leaves_that_differ_between_ranks(world):
+    layout = bad_layout(world)
+    tx = gtx.adamw(1e-2)
+    params, state = trained(tx, layout, BAD_SHAPES)
+    loaded = gtx.checkpoint.state_dict(state, params, layout.spec, copy=True)
+    template = tx.init(params)
+    if world.rank == 1:
+        loaded["0.count"] = loaded["0.count"] + 1
+    message = everyone_raises(world, lambda: gtx.checkpoint.load_state_dict(template, loaded, params, layout.spec), r"state leaf '0\.count' differs between rank 0 and rank 1")
+    assert "kept whole on every rank" in message
+    # generator states that drew different noise on each rank cannot be saved as one value
+    noisy = gtx.noisy_sgd(1e-2, key=world.rank)
+    state = noisy.init(params)
+    everyone_raises(world, lambda: gtx.checkpoint.state_dict(state, params, layout.spec), r"state leaf '0\.rng_key' differs between rank 0 and rank 1")
+
+
+class RowSums(NamedTuple):
+    """A made-up state: per param, a sum over its dim 0 (one dim fewer than the param)."""
+
+    sums: Any
+
+
+@gtx.checkpoint.state_dims(sums=lambda leaf: tuple(range(1, len(leaf.shape))))
+class DeclaredRowSums(NamedTuple):
+    """The same, declaring that the sums' dims are the param's dims after the first."""
+
+    sums: Any
+
+
+def row_sums(state_type):
+    def init(params):
+        return state_type({k: torch.zeros(v.shape[1:]) for k, v in params.items()})
+
+    return gtx.GradientTransformation(init, lambda updates, state, params=None, *, inplace=False: (updates, state))
+
+
+@case(2)
+def a_leaf_of_another_shape_needs_a_declaration(world):
+    layout = bad_layout(world)
+    params = layout.local(dense_tree(BAD_SHAPES))
+    state = row_sums(RowSums).init(params)  # "w": (4,) from a (3, 4) piece of a (6, 4) param split along dim 0
+    message = everyone_raises(world, lambda: gtx.checkpoint.state_dict(state, params, layout.spec), r"state leaf 'sums\.w' \(\(4,\) on this rank\) was made from param 'w'")
+    assert "state_dims" in message
+    # "b" is whole on every rank, so its (0-d) sum is too; declared, "w"'s sums follow its dim 1: whole
+    sd = gtx.checkpoint.state_dict(row_sums(DeclaredRowSums).init(params), params, layout.spec)
+    assert type(sd["sums.w"]) is torch.Tensor and tuple(sd["sums.w"].shape) == (4,)
+    # declared along dim 0 instead (as a column sum would be), it is split as the param's rows are
+    split = gtx.checkpoint.state_dims(sums=lambda leaf: (0,) if leaf.leaf_shape else ())(type("ColumnSums", (RowSums,), {}))
+    sd = gtx.checkpoint.state_dict(row_sums(split).init(params), params, layout.spec)
+    assert tuple(sd["sums.w"].shape) == (8,) and tuple(sd["sums.w"].to_local().shape) == (4,)
 
 @pytest.mark.parametrize("size,name", _world.params_for(__name__))
 def test_checkpoint_reshard(size, name):
