@@ -72,6 +72,12 @@ def test_every_example_is_run():
             assert test_file.exists() and name in test_file.read_text(), f"examples/{name}: {test_file} does not run it"
 
 
+def test_every_example_is_in_the_readme_table():
+    readme = (ROOT / "README.md").read_text()
+    missing = [p.name for p in sorted(EXAMPLES.glob("*.py")) if f"](examples/{p.name})" not in readme]
+    assert not missing, f"examples missing from README.md's examples table: {missing}"
+
+
 @pytest.mark.parametrize("name, nproc, args, expected", CASES)
 def test_example_runs(name: str, nproc: int, args: list[str], expected: str):
     if not (EXAMPLES / name).exists():

@@ -191,6 +191,28 @@ def test_every_public_name_is_in_the_table():
     assert not missing, f"public names of gradtx missing from README.md's API table: {missing}"
 
 
+MODULE_SCOPED = ("gradtx.sharding", "gradtx.microbatching")  # helpers the README says are used through their module
+
+
+def test_every_name_in_the_table_is_importable_from_gradtx():
+    """The README's promise: every public name is importable from ``gradtx`` itself (the leaf specs
+    the table shows as ``gradtx.sharding.ShardingSpec`` included), except the helpers of the modules
+    it names as used through themselves."""
+    missing = []
+    for row in ROWS:
+        module: types.ModuleType = gradtx
+        for entry in _entries(row.cell):
+            obj, module = _resolve(entry.name, module)
+            name = entry.name.rpartition(".")[2]
+            if obj is _MISSING or isinstance(obj, types.ModuleType) or getattr(gradtx, name, _MISSING) is obj:
+                continue
+            if module.__name__ not in MODULE_SCOPED or name in ("ShardingSpec", "Shard", "Replicate", "LeafSpec"):
+                missing.append(f"{entry.name} (README.md line {row.line})")
+    assert not missing, f"not importable from gradtx as the same object: {missing}"
+    for name in ("ShardingSpec", "Shard", "Replicate", "LeafSpec"):
+        assert getattr(gradtx, name) is getattr(gradtx.sharding, name)
+
+
 def test_all_lists_every_public_name():
     """``gradtx.__all__`` is what the table is checked against: it must name everything exported."""
     exported = {

@@ -20,6 +20,7 @@ from gradtx.base import (
     with_extra_args_support,
 )
 from gradtx.compiled_step import compile_step
+from gradtx.sharding import LeafSpec, Replicate, Shard, ShardingSpec
 from gradtx.transforms import (
     adaptive_grad_clip,
     AdaptiveGradClipState,
@@ -315,6 +316,7 @@ __all__ = [
     "HutchinsonState",
     "InjectHyperparamsState",
     "InjectStatefulHyperparamsState",
+    "LeafSpec",
     "LookaheadParams",
     "LookaheadState",
     "MadgradState",
@@ -337,6 +339,7 @@ __all__ = [
     "PartitionState",
     "ProdigyState",
     "ReduceLROnPlateauState",
+    "Replicate",
     "SAMState",
     "ScalarOrSchedule",
     "ScaleByAdaDeltaState",
@@ -365,6 +368,8 @@ __all__ = [
     "ScaleState",
     "Schedule",
     "ScheduleFreeState",
+    "Shard",
+    "ShardingSpec",
     "ShouldSkipUpdateFunction",
     "SnapshotState",
     "SophiaState",

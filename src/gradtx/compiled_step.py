@@ -11,6 +11,7 @@ never written, and no output shares memory with anything the caller still holds.
 from __future__ import annotations
 
 import itertools
+import sys
 import types
 from typing import Any, Callable, Optional
 
@@ -38,9 +39,12 @@ def _write_outputs(leaves: list[Any], outs: list[Optional[Tensor]], inputs: list
     return result
 
 
-_RECOMPILE_LIMIT_HIT = tuple(
-    getattr(torch._dynamo.exc, name) for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit") if hasattr(torch._dynamo.exc, name)
-)
+def _is_recompile_limit_hit(error: BaseException) -> bool:
+    """Whether ``error`` is Dynamo's "recompile limit hit" (looked up when one is raised: importing
+    ``torch._dynamo`` costs seconds, which ``import gradtx`` must not pay)."""
+    exc = sys.modules.get("torch._dynamo.exc")
+    kinds = tuple(getattr(exc, name) for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit") if hasattr(exc, name))
+    return bool(kinds) and isinstance(error, kinds)
 _instances = itertools.count()
 
 
@@ -93,8 +97,10 @@ class CompiledStep:
             outs = [None] * len(templates)
         try:
             return self._compiled(updates, state, params, outs, extra_args)
-        except _RECOMPILE_LIMIT_HIT as error:
-            raise RuntimeError(self._limit_message()) from error
+        except Exception as error:
+            if _is_recompile_limit_hit(error):
+                raise RuntimeError(self._limit_message()) from error
+            raise
 
     def _limit_message(self) -> str:
         config = torch._dynamo.config
