@@ -401,9 +401,9 @@ def launch(nproc: int, argv: list[str], workdir: Path) -> None:
     if nproc == 1:
         worker(args)
         return
-    store = f"file://{workdir / f'store-{nproc}-{uuid.uuid4().hex}'}"
+    store = workdir / f"store-{nproc}-{uuid.uuid4().hex}"  # the ranks meet in this file
     context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=_rank, args=(args, store, rank, nproc)) for rank in range(nproc)]
+    ranks = [context.Process(target=_rank, args=(args, f"file://{store}", rank, nproc)) for rank in range(nproc)]
     for process in ranks:
         process.start()
     while any(process.is_alive() for process in ranks):  # a rank that fails stops the others
@@ -411,6 +411,7 @@ def launch(nproc: int, argv: list[str], workdir: Path) -> None:
             for process in ranks:
                 process.terminate()
         time.sleep(0.05)
+    store.unlink(missing_ok=True)
     failed = {rank: process.exitcode for rank, process in enumerate(ranks) if process.exitcode != 0}
     if failed:
         raise SystemExit(f"{shlex.join(argv)}: ranks {failed} failed (rank: exit code)")
