@@ -39,8 +39,7 @@ numbers are the libraries' own work (planning, collectives, copies, serialisatio
 ``--dir`` puts it elsewhere (DCP's ``FileSystemWriter`` fsyncs each file, so a real disk adds its
 write time to every candidate alike).
 
-While ``gradtx.checkpoint`` is not in the gradtx being run, the gradtx candidates are skipped with
-a message and torch's rows are measured alone. Not part of the test suite; run by hand:
+Not part of the test suite; run by hand:
 
     python benchmarks/checkpoint.py [--rounds N] [--reps K] [--quick] [--only NAME ...] [--dir DIR]
 """
@@ -48,7 +47,6 @@ a message and torch's rows are measured alone. Not part of the test suite; run b
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import multiprocessing
@@ -95,14 +93,6 @@ CANDIDATES = {
     "gradtx-tp": "gradtx adamw, plain TP pieces + ShardingSpec: gtx.checkpoint + dcp",
 }
 BASELINE = "torch-fsdp2"
-NEEDS_API = ("gradtx-fsdp2", "gradtx-tp")
-
-
-def checkpoint_api() -> Any:
-    """``gradtx.checkpoint``: ``state_dict(state, params, spec)`` and ``load_state_dict(state, loaded, params, spec)``."""
-    from gradtx import checkpoint
-
-    return checkpoint
 
 
 # --------------------------------------------------------------------------- candidates (built in a world)
@@ -187,13 +177,13 @@ class GradtxAdamW:
         self.loaded: Any = None
 
     def save(self, path: str) -> None:
-        dcp.save(checkpoint_api().state_dict(self.state, self.params, self.spec), checkpoint_id=path)
+        dcp.save(gtx.checkpoint.state_dict(self.state, self.params, self.spec), checkpoint_id=path)
 
     def reset(self) -> None:
         self.loaded = None
 
     def load(self, path: str) -> None:
-        api = checkpoint_api()
+        api = gtx.checkpoint
         fresh = self.tx.init(self.params)
         template = api.state_dict(fresh, self.params, self.spec)
         dcp.load(template, checkpoint_id=path)
@@ -282,16 +272,6 @@ def run_world(name: str, root: str, reps: int, warmup: int) -> Optional[dict]:
         return json.load(f)
 
 
-def available(names: list[str]) -> list[str]:
-    """Drops the gradtx candidates, saying so, while ``gradtx.checkpoint`` is missing."""
-    if importlib.util.find_spec("gradtx.checkpoint") is not None:
-        return names
-    skipped = [n for n in names if n in NEEDS_API]
-    if skipped:
-        print(f"{', '.join(skipped)}: skipped: this gradtx has no gradtx.checkpoint (state_dict / load_state_dict) yet")
-    return [n for n in names if n not in NEEDS_API]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, help="interleaved rounds, a world per candidate each (default 5, quick 2)")
@@ -303,9 +283,7 @@ def main() -> None:
     args = parser.parse_args()
     args.rounds = args.rounds or (2 if args.quick else 5)
     args.reps = args.reps or (1 if args.quick else 3)
-    names = available(list(args.only or CANDIDATES))
-    if not names:
-        return
+    names = list(args.only or CANDIDATES)
     base = args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     with tempfile.TemporaryDirectory(prefix="gradtx_bench_checkpoint_", dir=base) as root:
         n = sum(math.prod(shape) for shape in gpt_shapes(**GPT_41M).values())

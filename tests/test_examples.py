@@ -39,8 +39,6 @@ RUNS: dict[str, list[tuple[int, list[str], str]]] = {
 }
 # Examples run with python that start several gloo processes of their own.
 SPAWNS_RANKS = {"reshard_resume.py"}
-# Examples that need a gradtx module this checkout may not have yet: skipped, saying so, until it is there.
-NEEDS_MODULE = {"reshard_resume.py": "gradtx.checkpoint"}
 # Examples whose run under torchrun is checked by a test of their own (not repeated here).
 RUN_ELSEWHERE = {"hybrid_parallel.py": ROOT / "tests" / "distributed" / "test_hybrid_parallel_example.py"}
 
@@ -91,9 +89,6 @@ def test_example_runs(name: str, nproc: int, args: list[str], expected: str):
     missing = _missing_extras()
     if missing:
         pytest.skip(f"the examples need the 'examples' extra (pip install -e \".[examples]\"); missing: {missing}")
-    module = NEEDS_MODULE.get(name)
-    if module is not None and importlib.util.find_spec(module) is None:
-        pytest.skip(f"examples/{name} needs {module}, which this gradtx does not have yet")
     env = dict(os.environ, GRADTX_EXAMPLES_QUICK="1", PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
     result = subprocess.run(

@@ -91,6 +91,7 @@ class Family:
     make: Callable[[Optional[ShardingSpec]], Any]
     extra: Callable[[int], dict] = lambda step: {}
     lookahead: bool = False
+    per_example: int = 0  # the gradients of so many examples, stacked on a new dim 0 (DP-SGD's input)
 
 
 FAMILIES: dict[str, Family] = {
@@ -109,11 +110,23 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 
-FAMILIES["noisy_sgd"] = Family(lambda spec: gtx.noisy_sgd(1e-2, eta=0.5, key=3))
-EXACT_ON_PIECES = [name for name in FAMILIES if name != "noisy_sgd"]  # noise is drawn per local piece
+def quartic(params) -> torch.Tensor:
+    return sum((x**4).sum() for x in params.values())
 
 
-def grads_at(shapes, step):
+# Random-generator states: every rank draws the same numbers only where it holds the whole params
+GENERATORS = {
+    "noisy_sgd": Family(lambda spec: gtx.noisy_sgd(1e-2, eta=0.5, key=3)),
+    "dpsgd": Family(lambda spec: gtx.dpsgd(1e-2, l2_norm_clip=1.0, noise_multiplier=0.5, seed=5, momentum=0.9), per_example=3),
+    "sophia": Family(lambda spec: gtx.contrib.sophia(1e-2, update_interval=1), extra=lambda step: {"obj_fn": quartic}),
+}
+EXACT_ON_PIECES = list(FAMILIES)
+FAMILIES.update(GENERATORS)
+
+
+def grads_at(shapes, step, per_example: int = 0):
+    if per_example:
+        return dense_tree({name: (per_example, *shape) for name, shape in shapes.items()}, seed=1000 + step)
     return dense_tree(shapes, seed=1000 + step)
 
 
@@ -127,7 +140,7 @@ def plain_of(params):
 
 def run_steps(tx, family: Family, layout: Layout, shapes, params, state, steps):
     for step in steps:
-        grads = layout.local(grads_at(shapes, step))
+        grads = layout.local(grads_at(shapes, step, family.per_example))
         updates, state = tx.update(grads, state, params, **family.extra(step))
         params = gtx.apply_updates(params, updates)
     return params, state
@@ -350,8 +363,75 @@ def replicated_generator_state_to_dense(world):
     # every rank draws the same noise for the whole params: the generator state is one value
     replicated = {name: Piece(name) for name in FLAT_SHAPES}
     layouts = [Layout(world.mesh((4,), ("dp",)), replicated), Layout()]
-    resume_chain(world, ["noisy_sgd"], FLAT_SHAPES, layouts, [N_STEPS, M_STEPS])
+    resume_chain(world, list(GENERATORS), FLAT_SHAPES, layouts, [N_STEPS, M_STEPS], saved=_generator_saved)
 
+
+def _generator_saved(name, index, sd):
+    generators = [k for k, v in sd["state"].items() if isinstance(v, torch.Tensor) and v.dtype == torch.uint8]
+    assert generators, f"{name}: no generator state saved: {sorted(sd['state'])}"
+
+
+
+# --------------------------------------------------------------------------- wrap's state_dict, TP 2 x DP 2 -> DP 4 -> dense
+
+WRAP_SHAPES = {"w": (6, 4), "u": (4, 6), "b": (6,)}
+
+
+def wrap_pieces(tp: bool) -> dict[str, Piece]:
+    if not tp:
+        return {name: Piece(name) for name in WRAP_SHAPES}
+    return {"w": Piece("w", ((("tp",), 0),)), "u": Piece("u", ((("tp",), 1),)), "b": Piece("b")}
+
+
+def wrapped(layout: Layout, values: dict):
+    """Named parameters of ``values`` and a wrapped SGD whose chain keeps the state (clip + Adam)."""
+    params = {name: torch.nn.Parameter(x.clone()) for name, x in values.items()}
+    tx = gtx.chain(gtx.clip_by_global_norm(1.0, layout.spec), gtx.scale_by_adam())
+    return params, gtx.wrap(torch.optim.SGD(list(params.items()), lr=1e-2), tx, spec=layout.spec)
+
+
+def wrapped_steps(opt, params: dict, layout: Layout, steps) -> None:
+    for step in steps:
+        for name, grad in layout.local(grads_at(WRAP_SHAPES, step)).items():
+            params[name].grad = grad
+        opt.step()
+
+
+@case(4)
+def wrap_state_dict_with_spec_tp2_to_dp4_to_dense(world):
+    import torch.distributed.checkpoint as dcp
+
+    layouts = [
+        Layout(world.mesh((2, 2), ("dp", "tp")), wrap_pieces(tp=True)),
+        Layout(world.mesh((4,), ("dp",)), wrap_pieces(tp=False)),
+        Layout(),
+    ]
+    dense_params, dense_opt = wrapped(Layout(), dense_tree(WRAP_SHAPES, seed=7))
+    root = shared_dir(world)
+    try:
+        done = 0
+        for i, (layout, count) in enumerate(zip(layouts, [N_STEPS, M_STEPS, K_STEPS])):
+            params, opt = wrapped(layout, layout.local(dense_tree(WRAP_SHAPES, seed=99 if i else 7)))
+            if i:
+                sd = {"optim": opt.state_dict(), "params": gtx.checkpoint.state_dict(dict(params), dict(params), layout.spec)}
+                dcp.load(sd, checkpoint_id=f"{root}/{i - 1}")
+                with torch.no_grad():
+                    for name, value in gtx.checkpoint.load_state_dict(dict(params), sd["params"], dict(params), layout.spec).items():
+                        params[name].copy_(value)
+                opt.load_state_dict(sd["optim"])
+            wrapped_steps(opt, params, layout, range(done, done + count))
+            wrapped_steps(dense_opt, dense_params, Layout(), range(done, done + count))
+            done += count
+            check_params({k: v.detach() for k, v in params.items()}, {k: v.detach() for k, v in dense_params.items()}, layout, f"wrap: layout {i} after {done} steps")
+            if i == 0:
+                chain_state = opt.state_dict()["param_groups"][0]["gradtx"]
+                assert isinstance(chain_state["1.mu.w"], torch.distributed.tensor.DTensor) and tuple(chain_state["1.mu.w"].shape) == (6, 4)
+                assert gtx.checkpoint.MANIFEST in chain_state
+            if i + 1 < len(layouts):
+                sd = {"optim": opt.state_dict(), "params": gtx.checkpoint.state_dict(dict(params), dict(params), layout.spec)}
+                dcp.save(sd, checkpoint_id=f"{root}/{i}")
+    finally:
+        remove_dir(world, root)
 
 
 # --------------------------------------------------------------------------- bad input: the same error on every rank
