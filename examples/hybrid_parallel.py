@@ -36,7 +36,10 @@ PP, TP = 2, 2
 RULES = [
     ("embed.weight", Shard("tp", dim=0)),  # vocabulary-parallel
     ("lm_head.weight", Shard("tp", dim=0, duplicate=True)),  # tied copy of the embedding
-    ("*.qkv.*", Shard("tp", dim=0)),  # column-parallel (by heads)
+    # column-parallel by heads: a rank holds its heads' q, k and v rows, not one block of [q; k; v]
+    # rows, which norms and optimizers do not mind; a checkpoint of it resumes at TP 2 only (a
+    # layout that resumes anywhere keeps each head's rows together: docs/sharding.md, checkpoints)
+    ("*.qkv.*", Shard("tp", dim=0)),
     ("*.fc1.*", Shard("tp", dim=0)),  # column-parallel
     ("*.proj.weight", Shard("tp", dim=1)),  # row-parallel
     ("*.fc2.weight", Shard("tp", dim=1)),  # row-parallel

@@ -2,7 +2,8 @@
 
 Each example is launched as a user would: ``python examples/NAME.py`` or, for the distributed
 ones, ``torchrun --standalone --nproc_per_node 2 examples/NAME.py`` (gloo, CPU).
-``hybrid_parallel.py`` (4 processes) is run by ``tests/distributed/test_hybrid_parallel_example.py``. A run passes
+``hybrid_parallel.py`` (4 processes) is run by ``tests/distributed/test_hybrid_parallel_example.py``;
+``reshard_resume.py`` is run with ``python`` and starts its worlds of 4, 2 and 1 ranks itself. A run passes
 when it exits with 0 and prints the line that shows it did its job. Examples need the
 ``examples`` extra (tqdm, scikit-learn); without it they are skipped, saying so.
 """
@@ -34,7 +35,10 @@ RUNS: dict[str, list[tuple[int, list[str], str]]] = {
     "per_example_dp.py": [(1, [], "with DP-SGD")],
     "maml.py": [(1, [], "meta-loss decreased: True"), (1, ["--inner", "adam"], "meta-loss decreased: True")],
     "lbfgs_logistic.py": [(1, ["--quick"], "torch.optim.LBFGS  iterations to reach target")],
+    "reshard_resume.py": [(1, ["--quick"], "every resumed run matches the uninterrupted one")],
 }
+# Examples run with python that start several gloo processes of their own.
+SPAWNS_RANKS = {"reshard_resume.py"}
 # Examples whose run under torchrun is checked by a test of their own (not repeated here).
 RUN_ELSEWHERE = {"hybrid_parallel.py": ROOT / "tests" / "distributed" / "test_hybrid_parallel_example.py"}
 
@@ -45,7 +49,7 @@ CASES = [
         args,
         expected,
         id=f"{name[:-3]}-{'python' if nproc == 1 else f'torchrun{nproc}'}{''.join('-' + a.lstrip('-') for a in args)}",
-        marks=[pytest.mark.distributed] if nproc > 1 else [],
+        marks=[pytest.mark.distributed] if nproc > 1 or name in SPAWNS_RANKS else [],
     )
     for name, runs in RUNS.items()
     for nproc, args, expected in runs

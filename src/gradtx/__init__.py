@@ -1,6 +1,6 @@
 """gradtx: pure, composable gradient transformations for PyTorch, exact under any sharding."""
 
-from gradtx import contrib, microbatching, numerics, projections, schedules, sharding, tree, tree_utils
+from gradtx import checkpoint, contrib, microbatching, numerics, projections, schedules, sharding, tree, tree_utils
 from gradtx.base import (
     apply_updates,
     EmptyState,
@@ -414,6 +414,7 @@ __all__ = [
     "conditionally_mask",
     "conditionally_transform",
     "constant_schedule",
+    "checkpoint",
     "contrib",
     "cosine_decay_schedule",
     "cosine_onecycle_schedule",

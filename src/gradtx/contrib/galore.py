@@ -42,6 +42,7 @@ from gradtx.optimizers._common import check_learning_rate
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding import matrices
 from gradtx.sharding.spec import ShardingSpec
+from gradtx.state_dims import ParamLeaf, state_dims, whole
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.adam import scale_by_adam
 from gradtx.transforms.scaling import scale_by_learning_rate
@@ -66,6 +67,16 @@ class GaLoreState(NamedTuple):
     count: Tensor
     base_optimizer_state: Any
     projector: Any
+
+
+def _projected(leaf: ParamLeaf) -> bool:
+    """A projected leaf's projector is ``(m, r)`` or ``(n, r)``; any other leaf's a ``(0, 0)`` tensor."""
+    return leaf.fields.get("projector") not in (None, (0, 0))
+
+
+# In a checkpoint: projectors are whole on every rank, and so is the base optimizer's low-rank
+# state of a projected leaf; the base state of any other leaf follows its param.
+state_dims(projector=whole, base_optimizer_state=lambda leaf: whole(leaf) if _projected(leaf) else None)(GaLoreState)
 
 
 WeightDimNumOrFn = Union[GaLoreDimensionNumbers, Any, Callable[[Any], Any]]

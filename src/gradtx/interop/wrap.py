@@ -166,7 +166,10 @@ class ChainedOptimizer(torch.optim.Optimizer):
 
     Built by :func:`wrap`. ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's.
     The transformation's state is :attr:`tx_state`; ``state_dict()`` carries it in its first param
-    group under ``STATE_KEY``, as a dict of tensors (and plain numbers) keyed by state path.
+    group under ``STATE_KEY``, as a dict of tensors (and plain numbers) keyed by state path. With a
+    ``spec``, that dict is :func:`gradtx.checkpoint.state_dict`'s: ``torch.distributed.checkpoint``
+    saves each plain piece as a piece of its logical tensor and loads it into any other layout (the
+    inner optimizer's own state stays as the inner optimizer keeps it).
     """
 
     def __init__(
@@ -714,7 +717,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self._keep_state_slot()
         state_dict = self.optimizer.state_dict()
         if self.tx is not None:
-            plain = to_plain(self._tx_state)
+            plain = self._chain_state_dict()
             live = self.param_groups
             groups = list(state_dict["param_groups"])
             if groups:
@@ -730,6 +733,31 @@ class ChainedOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         return state_dict
+
+    def _chain_state_dict(self) -> dict[str, Any]:
+        """The transformation's state as ``state_dict()`` carries it, keyed by state path.
+
+        With ``spec``: as :func:`gradtx.checkpoint.state_dict` lays it out, each plain piece a piece
+        of its logical tensor, so ``torch.distributed.checkpoint`` reshards it to any other layout
+        (every rank must call ``state_dict()`` then: it makes one ``all_gather_object``). Without:
+        the leaves as they are (DTensor leaves reshard by themselves).
+        """
+        if self.spec is None:
+            return to_plain(self._tx_state)
+        from gradtx import checkpoint as checkpoint_lib
+
+        return checkpoint_lib.state_dict(self._tx_state, self._param_tree(), self.spec)
+
+    def _chain_state_from(self, saved: Any) -> Any:
+        """A new transformation state from the saved entry: a :mod:`gradtx.checkpoint` dict (it
+        has the manifest) is laid out anew for this rank; a dict of leaves as they are must fit
+        the current state as it is. Every leaf is a copy, so the saved dict stays the caller's."""
+        from gradtx import checkpoint as checkpoint_lib
+
+        if not (isinstance(saved, dict) and checkpoint_lib.MANIFEST in saved):
+            return from_plain(saved, self._tx_state)
+        loaded = checkpoint_lib.load_state_dict(self._tx_state, saved, self._param_tree(), self.spec)
+        return tree_lib.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, loaded)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads the inner optimizer's state and the transformation's, all or nothing.
@@ -752,7 +780,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         check_inner_fits(self.optimizer, state_dict)
         new_tx_state = None
         if saved is not None and self.tx is not None:
-            new_tx_state = from_plain(saved, self._tx_state)
+            new_tx_state = self._chain_state_from(saved)
         elif self.tx is not None and called_by_checkpoint("_load_optim_state_dict"):
             warnings.warn(
                 "wrap: the state dict set_state_dict passed has no transformation state (a checkpoint saved "
@@ -806,7 +834,9 @@ def wrap(
       optimizer: any torch optimizer (built-in or third-party) holding the parameters.
       tx: a gradient-to-gradient transformation (clipping, noise, masking, ...); ``None`` for none.
       model: names the gradients (``model.named_parameters()``), so path rules and masks work.
-      spec: how the gradients are sharded across ranks, for ``clip_grad_by_norm``.
+      spec: how the parameters are sharded across ranks: the norm of ``clip_grad_by_norm`` is the
+        logical gradient's, and ``state_dict()`` saves the transformation's state as pieces of logical
+        tensors, which ``torch.distributed.checkpoint`` loads into any other layout (see :mod:`gradtx.checkpoint`).
       fold: let a final scalar scale of ``tx`` ride in a fused kernel's ``grad_scale`` (module docs).
     """
     return ChainedOptimizer(optimizer, tx, model=model, spec=spec, fold=fold)

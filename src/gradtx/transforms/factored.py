@@ -27,6 +27,7 @@ from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation
 from gradtx.sharding import dims as dims_lib
 from gradtx.sharding import dtensor as dtensor_lib
+from gradtx.state_dims import ParamLeaf, same, state_dims, whole
 from gradtx.transforms import _foreach as fe
 
 
@@ -56,6 +57,31 @@ def _factored_dims(shape: tuple[int, ...], factored: bool, min_dim_size_to_facto
     if shape[order[-2]] < min_dim_size_to_factor:
         return None
     return order[-2], order[-1]
+
+
+def _unfactored(leaf: ParamLeaf) -> bool:
+    """An unfactored leaf keeps its full moment in ``v`` (the param's shape); a factored one a ``(1,)`` zero."""
+    return leaf.fields.get("v") == leaf.local_shape
+
+
+def _averaged_along(which: int):
+    """The checkpoint layout of ``v_row`` (``which=1``: averaged along ``d0``) or ``v_col`` (``0``:
+    along ``d1``): the param's other dims, split as the param is; a ``(1,)`` placeholder is whole."""
+
+    def rule(leaf: ParamLeaf):
+        if _unfactored(leaf):
+            return whole(leaf)
+        dropped = _factored_dims(leaf.shape, True, 0)[which]  # type: ignore[index]
+        return tuple(d for d in range(len(leaf.shape)) if d != dropped)
+
+    return rule
+
+
+state_dims(
+    v_row=_averaged_along(1),
+    v_col=_averaged_along(0),
+    v=lambda leaf: same(leaf) if _unfactored(leaf) else whole(leaf),
+)(FactoredState)
 
 
 def scale_by_factored_rms(
