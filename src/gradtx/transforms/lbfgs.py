@@ -15,6 +15,7 @@ from torch import Tensor
 
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation
+from gradtx.state_dims import ParamLeaf, state_dims
 
 PyTree = Any
 
@@ -37,6 +38,15 @@ class ScaleByLBFGSState(NamedTuple):
     diff_params_memory: PyTree
     diff_updates_memory: PyTree
     weights_memory: Tensor
+
+
+def _stacked(leaf: ParamLeaf) -> tuple:
+    """A memory leaf: its leading dim is the memory's (whole), the others its param's."""
+    return (None, *range(len(leaf.shape)))
+
+
+# Laid out for checkpoints (gradtx.checkpoint): each memory entry is split as its param is.
+state_dims(diff_params_memory=_stacked, diff_updates_memory=_stacked)(ScaleByLBFGSState)
 
 
 def _pairs(a: PyTree, b: PyTree) -> list[tuple[Tensor, Tensor]]:
