@@ -1,0 +1,72 @@
+"""Two adaptations of the sources for the site.
+
+- A docstring may show its example as a fenced block (three backticks and ``python``), as the
+  guides do, so that ``help()`` reads like the guides and the tests can run it; the reference
+  renders the block as a ``code-block``.
+- The guides link to pages outside ``docs/`` (``../benchmarks/results.md``) that the site includes
+  under a name of its own: ``site_pages`` in ``conf.py`` maps each such path (relative to the
+  repository root) to the document that includes it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sphinx import addnodes
+from sphinx.transforms.post_transforms import SphinxPostTransform
+
+
+def fenced_to_code_block(lines: list[str]) -> list[str]:
+    """``lines`` with every fenced block rewritten as an indented ``.. code-block::``."""
+    out: list[str] = []
+    fence: str | None = None  # the indentation of the open fence
+    for line in lines:
+        stripped = line.lstrip()
+        indent = line[: len(line) - len(stripped)]
+        if fence is None and stripped.startswith("```"):
+            fence = indent
+            out += [f"{indent}.. code-block:: {stripped[3:].strip() or 'text'}", ""]
+        elif fence is not None and stripped.startswith("```"):
+            fence = None
+            out.append("")
+        elif fence is not None:
+            out.append(f"{fence}   {line[len(fence):]}" if line.strip() else "")
+        else:
+            out.append(line)
+    if fence is not None:
+        raise ValueError("a fenced block in a docstring is not closed")
+    return out
+
+
+def _process_docstring(app, what, name, obj, options, lines: list[str]) -> None:
+    lines[:] = fenced_to_code_block(lines)
+
+
+class SitePages(SphinxPostTransform):
+    """Points a guide's link to a page outside ``docs/`` at the document that includes it."""
+
+    default_priority = 5  # before myst's resolver (9), which would report the path as unknown
+
+    def run(self, **kwargs) -> None:
+        root = Path(self.env.srcdir).parent
+        pages = self.config.site_pages
+        for node in self.document.findall(addnodes.pending_xref):
+            if node.get("reftype") != "myst" or node.get("refdomain") != "doc":
+                continue
+            target = Path(node["reftarget"])
+            if not target.is_absolute():
+                continue
+            try:
+                relative = target.relative_to(root).as_posix()
+            except ValueError:
+                continue
+            for path, docname in pages.items():
+                if relative == path.rsplit(".", 1)[0]:
+                    node["reftarget"] = docname
+
+
+def setup(app):
+    app.add_config_value("site_pages", {}, "env", dict)
+    app.connect("autodoc-process-docstring", _process_docstring, priority=400)  # before napoleon's sections
+    app.add_post_transform(SitePages)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
