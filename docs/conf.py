@@ -41,6 +41,11 @@ napoleon_use_rtype = False
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_preserve_defaults = True
+autodoc_inherit_docstrings = False  # members show gradtx's own docs, not torch.optim.Optimizer's
+# Signatures name these aliases rather than spelling out the unions they stand for.
+autodoc_type_aliases = {
+    name: f"gradtx.{name}" for name in ("ScalarOrSchedule", "MaskOrFn", "Params", "Updates", "OptState", "Schedule")
+}
 autosummary_generate = False  # the api directive documents every entry on its own page
 python_maximum_signature_line_length = 88  # one parameter a line beyond this
 add_module_names = True
