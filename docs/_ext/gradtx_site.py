@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from sphinx import addnodes
@@ -48,21 +49,16 @@ class SitePages(SphinxPostTransform):
     default_priority = 5  # before myst's resolver (9), which would report the path as unknown
 
     def run(self, **kwargs) -> None:
-        root = Path(self.env.srcdir).parent
-        pages = self.config.site_pages
+        srcdir = Path(self.env.srcdir)
+        pages = {str(srcdir.parent / path.rsplit(".", 1)[0]): docname for path, docname in self.config.site_pages.items()}
         for node in self.document.findall(addnodes.pending_xref):
             if node.get("reftype") != "myst" or node.get("refdomain") != "doc":
                 continue
-            target = Path(node["reftarget"])
-            if not target.is_absolute():
-                continue
-            try:
-                relative = target.relative_to(root).as_posix()
-            except ValueError:
-                continue
-            for path, docname in pages.items():
-                if relative == path.rsplit(".", 1)[0]:
-                    node["reftarget"] = docname
+            # The target is absolute (recent MyST) or relative to the linking document (older ones).
+            referrer = srcdir / Path(node.get("refdoc", self.env.docname)).parent
+            target = os.path.normpath(referrer / node["reftarget"])
+            if target in pages:
+                node["reftarget"] = pages[target]
 
 
 def setup(app):
