@@ -59,3 +59,13 @@ html_show_sourcelink = False
 
 # Pages outside docs/ that the guides link to, and the document of the site that includes each.
 site_pages = {"benchmarks/results.md": "benchmarks"}
+# Where a bare name in a markdown page's code span is looked up, in order, to link it to its entry.
+site_name_modules = (
+    "gradtx",
+    "gradtx.contrib",
+    "gradtx.sharding",
+    "gradtx.schedules",
+    "gradtx.tree_utils",
+    "gradtx.projections",
+    "gradtx.microbatching",
+)

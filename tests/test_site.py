@@ -171,6 +171,10 @@ def test_the_site_builds_without_warnings(tmp_path: Path):
     for name, target in page_entries():
         assert name in inventory, f"{name} has no entry in the built site"
     assert inventory["gradtx.adamw"] == "py:function" and inventory["gradtx.sharding.ShardingSpec"] == "py:class"
+    # The README's tables link each name to its entry (a bare name found in the module that has it).
+    index = (out / "index.html").read_text()
+    for href in ("api/optimizers.html#gradtx.adamw", "api/sharding.html#gradtx.sharding.leaf_norms"):
+        assert f'href="{href}"' in index, href
 
 
 def test_fenced_examples_in_docstrings_become_code_blocks():
