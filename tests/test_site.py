@@ -9,6 +9,7 @@ and checks the object inventory of the built site as well.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import re
@@ -25,16 +26,19 @@ import gradtx
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-# The modules whose public names the site documents: gradtx, and those used through themselves.
-MODULES = (
-    "gradtx",
-    "gradtx.contrib",
-    "gradtx.sharding",
-    "gradtx.schedules",
-    "gradtx.tree_utils",
-    "gradtx.projections",
-    "gradtx.microbatching",
-)
+
+
+def _conf_value(name: str) -> Any:
+    """A literal assigned in docs/conf.py, read without running it."""
+    for node in ast.parse((DOCS / "conf.py").read_text()).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]:
+            return ast.literal_eval(node.value)
+    raise KeyError(f"docs/conf.py assigns no {name}")
+
+
+# The modules whose public names the site documents (gradtx, and those used through themselves):
+# the modules the site looks bare names up in.
+MODULES = _conf_value("site_name_modules")
 
 
 def api_entries(text: str) -> list[tuple[str, str | None]]:
