@@ -78,7 +78,7 @@ def test_every_example_is_run():
 
 def test_every_example_is_in_the_readme_table():
     readme = (ROOT / "README.md").read_text()
-    missing = [p.name for p in sorted(EXAMPLES.glob("*.py")) if f"](examples/{p.name})" not in readme]
+    missing = [p.name for p in sorted(EXAMPLES.glob("*.py")) if f"](./examples/{p.name})" not in readme]
     assert not missing, f"examples missing from README.md's examples table: {missing}"
 
 

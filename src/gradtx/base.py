@@ -29,18 +29,28 @@ from gradtx import tree as tree_lib
 
 PyTree = Any
 Params = PyTree
+"""The parameters: a pytree of tensors (a dict of them, say); ``None`` leaves have no parameter."""
 Updates = PyTree
+"""Gradients or updates: a pytree with the structure of the params; a ``None`` leaf means no gradient."""
 OptState = PyTree
+"""A transformation's state: a pytree of tensors (counters are 0-d tensors), so it saves and moves."""
 MaskOrFn = Optional[Union[Any, Callable[[Params], Any]]]
 """A mask argument (``weight_decay_mask``, ``mask``): ``None`` (no mask), a tree of bools with the
 structure of the params or a prefix of it, or a callable building one from the params (as optax's)."""
 
 
 class TransformInitFn(Protocol):
+    """``init(params) -> state``: the state a transformation starts from, for these params."""
+
     def __call__(self, params: Params) -> OptState: ...
 
 
 class TransformUpdateFn(Protocol):
+    """``update(updates, state, params=None, *, inplace=False) -> (updates, state)``: one pure step.
+
+    With ``inplace=True`` the caller donates ``updates`` and ``state``, which may be overwritten.
+    """
+
     def __call__(
         self, updates: Updates, state: OptState, params: Optional[Params] = None, *, inplace: bool = False
     ) -> Tuple[Updates, OptState]: ...
@@ -54,6 +64,8 @@ class GradientTransformation(NamedTuple):
 
 
 class TransformUpdateExtraArgsFn(Protocol):
+    """:class:`TransformUpdateFn` that also takes keyword arguments (``value=``, ``grad=``, ...)."""
+
     def __call__(
         self,
         updates: Updates,

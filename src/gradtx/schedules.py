@@ -23,6 +23,7 @@ from gradtx.numerics import safe_increment
 
 Numeric = Union[float, int, Tensor]
 Schedule = Callable[[Numeric], Numeric]
+"""A schedule: a function from the step count (an ``int`` or a 0-d tensor) to a value."""
 
 _DTYPE = torch.float32
 

@@ -307,7 +307,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
 
     @property
     def tx_state(self) -> Any:
-        """The transformation's current state (e.g. ``tx_state[0].norm``: the last pre-clip norm).
+        """The transformation's current state (``tx_state[0].norm`` is the last pre-clip norm, say).
 
         What this returns is never changed afterwards, by eager or compiled steps alike: a step
         after it was read computes a new state instead of updating this one in place (so keep it

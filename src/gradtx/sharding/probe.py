@@ -39,6 +39,9 @@ class FiniteProbe:
 
 @contextlib.contextmanager
 def finiteness_probe(tree: Any, spec: Any) -> Iterator[FiniteProbe]:
+    """A context in which a global norm of exactly ``tree``'s tensors under ``spec`` also reduces
+    whether they are all finite, in its own all-reduce; the probe's ``finite`` holds that flag
+    (``None`` if no such norm ran, and then the caller reduces the flag itself)."""
     probe = FiniteProbe(tree, spec)
     if torch.compiler.is_compiling():  # the tracer cannot set a ContextVar: the flag is reduced apart
         yield probe

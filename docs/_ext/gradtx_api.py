@@ -1,0 +1,119 @@
+"""The ``api`` directive: one list of public names becomes a summary table and their reference entries.
+
+With ``:module-doc: gradtx.transforms.clipping``, the module's docstring comes first (the module
+that defines the names, whose docstring says what they are for).
+
+Each line of the directive's content is a name in the current module (``.. currentmodule::``):
+
+- ``name``: documented from the code, as a function, a class (with its documented public members)
+  or a value (a type alias, whose docstring is the string literal under its assignment);
+- ``name -> target``: the same object as ``target`` (a name in the current module, or a dotted
+  ``gradtx...`` path), documented there; here an entry says so and links to it.
+
+A name that is another name of an object the current module also exports (``clip`` for
+``clip_by_value``) is written ``clip -> clip_by_value``; the build fails on such a name written
+alone, so no object is documented twice.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from typing import Any
+
+from docutils import nodes
+from docutils.parsers.rst import directives
+from docutils.statemachine import StringList
+from sphinx.pycode import ModuleAnalyzer
+from sphinx.util.docutils import SphinxDirective
+from sphinx.util.nodes import nested_parse_with_titles
+
+
+def _module_of(directive: SphinxDirective) -> str:
+    module = directive.env.ref_context.get("py:module")
+    if not module:
+        raise directive.error("the api directive needs a '.. currentmodule::' before it")
+    return module
+
+
+def _resolve(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _value_doc(obj: Any, name: str) -> list[str]:
+    """The docstring under ``name = ...`` in the gradtx module that first binds ``obj`` to ``name``."""
+    for modname in sorted(m for m in sys.modules if m == "gradtx" or m.startswith("gradtx.")):
+        if getattr(sys.modules[modname], name, None) is not obj:
+            continue
+        docs = ModuleAnalyzer.for_module(modname).find_attr_docs().get(("", name))
+        if docs:
+            return list(docs)
+    return []
+
+
+def _kind(obj: Any) -> str:
+    if getattr(obj, "__module__", None) == "typing":  # an alias (``Params = Any``), not a class of ours
+        return "data"
+    if inspect.isclass(obj):
+        return "class"
+    if inspect.isroutine(obj):
+        return "function"
+    return "data"
+
+
+class Api(SphinxDirective):
+    has_content = True
+    option_spec = {"module-doc": directives.unchanged_required}
+
+    def run(self) -> list[nodes.Node]:
+        module = _module_of(self)
+        entries: list[tuple[str, str | None]] = []
+        for line in self.content:
+            if not line.strip():
+                continue
+            name, _, target = (part.strip() for part in line.partition("->"))
+            entries.append((name, target or None))
+        lines = []
+        if "module-doc" in self.options:  # automodule sets the current module: set it back after
+            lines += [f".. automodule:: {self.options['module-doc']}", "   :no-index:", "", f".. currentmodule:: {module}", ""]
+        lines += [".. autosummary::", "   :nosignatures:", ""]
+        lines += [f"   {name}" for name, _ in entries]
+        lines.append("")
+        for name, target in entries:
+            lines += self._entry(module, name, target)
+        node = nodes.container(classes=["gradtx-api"])
+        nested_parse_with_titles(self.state, StringList(lines, source=self.get_source_info()[0]), node)
+        return node.children
+
+    def _entry(self, module: str, name: str, target: str | None) -> list[str]:
+        try:
+            obj = _resolve(f"{module}.{name}")
+        except (ImportError, AttributeError) as error:
+            raise self.error(f"{module}.{name} does not exist: {error}") from None
+        kind = _kind(obj)
+        role = {"class": "class", "function": "func", "data": "data"}[kind]
+        if target is not None:
+            full = target if target.startswith("gradtx.") else f"{module}.{target}"
+            if _resolve(full) is not obj:
+                raise self.error(f"{module}.{name} is not the same object as {full}")
+            return [f".. py:{kind}:: {name}", "", f"   The same object as :{role}:`{full}`.", ""]
+        own = getattr(obj, "__name__", name)
+        if kind != "data" and own != name and getattr(sys.modules[module], own, None) is obj:
+            raise self.error(f"{module}.{name} is {module}.{own}: write '{name} -> {own}'")
+        if kind == "class":
+            fields = ",".join(getattr(obj, "_fields", ()))
+            options = ["   :members:"] + ([f"   :exclude-members: {fields}"] if fields else [])
+            return [f".. autoclass:: {name}", *options, ""]
+        if kind == "function":
+            return [f".. autofunction:: {name}", ""]
+        doc = _value_doc(obj, name)
+        if not doc:
+            raise self.error(f"{module}.{name} is a value with no docstring under its assignment")
+        return [f".. py:data:: {name}", "", *(f"   {line}" for line in doc), ""]
+
+
+def setup(app):
+    app.add_directive("api", Api)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
