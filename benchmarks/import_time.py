@@ -11,8 +11,9 @@ while an installed package reads cached bytecode:
 - ``source``: gradtx compiled at each import (no ``.pyc`` written or read for it);
 - ``bytecode``: ``.pyc`` files cached in a temporary ``PYTHONPYCACHEPREFIX`` (warmed first).
 
-Then ``python -X importtime`` (medians over the rounds) names the modules a bare ``import gradtx``
-spends its time in. A module's "self" time can hold a full garbage collection over torch's objects,
+Then ``python -X importtime`` (medians over the rounds) names the modules each candidate spends its
+time in (a package that gradtx's ``__getattr__`` imports through ``importlib`` is not listed, its
+submodules are). A module's "self" time can hold a full garbage collection over torch's objects,
 started by whichever import happens to cross the collector's threshold. ``--compare SRC`` adds
 ``import torch, gradtx`` from another checkout's ``src`` folder (an older commit, say), timed in the
 same rounds.
@@ -95,14 +96,14 @@ def print_added(times: dict[str, list[float]]) -> None:
             print(f"  {name:45s} adds {added * 1e3:7.1f} ms to {BASELINE!r} (median of per-round differences)")
 
 
-def importtime(env: dict[str, str], rounds: int) -> dict[str, tuple[float, float]]:
-    """Per module that ``import gradtx`` imports after torch: median (cumulative s, self s) over
-    ``rounds`` runs of -X importtime."""
+def importtime(code: str, env: dict[str, str], rounds: int) -> dict[str, tuple[float, float]]:
+    """Per module imported after torch by ``code``: median (cumulative s, self s) over ``rounds``
+    runs of -X importtime."""
     cumulative: dict[str, list[float]] = {}
     own: dict[str, list[float]] = {}
     for _ in range(rounds):
         done = subprocess.run(
-            [sys.executable, "-X", "importtime", "-c", "import torch, gradtx"], env=env, capture_output=True, text=True, check=True
+            [sys.executable, "-X", "importtime", "-c", f"import torch\n{code}"], env=env, capture_output=True, text=True, check=True
         )
         after_torch = False  # a module's line is printed once it is imported: torch's comes last of its own
         for line in done.stderr.splitlines():
@@ -115,14 +116,12 @@ def importtime(env: dict[str, str], rounds: int) -> dict[str, tuple[float, float
     return {n: (statistics.median(cumulative[n]), statistics.median(own[n])) for n in cumulative}
 
 
-def print_importtime(rows: dict[str, tuple[float, float]], top: int) -> None:
-    if "gradtx" not in rows:
-        return
-    total = rows["gradtx"][0]
-    print(f"\n-X importtime, import gradtx after torch: {total * 1e3:.1f} ms cumulative over "
-          f"{len(rows)} modules (gradtx's and the dependencies it adds); the slowest (ms, median):")
+def print_importtime(title: str, rows: dict[str, tuple[float, float]], top: int) -> None:
+    total = sum(own for _, own in rows.values())
+    print(f"\n-X importtime, {title}: {len(rows)} modules after torch's (gradtx's and the dependencies it "
+          f"adds), {total * 1e3:.1f} ms in all (medians); the slowest:")
     for name, (cum, own) in sorted(rows.items(), key=lambda item: -item[1][0])[:top]:
-        print(f"  {name:45s} cumulative {cum * 1e3:7.1f}   self {own * 1e3:7.1f}")
+        print(f"  {name:45s} cumulative {cum * 1e3:7.1f} ms   self {own * 1e3:7.1f} ms")
 
 
 def main() -> None:
@@ -148,7 +147,9 @@ def main() -> None:
             print(f"\nIn the interpreter, after import torch, {title}")
             for name, times in after_torch.items():
                 print(f"  {name:45s} median {statistics.median(times) * 1e3:9.2f} ms")
-            print_importtime(importtime(env, args.rounds), args.top)
+            for name, code in CANDIDATES.items():
+                if name != BASELINE:
+                    print_importtime(f"{name} ({setting})", importtime(code, env, args.rounds), args.top)
 
 
 if __name__ == "__main__":
