@@ -579,7 +579,7 @@ __all__ = [
 ]
 
 # The module that defines each public name (the public submodules are imported by their own name).
-_SOURCES: dict[str, tuple[str, ...]] = {
+_SOURCES = {
     "gradtx.base": (
         "apply_updates", "EmptyState", "GradientTransformation", "GradientTransformationExtraArgs",
         "identity", "init_empty_state", "MaskOrFn", "OptState", "Params", "stateless",
