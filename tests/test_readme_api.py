@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import gradtx
+from test_import import names_declared_for_type_checkers
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 _MISSING = object()
@@ -220,13 +221,18 @@ def test_every_name_in_the_table_is_importable_from_gradtx():
 
 
 def test_all_lists_every_public_name():
-    """``gradtx.__all__`` is what the table is checked against: it must name everything exported."""
-    exported = {
+    """``gradtx.__all__`` is what the table is checked against: it must name everything exported,
+    the names bound in the module and those it imports on first use (the names its
+    ``if TYPE_CHECKING:`` block declares), and each of them must resolve."""
+    for name in gradtx.__all__:
+        getattr(gradtx, name)  # binds the names imported on first use
+    bound = {
         name
         for name, value in vars(gradtx).items()
-        if not name.startswith("_") and name != "annotations"
+        if not name.startswith("_") and name not in ("annotations", "importlib", "TYPE_CHECKING")
         and not (isinstance(value, types.ModuleType) and name not in gradtx.__all__)
     }
+    exported = bound | set(names_declared_for_type_checkers())
     assert exported == set(gradtx.__all__), sorted(exported ^ set(gradtx.__all__))
 
 
