@@ -482,7 +482,7 @@ def foreach_norm(tensors: Sequence[Tensor], ord: float, dtype: torch.dtype) -> l
     """
     try:
         return _dense_foreach_norm(tensors, ord, dtype)
-    except NotImplementedError:
+    except (NotImplementedError, RuntimeError):  # torch 2.14: "norm_sparse ... does not support 'dtype'"
         if all(t.layout == torch.strided for t in tensors):
             raise
     if ord <= 0:

@@ -15,6 +15,11 @@ from torch import Tensor
 
 from gradtx.tree import dtensor_type
 
+# The DTensor attributes read here: its local shard and its spec (mesh, placements, shard order,
+# global shape), which a DTensor is built from without going through autograd.
+_LOCAL_TENSOR, _SPEC = "_local_tensor", "_spec"
+
+
 def has_dtensor(tensors: Sequence[Any]) -> bool:
     """Whether any of ``tensors`` is a DTensor. Costs one dict lookup when DTensor was never imported."""
     cls = dtensor_type()
@@ -36,7 +41,7 @@ def local(tensor: Tensor) -> Tensor:
 def _local_of(tensor: Any) -> Tensor:
     """A DTensor's local shard: its ``_local_tensor`` itself (no autograd node, so results written
     into it land in the DTensor), or ``to_local()`` where this torch has no such attribute."""
-    found = getattr(tensor, "_local_tensor", None)
+    found = getattr(tensor, _LOCAL_TENSOR, None)
     return found if found is not None else tensor.to_local()
 
 
@@ -44,7 +49,7 @@ def _like(cls: type, original: Any, result: Tensor) -> Any:
     """``result`` as a DTensor laid out as ``original`` (mesh, placements, shard order, global shape):
     built on ``original``'s spec, or through ``from_local`` where this torch's DTensor has no
     ``_spec`` to build on."""
-    spec = getattr(original, "_spec", None)
+    spec = getattr(original, _SPEC, None)
     if spec is not None:
         return cls(result, spec, requires_grad=result.requires_grad)  # type: ignore[call-arg]
     return cls.from_local(  # type: ignore[attr-defined]
