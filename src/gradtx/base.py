@@ -25,6 +25,7 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple, Union
 import torch
 
 from gradtx import state_check
+from gradtx import torch_internals
 from gradtx import tree as tree_lib
 
 PyTree = Any
@@ -340,12 +341,12 @@ def _sum_into_updates(params: list[torch.Tensor], updates: list[torch.Tensor]) -
     """
     fits = [u.dtype == p.dtype and u.stride() == p.stride() and u is not p for p, u in zip(params, updates)]
     if all(fits):
-        torch._foreach_add_(updates, params)
+        torch_internals.foreach_kernel("add_")(updates, params)
         return updates
     out = list(updates)
     chosen = [i for i, fit in enumerate(fits) if fit]
     if chosen:
-        torch._foreach_add_([updates[i] for i in chosen], [params[i] for i in chosen])
+        torch_internals.foreach_kernel("add_")([updates[i] for i in chosen], [params[i] for i in chosen])
     others = [i for i, fit in enumerate(fits) if not fit]
     for i, value in zip(others, tree_lib.foreach_add([params[i] for i in others], [updates[i] for i in others])):
         out[i] = value

@@ -63,6 +63,16 @@ def _variants(code: types.CodeType) -> Optional[int]:
         return None
 
 
+def _dynamo_setting(name: str, older_name: str) -> tuple[str, Optional[int]]:
+    """``torch._dynamo.config``'s ``name`` (``older_name`` before torch 2.7): its full name and value,
+    the value ``None`` where this torch has neither."""
+    config = torch._dynamo.config
+    for found in (name, older_name):
+        if hasattr(config, found):
+            return f"torch._dynamo.config.{found}", getattr(config, found)
+    return f"torch._dynamo.config.{name}", None
+
+
 class CompiledStep:
     """The callable :func:`compile_step` returns; ``pool`` holds its recycled output buffers."""
 
@@ -103,14 +113,13 @@ class CompiledStep:
             raise
 
     def _limit_message(self) -> str:
-        config = torch._dynamo.config
-        name, limit = "torch._dynamo.config.recompile_limit", getattr(config, "recompile_limit", None)
+        name, limit = _dynamo_setting("recompile_limit", "cache_size_limit")
         if self._compile_options.get("recompile_limit"):
             name, limit = "recompile_limit", self._compile_options["recompile_limit"]
         variants = _variants(self._body_function.__code__)
-        accumulated = getattr(config, "accumulated_recompile_limit", None)
+        accumulated_name, accumulated = _dynamo_setting("accumulated_recompile_limit", "accumulated_cache_size_limit")
         if variants is not None and accumulated is not None and variants >= accumulated:
-            name, limit = "torch._dynamo.config.accumulated_recompile_limit", accumulated
+            name, limit = accumulated_name, accumulated
         compiled = f"it has compiled {variants} variants of its graph" if variants is not None else "its variants are compiled"
         return (
             f"compile_step: this step hit its recompile limit: {compiled} ({name} = {limit}) and these "

@@ -21,6 +21,8 @@ import optree
 import torch
 from torch import Tensor
 
+from gradtx import torch_internals
+
 PyTree = Any
 TreeSpec = optree.PyTreeSpec
 
@@ -390,15 +392,8 @@ def grouped(first: Sequence[Tensor], *others: Sequence[Tensor]) -> Iterator[tupl
     more than a foreach kernel on thousands of small tensors).
     """
     first = list(first)
-    if first and not torch.compiler.is_compiling() and not _functorch_active():
-        groups = torch._C._group_tensors_by_device_and_dtype([first], True)
-        index_lists = sorted((list(indices) for _, indices in groups.values()), key=lambda ix: ix[0])
-    else:
-        by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for index, tensor in enumerate(first):
-            by_key.setdefault((tensor.device, tensor.dtype), []).append(index)
-        index_lists = list(by_key.values())
-    index_lists = _split_dtensors(index_lists, first)
+    native = bool(first) and not torch.compiler.is_compiling() and not torch_internals.functorch_active()
+    index_lists = _split_dtensors(torch_internals.device_dtype_groups(first, native=native), first)
     if len(index_lists) == 1 and len(index_lists[0]) == len(first):
         yield index_lists[0], (first, *(list(seq) for seq in others))
         return
@@ -406,19 +401,14 @@ def grouped(first: Sequence[Tensor], *others: Sequence[Tensor]) -> Iterator[tupl
         yield indices, tuple([seq[i] for i in indices] for seq in (first, *others))
 
 
-def _functorch_active() -> bool:
-    """Whether a ``torch.func`` transform is running (only then can tensors be functorch-wrapped)."""
-    return torch._C._functorch.maybe_current_level() is not None
-
-
 def uses_functorch(tensors: Sequence[Tensor]) -> bool:
     """Whether any tensor is wrapped by a ``torch.func`` transform (foreach kernels can't run then).
 
     Under ``torch.compile`` the tracer sees plain tensors, so the foreach path is always taken.
     """
-    if torch.compiler.is_compiling() or not _functorch_active():
+    if torch.compiler.is_compiling() or not torch_internals.functorch_active():
         return False
-    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    is_wrapped = torch_internals.wrapped_check()
     return any(is_wrapped(t) for t in tensors)
 
 
@@ -432,19 +422,19 @@ def needs_graph(*args: Any) -> bool:
     This is the one test that picks between the fast kernels and the differentiable ops.
     """
     grad_on = torch.is_grad_enabled()
-    check_wrapped = not torch.compiler.is_compiling() and _functorch_active()
+    check_wrapped = not torch.compiler.is_compiling() and torch_internals.functorch_active()
     if not (grad_on or check_wrapped):
         return False
-    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     if not check_wrapped:  # the common eager case: only requires_grad matters
         for arg in args:
             for t in arg if isinstance(arg, (list, tuple)) else (arg,):
                 if isinstance(t, Tensor) and t.requires_grad:
                     return True
         return False
+    is_wrapped = torch_internals.wrapped_check()
     for arg in args:
         for t in arg if isinstance(arg, (list, tuple)) else (arg,):
-            if isinstance(t, Tensor) and ((grad_on and t.requires_grad) or (check_wrapped and is_wrapped(t))):
+            if isinstance(t, Tensor) and ((grad_on and t.requires_grad) or is_wrapped(t)):
                 return True
     return False
 
@@ -466,7 +456,7 @@ def _chunked_norm(tensor: Tensor, ord: float, dtype: torch.dtype) -> Tensor:
     For ``ord > 0`` the norm of the chunks' norms is the norm of the whole.
     """
     chunks = list(tensor.view(-1).split(_UPCAST_CHUNK))
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(chunks, ord, dtype=dtype)), ord)
+    return torch.linalg.vector_norm(torch.stack(torch_internals.foreach_kernel("norm")(chunks, ord, dtype=dtype)), ord)
 
 
 def stored_values(tensor: Tensor) -> Tensor:
@@ -492,7 +482,7 @@ def foreach_norm(tensors: Sequence[Tensor], ord: float, dtype: torch.dtype) -> l
     """
     try:
         return _dense_foreach_norm(tensors, ord, dtype)
-    except NotImplementedError:
+    except (NotImplementedError, RuntimeError):  # torch 2.14: "norm_sparse ... does not support 'dtype'"
         if all(t.layout == torch.strided for t in tensors):
             raise
     if ord <= 0:
@@ -507,7 +497,7 @@ def _dense_foreach_norm(tensors: Sequence[Tensor], ord: float, dtype: torch.dtyp
         if needs_graph(list(tensors)):
             norms = [torch.linalg.vector_norm(t, ord) for t in tensors]
         else:
-            norms = list(torch._foreach_norm(list(tensors), ord))
+            norms = list(torch_internals.foreach_kernel("norm")(list(tensors), ord))
         return [n if n.dtype == dtype else n.to(dtype) for n in norms]
     if needs_graph(list(tensors)):
         return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]
@@ -519,7 +509,7 @@ def _dense_foreach_norm(tensors: Sequence[Tensor], ord: float, dtype: torch.dtyp
             else torch.linalg.vector_norm(t, ord, dtype=dtype)
             for t in tensors
         ]
-    return list(torch._foreach_norm(list(tensors), ord, dtype=dtype))
+    return list(torch_internals.foreach_kernel("norm")(list(tensors), ord, dtype=dtype))
 
 
 def _keep_dtypes(tensors: Sequence[Tensor], results: Sequence[Tensor]) -> list[Tensor]:
@@ -547,9 +537,9 @@ def foreach(name: str, selves: Sequence[Tensor], *args: Any, inplace: bool, **kw
         columns = [a if isinstance(a, list) else itertools.repeat(a, len(selves)) for a in args]
         return [op(s, *xs, **kwargs) for s, *xs in zip(selves, *columns)]
     if inplace:
-        getattr(torch, f"_foreach_{name}_")(selves, *args, **kwargs)
+        torch_internals.foreach_kernel(f"{name}_")(selves, *args, **kwargs)
         return selves
-    return list(getattr(torch, f"_foreach_{name}")(selves, *args, **kwargs))
+    return list(torch_internals.foreach_kernel(name)(selves, *args, **kwargs))
 
 
 def foreach_mul(tensors: Sequence[Tensor], scalar: Tensor | float | Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
@@ -636,10 +626,7 @@ def _torch_group_order(tensors: Sequence[Tensor]) -> list[list[int]]:
     """
     if torch.compiler.is_compiling() or uses_functorch(tensors):
         return [indices for indices, _ in grouped(tensors)]
-    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
-
-    groups = _group_tensors_by_device_and_dtype([list(tensors)], with_indices=True)
-    return [list(indices) for _, indices in groups.values()]
+    return torch_internals.clip_grad_norm_groups(tensors)
 
 
 def total_norm(tensors: Sequence[Tensor], ord: float, *, groups: Optional[list[list[int]]] = None) -> Tensor:

@@ -42,6 +42,7 @@ CASE_MODULES = (
     "test_sharding_compile",
     "test_state_errors_sharded",
     "test_checkpoint_reshard",
+    "test_private_apis_dtensor",
 )
 
 _CASES: dict[int, dict[str, Callable[["World"], None]]] = {}

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradtx import torch_internals
 from gradtx import tree as tree_lib
 from gradtx.numerics import safe_increment  # noqa: F401 - the combinators' saturating counter
 
@@ -95,5 +96,5 @@ def zeros_like_tree(tree: PyTree, *, inplace: bool = False) -> PyTree:
     if not inplace or tree_lib.needs_graph(tensors):  # no in-place write on a recorded graph
         return tree_lib.tree_map(torch.zeros_like, tree)
     for _, (group,) in tree_lib.grouped(tensors):
-        torch._foreach_zero_(group)
+        torch_internals.foreach_kernel("zero_")(group)
     return tree

@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import torch
 from torch import Tensor
 
+from gradtx import torch_internals
 from gradtx import tree as tree_lib
 from gradtx.base import (
     GradientTransformation,
@@ -58,8 +59,7 @@ def _generator(key: Tensor, device: torch.device) -> torch.Generator:
     # Under a torch.func transform every op's result is wrapped (a state cloned or selected there,
     # even .cpu() of a CPU tensor), and set_state needs the plain bytes: the key has no derivative,
     # so the wrappers are dropped. A CPU state tensor is used as it is.
-    while torch._C._functorch.is_functorch_wrapped_tensor(key):
-        key = torch._C._functorch.get_unwrapped(key)
+    key = torch_internals.functorch_unwrapped(key, owner="hutchinson_estimator_diag_hessian")
     generator = torch.Generator(device=device)
     generator.set_state(key if key.device.type == "cpu" else key.cpu())
     return generator

@@ -34,6 +34,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
+from gradtx import torch_internals
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation
 from gradtx.interop.torch_kernels import KernelSpec, kernel_for
@@ -321,7 +322,7 @@ def from_torch(optimizer_cls: type, **hyperparams: Any) -> GradientTransformatio
                 inplace=inplace,
             )
         if work:
-            torch._foreach_sub_(work, params_now)  # work now holds new_param - param
+            torch_internals.foreach_kernel("sub_")(work, params_now)  # work now holds new_param - param
         out_updates: list[Any] = [None] * len(grad_leaves)
         out_slots, out_flags = list(slot_leaves), list(flag_leaves)
         for j, i in enumerate(present):

@@ -22,9 +22,10 @@ import torch
 from torch import Tensor
 from torch.optim.adagrad import adagrad as adagrad_kernel
 from torch.optim.adam import adam as adam_kernel
-from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.rmsprop import rmsprop as rmsprop_kernel
 from torch.optim.sgd import sgd as sgd_kernel
+
+from gradtx.torch_internals import optimizer_scalar_dtype
 
 Group = dict[str, Any]
 Slots = dict[str, Tensor]
@@ -57,9 +58,9 @@ def _has_complex(params: list[Tensor]) -> bool:
 
 def _adam_init(param: Tensor, group: Group) -> Slots:
     if group["capturable"] or group["fused"]:
-        step = torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]), device=param.device)
+        step = torch.zeros((), dtype=optimizer_scalar_dtype(is_fused=group["fused"]), device=param.device)
     else:
-        step = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
+        step = torch.tensor(0.0, dtype=optimizer_scalar_dtype(), device="cpu")
     slots = {"step": step, "exp_avg": _zeros(param), "exp_avg_sq": _zeros(param)}
     if group["amsgrad"]:
         slots["max_exp_avg_sq"] = _zeros(param)
@@ -129,9 +130,9 @@ def _sgd_applies(group: Group) -> bool:
 
 def _rmsprop_init(param: Tensor, group: Group) -> Slots:
     if group["capturable"]:
-        step = torch.zeros((), dtype=_get_scalar_dtype(), device=param.device)
+        step = torch.zeros((), dtype=optimizer_scalar_dtype(), device=param.device)
     else:
-        step = torch.zeros((), dtype=_get_scalar_dtype())
+        step = torch.zeros((), dtype=optimizer_scalar_dtype())
     slots = {"step": step, "square_avg": _zeros(param)}
     if group["momentum"] > 0:
         slots["momentum_buffer"] = _zeros(param)
@@ -168,9 +169,9 @@ def _rmsprop_run(params, grads, slots, group):
 def _adagrad_init(param: Tensor, group: Group) -> Slots:
     fused = bool(group["fused"])
     if fused:
-        step = torch.zeros((), dtype=_get_scalar_dtype(is_fused=True), device=param.device)
+        step = torch.zeros((), dtype=optimizer_scalar_dtype(is_fused=True), device=param.device)
     else:
-        step = torch.tensor(0.0, dtype=_get_scalar_dtype())
+        step = torch.tensor(0.0, dtype=optimizer_scalar_dtype())
     value = group["initial_accumulator_value"]
     fill = complex(value, value) if torch.is_complex(param) else value
     return {"step": step, "sum": torch.full_like(param, fill, memory_format=torch.preserve_format)}

@@ -81,6 +81,22 @@ _HOOK_DICTS = (
 
 _MISSING = object()
 
+_INNER_STEP_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+"""Where an optimizer keeps its own step hooks, pre and post (``register_step_pre_hook``)."""
+
+_UNKNOWN_HOOKS: dict[Any, Any] = {}  # where torch keeps its process-wide step hooks is unknown
+
+
+def _global_step_hooks() -> tuple[dict[Any, Any], dict[Any, Any]]:
+    """Torch's process-wide step hooks (``register_optimizer_step_pre_hook`` / ``_post_hook``),
+    pre and post, or :data:`_UNKNOWN_HOOKS` twice where this torch keeps them elsewhere."""
+    pre = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
+    post = getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
+    if not (isinstance(pre, dict) and isinstance(post, dict)):
+        return _UNKNOWN_HOOKS, _UNKNOWN_HOOKS
+    return pre, post
+
+
 _AMP_ATTRS = ("grad_scale", "found_inf")
 """What ``GradScaler`` sets on an optimizer with ``_step_supports_amp_scaling`` before its step."""
 
@@ -518,8 +534,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
         """
         inner = self.optimizer
         step = getattr(type(inner), "step", None)
-        if not getattr(step, "hooked", False):
-            return None
+        if not getattr(step, "hooked", False) or not all(isinstance(getattr(inner, name, None), dict) for name in _INNER_STEP_HOOKS):
+            return None  # (where torch keeps an optimizer's step hooks elsewhere, its hooked step runs them)
         patched = inner.__dict__.get("step")
         if patched is not None:
             if not getattr(patched, "_wrapped_by_lr_sched", False):
@@ -626,10 +642,9 @@ class ChainedOptimizer(torch.optim.Optimizer):
             return self.optimizer.step()
         # as torch's hook wrapper passes them: the optimizer first, then step's arguments as given
         args = (self, *args)
+        global_pre, global_post = _global_step_hooks()
         with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
-            for pre_hook in itertools.chain(
-                torch_optimizer._global_optimizer_pre_hooks.values(), self._optimizer_step_pre_hooks.values()
-            ):
+            for pre_hook in itertools.chain(global_pre.values(), self._optimizer_step_pre_hooks.values()):
                 result = pre_hook(self, args, kwargs)
                 if result is not None:
                     if not (isinstance(result, tuple) and len(result) == 2):
@@ -637,7 +652,9 @@ class ChainedOptimizer(torch.optim.Optimizer):
                     args, kwargs = result
             prepared = self._prepare_step(*args[1:], **kwargs)
             inner = self.optimizer
-            raw = self._raw_inner_step()
+            # where torch keeps its process-wide hooks elsewhere, its own step wrapper runs them (around
+            # the inner step)
+            raw = self._raw_inner_step() if global_pre is not _UNKNOWN_HOOKS else None
             if not prepared.run_inner:
                 # a skipped step (found_inf, or the chain skipped it): the inner optimizer does not step
                 out = prepared.result
@@ -648,7 +665,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
                 # the inner optimizer's own hooks, called as torch's wrapper calls them (inner first in args)
                 inner_args, amp = (inner, *prepared.args), prepared.amp
                 inner_kwargs: dict[str, Any] = {}
-                for hook in inner._optimizer_step_pre_hooks.values():
+                for hook in getattr(inner, _INNER_STEP_HOOKS[0]).values():
                     result = hook(inner, inner_args, inner_kwargs)
                     if result is not None:
                         inner_args, inner_kwargs = result
@@ -657,12 +674,12 @@ class ChainedOptimizer(torch.optim.Optimizer):
                     out = self._call_with_amp(inner, raw, inner_args, inner_kwargs, amp)
                 else:
                     out = raw(*inner_args, **inner_kwargs)
-                for hook in inner._optimizer_step_post_hooks.values():
+                for hook in getattr(inner, _INNER_STEP_HOOKS[1]).values():
                     hook(inner, inner_args, inner_kwargs)
-            self._optimizer_step_code()
-            for post_hook in itertools.chain(
-                self._optimizer_step_post_hooks.values(), torch_optimizer._global_optimizer_post_hooks.values()
-            ):
+            step_code = getattr(self, "_optimizer_step_code", None)  # a no-op that profilers find
+            if step_code is not None:
+                step_code()
+            for post_hook in itertools.chain(self._optimizer_step_post_hooks.values(), global_post.values()):
                 post_hook(self, args, kwargs)
             return out
 

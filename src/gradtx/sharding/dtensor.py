@@ -15,6 +15,11 @@ from torch import Tensor
 
 from gradtx.tree import dtensor_type
 
+# The DTensor attributes read here: its local shard and its spec (mesh, placements, shard order,
+# global shape), which a DTensor is built from without going through autograd.
+_LOCAL_TENSOR, _SPEC = "_local_tensor", "_spec"
+
+
 def has_dtensor(tensors: Sequence[Any]) -> bool:
     """Whether any of ``tensors`` is a DTensor. Costs one dict lookup when DTensor was never imported."""
     cls = dtensor_type()
@@ -30,7 +35,26 @@ def is_dtensor(tensor: Any) -> bool:
 
 def local(tensor: Tensor) -> Tensor:
     """The tensor this rank holds: the local shard of a DTensor, or the tensor itself."""
-    return tensor._local_tensor if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+    return _local_of(tensor) if is_dtensor(tensor) else tensor
+
+
+def _local_of(tensor: Any) -> Tensor:
+    """A DTensor's local shard: its ``_local_tensor`` itself (no autograd node, so results written
+    into it land in the DTensor), or ``to_local()`` where this torch has no such attribute."""
+    found = getattr(tensor, _LOCAL_TENSOR, None)
+    return found if found is not None else tensor.to_local()
+
+
+def _like(cls: type, original: Any, result: Tensor) -> Any:
+    """``result`` as a DTensor laid out as ``original`` (mesh, placements, shard order, global shape):
+    built on ``original``'s spec, or through ``from_local`` where this torch's DTensor has no
+    ``_spec`` to build on."""
+    spec = getattr(original, _SPEC, None)
+    if spec is not None:
+        return cls(result, spec, requires_grad=result.requires_grad)  # type: ignore[call-arg]
+    return cls.from_local(  # type: ignore[attr-defined]
+        result, original.device_mesh, original.placements, run_check=False, shape=original.shape, stride=original.stride()
+    )
 
 
 def locals_of(tensors: Sequence[Tensor]) -> tuple[list[Tensor], Callable[[Sequence[Tensor]], list[Tensor]]]:
@@ -42,7 +66,7 @@ def locals_of(tensors: Sequence[Tensor]) -> tuple[list[Tensor], Callable[[Sequen
     if cls is None or not any(isinstance(t, cls) for t in tensors):
         return list(tensors), list
     originals = list(tensors)
-    locals_ = [t._local_tensor if isinstance(t, cls) else t for t in originals]  # type: ignore[attr-defined]
+    locals_ = [_local_of(t) if isinstance(t, cls) else t for t in originals]
 
     def rewrap(results: Sequence[Tensor]) -> list[Tensor]:
         out = []
@@ -52,9 +76,8 @@ def locals_of(tensors: Sequence[Tensor]) -> tuple[list[Tensor], Callable[[Sequen
             elif result is local_tensor:
                 out.append(original)
             else:
-                # The original's spec (mesh, placements, shard order, global shape) with the new
-                # local data: results keep the layout and dtype of their input.
-                out.append(cls(result, original._spec, requires_grad=result.requires_grad))  # type: ignore[call-arg]
+                # results keep the layout and dtype of their input
+                out.append(_like(cls, original, result))
         return out
 
     return locals_, rewrap

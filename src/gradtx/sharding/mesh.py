@@ -23,7 +23,7 @@ _GROUPS: dict[tuple[Any, ...], Any] = {}
 
 
 def _world_key() -> int:
-    return id(dist.distributed_c10d._get_default_group())
+    return id(dist.group.WORLD)
 
 
 class MeshAxes:

@@ -239,14 +239,17 @@ def _check_if_due(
         raise error
 
 
+_ROOT_MESH = "_get_root_mesh"  # DeviceMesh's; where torch lacks it, a DTensor's own mesh is its root
+
+
 def _reference_mesh(tree_leaves: Sequence[Any]) -> MeshAxes:
     """For DTensors without a spec: the largest root mesh among theirs, as named axes."""
     roots = []
     for leaf in tree_leaves:
         if leaf is not None and dtensor_lib.is_dtensor(leaf):
             mesh = leaf.device_mesh
-            root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
-            roots.append(root)
+            root = getattr(mesh, _ROOT_MESH, None)  # the mesh it was sliced or flattened from
+            roots.append(root() if root is not None else mesh)
     root = max(roots, key=lambda m: (m.size(), m.ndim))
     key = (_world_key(), root)
     axes = _DTENSOR_MESHES.get(key)

@@ -23,6 +23,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from gradtx import torch_internals
 from gradtx import tree as tree_lib
 from gradtx.sharding.dtensor import dtensor_type
 
@@ -322,7 +323,7 @@ def zero(selves: Sequence[Tensor]) -> list[Tensor]:
     selves = list(selves)
     if tree_lib.needs_graph(selves):
         return [torch.zeros_like(s) for s in selves]
-    torch._foreach_zero_(selves)
+    torch_internals.foreach_kernel("zero_")(selves)
     return selves
 
 
@@ -336,9 +337,9 @@ def maximum(selves: Sequence[Tensor], others: Sequence[Tensor], *, inplace: bool
     if tree_lib.needs_graph(selves, others):
         return [torch.maximum(s, o) for s, o in zip(selves, others)]
     if inplace:
-        torch._foreach_maximum_(selves, others)
+        torch_internals.foreach_kernel("maximum_")(selves, others)
         return selves
-    return list(torch._foreach_maximum(selves, others))
+    return list(torch_internals.foreach_kernel("maximum")(selves, others))
 
 
 def copy_into(buffers: Sequence[Tensor], sources: Sequence[Tensor]) -> list[Tensor]:
@@ -351,7 +352,7 @@ def copy_into(buffers: Sequence[Tensor], sources: Sequence[Tensor]) -> list[Tens
         for b, s in zip(buffers, sources):
             b.copy_(s)
         return buffers
-    torch._foreach_copy_(buffers, sources)
+    torch_internals.foreach_kernel("copy_")(buffers, sources)
     return buffers
 
 
