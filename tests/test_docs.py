@@ -1,11 +1,12 @@
 """Every ```python block of README.md and docs/*.md runs as written, so the docs cannot rot.
 
 A page's blocks run in order, in one namespace, as one script a reader would paste together, in a
-fresh interpreter on CPU. A block fenced ```` ```python no-run ```` is shown only (another
-library's code, CUDA, a mesh larger than a CPU test machine). A page whose code needs several ranks
-says ``# torchrun N`` in a comment of one of its blocks; it then runs under
-``torchrun --standalone --nproc_per_node N`` (gloo). A failure names the page, the block (its
-index and line in the page) and shows the script's output.
+fresh interpreter on CPU (forked from one that has imported torch and gradtx only: ``_warm``). A
+block fenced ```` ```python no-run ```` is shown only (another library's code, CUDA, a mesh larger
+than a CPU test machine). A page whose code needs several ranks says ``# torchrun N`` in a comment
+of one of its blocks; it then runs on N ranks as ``torchrun --standalone --nproc_per_node N``
+starts them (gloo). A failure names the page, the block (its index and line in the page) and shows
+the script's output.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+
+import _warm
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -110,15 +113,9 @@ def run_page(name: str, text: str, workdir: Path) -> str | None:
     nproc = world_size(blocks)
     script = workdir / (Path(name).stem + ".py")
     script.write_text(page_script(name, blocks))
-    if nproc > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(script)]
-    else:
-        command = [sys.executable, str(script)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     try:
-        done = subprocess.run(
-            command, cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT_S
-        )
+        done = _warm.run([str(script)], cwd=workdir, env=env, timeout=TIMEOUT_S, nproc=nproc)
     except subprocess.TimeoutExpired as error:
         output = "".join(s.decode() if isinstance(s, bytes) else s for s in (error.stdout or "", error.stderr or ""))
         return f"{name}: ran past {TIMEOUT_S} s in {_failing_block(output)}:\n{_excerpt(output)}"

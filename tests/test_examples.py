@@ -1,7 +1,9 @@
 """Every example runs, as written, in its quick mode (``GRADTX_EXAMPLES_QUICK=1``), so none rots.
 
-Each example is launched as a user would: ``python examples/NAME.py`` or, for the distributed
-ones, ``torchrun --standalone --nproc_per_node 2 examples/NAME.py`` (gloo, CPU).
+Each example runs as a user launches it, ``python examples/NAME.py`` or, for the distributed ones,
+``torchrun --standalone --nproc_per_node N examples/NAME.py`` (gloo, CPU), in processes forked
+from an interpreter that has imported torch and gradtx only (``_warm``: the ranks get torchrun's
+environment; torchrun itself runs in ``tests/distributed/test_hybrid_parallel_example.py``).
 ``hybrid_parallel.py`` (4 processes) is run by ``tests/distributed/test_hybrid_parallel_example.py``;
 ``reshard_resume.py`` is run with ``python`` and starts its worlds of 4, 2 and 1 ranks itself. A run passes
 when it exits with 0 and prints the line that shows it did its job. Examples need the
@@ -12,11 +14,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import _warm
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -60,13 +62,6 @@ def _missing_extras() -> list[str]:
     return [module for module in ("sklearn", "tqdm") if importlib.util.find_spec(module) is None]
 
 
-def _command(name: str, nproc: int, args: list[str]) -> list[str]:
-    script = str(EXAMPLES / name)
-    if nproc > 1:  # torchrun, through this interpreter
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script, *args]
-    return [sys.executable, script, *args]
-
-
 def test_every_example_is_run():
     on_disk = sorted(p.name for p in EXAMPLES.glob("*.py"))
     unregistered = [name for name in on_disk if name not in RUNS and name not in RUN_ELSEWHERE]
@@ -91,15 +86,7 @@ def test_example_runs(name: str, nproc: int, args: list[str], expected: str):
         pytest.skip(f"the examples need the 'examples' extra (pip install -e \".[examples]\"); missing: {missing}")
     env = dict(os.environ, GRADTX_EXAMPLES_QUICK="1", PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
-    result = subprocess.run(
-        _command(name, nproc, args),
-        cwd=ROOT,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    result = _warm.run([EXAMPLES / name, *args], cwd=ROOT, env=env, timeout=TIMEOUT_S, nproc=nproc)
     output = result.stdout + result.stderr
     assert "terminate called" not in output, (
         f"examples/{name} {' '.join(args)}: a rank aborted at exit (a process group destroyed while an object "

@@ -18,9 +18,10 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import gradtx as gtx  # noqa: E402
+from _lazy import lazy_or_skip  # noqa: E402
 from _loops import accumulate_then_clip_and_step  # noqa: E402
 
-transformers = pytest.importorskip("transformers")
+transformers = lazy_or_skip("transformers")
 
 SAMPLES = 8  # one batch of all samples per step: the step's loss does not depend on the sample order
 STEPS = 6
@@ -122,15 +123,15 @@ def test_trainer_resume_from_checkpoint_equals_the_uninterrupted_run(tmp_path):
         assert torch.equal(p, q)
 
 
-class PoisonGradient(transformers.TrainerCallback):
-    """Puts a NaN in one gradient just before the optimizer step of Trainer's step ``at``."""
+def poison_gradient(at: int) -> "transformers.TrainerCallback":
+    """A callback that puts a NaN in one gradient just before the optimizer step of Trainer's step ``at``."""
 
-    def __init__(self, at: int):
-        self.at = at
+    class PoisonGradient(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if state.global_step == at:
+                kwargs["model"].net[0].weight.grad[0, 0] = float("nan")
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if state.global_step == self.at:
-            kwargs["model"].net[0].weight.grad[0, 0] = float("nan")
+    return PoisonGradient()
 
 
 ACCUMULATE = 2
@@ -149,7 +150,7 @@ def test_trainer_with_multisteps_and_apply_if_finite_inside_wrap_matches_a_plain
         args=arguments(tmp_path),
         train_dataset=dataset(),
         optimizers=(opt, sched),
-        callbacks=[PoisonGradient(NAN_STEP)],
+        callbacks=[poison_gradient(NAN_STEP)],
     )
     trainer.train()
 

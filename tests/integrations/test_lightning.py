@@ -13,6 +13,7 @@ ZeRO's consolidated state and the chain's.
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
 import os
 
@@ -24,10 +25,11 @@ from torch import nn
 
 import gradtx as gtx
 from gradtx.interop.wrap import STATE_KEY
+from _lazy import lazy_or_skip
 from _loops import accumulate_then_clip_and_step
 from _ranks import free_port, run_ranks
 
-pl = pytest.importorskip("lightning.pytorch")
+pl = lazy_or_skip("lightning.pytorch")
 
 WORLD = 2
 BATCHES = 8
@@ -45,18 +47,28 @@ def make_net() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
-class Classifier(pl.LightningModule):
-    def __init__(self, make_optimizer):
-        super().__init__()
-        self.net = make_net()
-        self.make_optimizer = make_optimizer
+@functools.cache
+def classifier_type() -> type:
+    """The Lightning module of these tests (made at first use: its base class imports Lightning)."""
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
+    class Classifier(pl.LightningModule):
+        def __init__(self, make_optimizer):
+            super().__init__()
+            self.net = make_net()
+            self.make_optimizer = make_optimizer
 
-    def configure_optimizers(self):
-        return self.make_optimizer(self)
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return self.make_optimizer(self)
+
+    return Classifier
+
+
+def classifier(make_optimizer) -> "pl.LightningModule":
+    return classifier_type()(make_optimizer)
 
 
 def trainer(**options) -> "pl.Trainer":
@@ -79,7 +91,7 @@ def test_automatic_optimization_with_closure_and_accumulation_matches_a_plain_lo
         inner = torch.optim.AdamW(module.parameters(), lr=1e-2)
         return gtx.wrap(inner, gtx.clip_by_global_norm(MAX_NORM), model=module)
 
-    module = Classifier(make_optimizer)
+    module = classifier(make_optimizer)
     loader = torch.utils.data.DataLoader(dataset(), batch_size=4, shuffle=False)
     trainer(accumulate_grad_batches=2).fit(module, loader)
 
@@ -97,16 +109,20 @@ def test_automatic_optimization_with_closure_and_accumulation_matches_a_plain_lo
         assert torch.equal(p, q)
 
 
-class PoisonedClassifier(Classifier):
-    """Puts a NaN in one gradient of batch ``NAN_BATCH``, after backward, before the optimizer sees it."""
+def poisoned_classifier(make_optimizer) -> "pl.LightningModule":
+    """A classifier that puts a NaN in one gradient of batch ``NAN_BATCH``, after backward,
+    before the optimizer sees it."""
 
-    def training_step(self, batch, batch_idx):
-        self.batch_idx = batch_idx
-        return super().training_step(batch, batch_idx)
+    class PoisonedClassifier(classifier_type()):
+        def training_step(self, batch, batch_idx):
+            self.batch_idx = batch_idx
+            return super().training_step(batch, batch_idx)
 
-    def on_before_optimizer_step(self, optimizer):
-        if self.batch_idx == NAN_BATCH:
-            self.net[0].weight.grad[0, 0] = float("nan")
+        def on_before_optimizer_step(self, optimizer):
+            if self.batch_idx == NAN_BATCH:
+                self.net[0].weight.grad[0, 0] = float("nan")
+
+    return PoisonedClassifier(make_optimizer)
 
 
 ACCUMULATE = 2
@@ -121,7 +137,7 @@ def test_multisteps_and_apply_if_finite_inside_wrap_match_a_plain_loop():
         tx = gtx.MultiSteps(gtx.apply_if_finite(gtx.clip_by_global_norm(MAX_NORM), 3), ACCUMULATE)
         return gtx.wrap(torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1), tx, model=module)
 
-    module = PoisonedClassifier(make_optimizer)
+    module = poisoned_classifier(make_optimizer)
     loader = torch.utils.data.DataLoader(dataset(), batch_size=4, shuffle=False)
     trainer().fit(module, loader)
 
@@ -152,7 +168,7 @@ def make_zero(module):
 def check_ddp_zero(rank: int, checkpoint: str) -> None:
     from lightning.pytorch.strategies import DDPStrategy
 
-    module = Classifier(make_zero)
+    module = classifier(make_zero)
     loader = torch.utils.data.DataLoader(dataset(rank), batch_size=4, shuffle=False)
     strategy = DDPStrategy(process_group_backend="gloo", timeout=datetime.timedelta(seconds=30))
     fit = trainer(devices=WORLD, strategy=strategy, max_steps=3)
