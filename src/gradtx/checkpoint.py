@@ -390,7 +390,7 @@ def state_dict(state: Any, params: Any, spec: Optional[ShardingSpec] = None, *, 
         if layout.kind == "whole":
             out[path] = local
         elif layout.kind == "dtensor":
-            out[path] = leaf if not copy else type(leaf)(local, leaf._spec, requires_grad=False)  # type: ignore[call-arg]
+            out[path] = leaf if not copy else dtensor_lib._like(type(leaf), leaf, local)
         else:
             shape, offsets, even = agreed.split.get(path, (layout.shape, (), True))
             out[path] = ckpt_lib.checkpointable(local, layout, resolved.mesh, shape, offsets, even)
@@ -413,7 +413,7 @@ def _describe_value(value: Any) -> tuple[Any, ...]:
         return ("pieces", str(value.dtype), tuple(value.shape), tuple(value.local.shape), tuple(value.offsets), None)
     if dtensor_lib.is_dtensor(value):
         box = _box_or_none(ckpt_lib.layout_of_dtensor(value))
-        local, offsets = box if box is not None else (tuple(value._local_tensor.shape), None)
+        local, offsets = box if box is not None else (tuple(dtensor_lib.local(value).shape), None)
         return ("dtensor", str(value.dtype), tuple(value.shape), local, offsets, ckpt_lib.describe_dtensor(value))
     if isinstance(value, Tensor):
         return ("tensor", str(value.dtype), tuple(value.shape), tuple(value.shape), (0,) * value.ndim, None)
@@ -553,7 +553,7 @@ def _rebuild(resolved: _Resolved, loaded: Mapping[str, Any], agreed: _Agreed) ->
         template_local = dtensor_lib.local(leaf)
         if isinstance(value, Pieces) or dtensor_lib.is_dtensor(value):
             if layout.kind == "dtensor" and dtensor_lib.is_dtensor(value) and ckpt_lib.describe_dtensor(value) == ckpt_lib.describe_dtensor(leaf):
-                piece = value._local_tensor
+                piece = dtensor_lib.local(value)
             else:
                 piece = ckpt_lib.local_piece(value)
         else:
@@ -564,7 +564,7 @@ def _rebuild(resolved: _Resolved, loaded: Mapping[str, Any], agreed: _Agreed) ->
                 piece = piece.clone()
         piece = piece.detach().to(device=template_local.device)
         if layout.kind == "dtensor":
-            new.append(type(leaf)(piece, leaf._spec, requires_grad=False))  # type: ignore[call-arg]
+            new.append(dtensor_lib._like(type(leaf), leaf, piece))
         else:
             new.append(piece)
     return tree_lib.unflatten(resolved.treedef, new)
