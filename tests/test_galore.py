@@ -153,6 +153,18 @@ def test_projector_refreshes_every_gap_and_keeps_adam_state():
     assert torch.equal(seen[0], seen[1]) and torch.equal(seen[2], seen[3]) and not torch.equal(seen[1], seen[2])
 
 
+def test_a_refreshed_projector_is_laid_out_as_init_lays_it_out():
+    """A refresh keeps the state's strides (the SVD's singular vectors are a strided slice): a
+    compiled step is traced once, not again after the first refresh."""
+    params, grads = _tree(3), _grads(3)
+    tx = scale_by_galore(rank=2, update_proj_gap=1)
+    state = tx.init(params)
+    strides = {k: v.stride() for k, v in state.projector.items()}
+    for g in grads:
+        _, state = tx.update(g, state)
+        assert {k: v.stride() for k, v in state.projector.items()} == strides
+
+
 def test_pure_and_donated_paths_agree_and_pure_mutates_nothing():
     params, grads = _tree(5), _grads(5)
     check_pure_and_donated(galore(0.05, rank=3, update_proj_gap=2, weight_decay=0.1), params, grads)

@@ -12,6 +12,7 @@ functions run one ordinary, out-of-place op per tensor instead, so every result 
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import sys
@@ -69,6 +70,10 @@ def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree, names: Sequenc
     def visit(x, *xs):
         return None if x is None else fn(x, *xs)
 
+    if torch.compiler.is_compiling():  # see _plain_pairs: the same map, traced in far fewer steps
+        pairs = _plain_pairs(tree, rest, strict=False)
+        if pairs is not None:
+            return _plain_rebuild(tree, iter([visit(*pair) for pair in pairs]))
     try:
         return optree.tree_map(visit, tree, *rest, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
     except (ValueError, TypeError) as error:
@@ -129,10 +134,108 @@ def flatten_like(tree: PyTree, treedef: TreeSpec, reference: PyTree, *, what: st
     names ``reference`` (``"params"``, ``"updates"``). A mismatch is a ``ValueError`` saying which
     side has a leaf the other lacks, or where their containers differ (:func:`describe_mismatch`).
     """
+    if torch.compiler.is_compiling():  # see _plain_pairs: the same check, traced in far fewer steps
+        plain = _plain_leaves_like(tree, reference)
+        if plain is not None:
+            return plain
     tree_leaves, tree_def = flatten(tree)
     if tree_def != treedef:
         raise mismatch_error(tree, reference, what=what, like=like)
     return tree_leaves
+
+
+def _plain_children(node: Any) -> Optional[tuple[list[Any], list[Any]]]:
+    """The keys and children of a plain container in optree's order (a dict by sorted key, an
+    ``OrderedDict`` as inserted, a list, tuple or gradtx state by position); ``None`` for any other
+    node, and for a dict with a key that is not a string (optree orders mixed keys its own way)."""
+    kind = type(node)
+    if kind is dict or kind is collections.OrderedDict:
+        keys = list(node)
+        for key in keys:
+            if type(key) is not str:
+                return None
+        if kind is dict:
+            keys.sort()
+        return keys, [node[key] for key in keys]
+    if kind is list or kind is tuple or _is_own_namedtuple(kind):
+        return list(range(len(node))), list(node)
+    return None
+
+
+def _is_own_namedtuple(kind: type) -> bool:
+    """A state ``NamedTuple`` of gradtx's (never registered as a custom node, so optree flattens
+    it field by field); a user's namedtuple might be registered, and goes through optree."""
+    return issubclass(kind, tuple) and hasattr(kind, "_fields") and kind.__module__.startswith("gradtx.")
+
+
+def _plain_pairs(tree: PyTree, others: Sequence[PyTree], *, strict: bool) -> Optional[list[tuple[Any, ...]]]:
+    """``(leaf, *matching nodes of others)`` per leaf of ``tree``, in optree's order, when ``tree`` is
+    a nesting of plain containers (:func:`_plain_children`) over tensors and ``None`` and every other
+    tree has the same containers with the same keys; else ``None``.
+
+    ``strict``: the others' nodes at ``tree``'s leaves must be leaves too (equal structures, as
+    :func:`flatten_like` needs), and an ``OrderedDict`` must have ``tree``'s key order; otherwise
+    they may be any subtree (``tree`` as a prefix, as :func:`tree_map` allows).
+
+    Used while ``torch.compile`` traces: Dynamo runs optree's flatten as Python, building a spec
+    object per node, and a transform lines up several trees per step. This walk checks the same
+    structure in a few bytecodes per node, so a step traces in far fewer. Anything else returns
+    ``None`` and goes through optree, which decides and words any error.
+    """
+    out: list[tuple[Any, ...]] = []
+    pending: list[tuple[Any, tuple[Any, ...]]] = [(tree, tuple(others))]
+    while pending:
+        node, matches = pending.pop()
+        if node is None or isinstance(node, Tensor):
+            if strict:
+                for match in matches:
+                    if match is not None and not isinstance(match, Tensor):
+                        return None
+            out.append((node, *matches))
+            continue
+        found = _plain_children(node)
+        if found is None:
+            return None
+        keys, children = found
+        kind = type(node)
+        columns = []
+        for match in matches:
+            if type(match) is not kind or len(match) != len(keys):
+                return None
+            if kind is dict or kind is collections.OrderedDict:
+                if strict and kind is collections.OrderedDict and list(match) != keys:
+                    return None
+                for key in keys:
+                    if key not in match:
+                        return None
+                columns.append([match[key] for key in keys])
+            else:
+                columns.append(list(match))
+        for index in range(len(children) - 1, -1, -1):  # the stack pops the first child first
+            pending.append((children[index], tuple([column[index] for column in columns])))
+    return out
+
+
+def _plain_rebuild(tree: PyTree, values: Iterator[Any]) -> PyTree:
+    """A tree with ``tree``'s plain containers (key order kept) and ``values`` at its leaves, taken
+    in optree's order; ``tree`` has passed :func:`_plain_pairs`."""
+    if tree is None or isinstance(tree, Tensor):
+        return next(values)
+    kind = type(tree)
+    if kind is list or kind is tuple:
+        return kind([_plain_rebuild(child, values) for child in tree])
+    if issubclass(kind, tuple):  # a state NamedTuple
+        return kind(*[_plain_rebuild(child, values) for child in tree])
+    keys, children = _plain_children(tree)
+    built = {key: _plain_rebuild(child, values) for key, child in zip(keys, children)}
+    items = [(key, built[key]) for key in tree]  # the keys in their own order
+    return collections.OrderedDict(items) if kind is collections.OrderedDict else dict(items)
+
+
+def _plain_leaves_like(tree: PyTree, reference: PyTree) -> Optional[list[Any]]:
+    """The leaves of ``tree`` when it has the plain structure of ``reference`` (see :func:`_plain_pairs`)."""
+    pairs = _plain_pairs(reference, [tree], strict=True)
+    return None if pairs is None else [pair[1] for pair in pairs]
 
 
 def mismatch_error(tree: PyTree, reference: PyTree, *, what: str, like: str) -> ValueError:

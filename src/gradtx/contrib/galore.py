@@ -158,7 +158,9 @@ def _projector_from_svd(matrix: Tensor, rank: int, left: bool) -> Tensor:
     dtype = torch.promote_types(matrix.dtype, torch.float32)
     u, _, vh = torch.linalg.svd(matrix.to(dtype), full_matrices=False)
     projector = u[:, :rank] if left else vh[:rank, :].mT
-    return projector.to(matrix.dtype)
+    # laid out as ``init`` lays it out: a refresh never changes the state's strides (which would
+    # make ``torch.compile`` trace the step again)
+    return projector.contiguous().to(matrix.dtype)
 
 
 def _refresh_on_host(count: Tensor, gap: int) -> Optional[bool]:

@@ -1,0 +1,182 @@
+"""While ``torch.compile`` traces, ``tree_map`` and ``flatten_like`` walk plain trees themselves
+(``gradtx.tree._plain_pairs``) instead of running optree's flatten as Python: the leaves, their
+order, the rebuilt containers and the structure check must be optree's exactly, and anything the
+walk does not know goes to optree."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, NamedTuple
+
+import optree
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gradtx as gtx
+from gradtx import tree as tree_lib
+
+
+class UserPair(NamedTuple):  # a user's namedtuple: optree decides (it might be registered)
+    a: Any
+    b: Any
+
+
+KEYS = st.sampled_from(["a", "b", "c", "w", "bias", "0.weight"])
+
+
+def _leaf(draw_value: int) -> Any:
+    return None if draw_value == 0 else torch.full((draw_value,), float(draw_value))
+
+
+def plain_trees(max_leaves: int = 12):
+    """Nestings of dict, OrderedDict, list, tuple and a gradtx state over tensors and None."""
+    leaves = st.integers(0, 3).map(_leaf)
+
+    def extend(children):
+        return st.one_of(
+            st.dictionaries(KEYS, children, max_size=3),
+            st.dictionaries(KEYS, children, max_size=3).map(collections.OrderedDict),
+            st.lists(children, max_size=3),
+            st.lists(children, max_size=3).map(tuple),
+            st.tuples(children).map(lambda c: gtx.ClipByGlobalNormState(*c)),
+        )
+
+    return st.recursive(leaves, extend, max_leaves=max_leaves)
+
+
+def _spec(tree):
+    return optree.tree_structure(tree, none_is_leaf=True, namespace="gradtx")
+
+
+def _same(a, b) -> bool:
+    """Equal trees: the same containers (types and key order) and identical leaves."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a is b
+
+
+@settings(max_examples=60, deadline=None)
+@given(plain_trees(), plain_trees())
+def test_the_walk_agrees_with_optree_on_structure_and_leaf_order(tree, other):
+    pairs = tree_lib._plain_pairs(tree, [other], strict=True)
+    if _spec(tree) == _spec(other):
+        assert pairs is not None
+        assert [p[0] for p in pairs] == optree.tree_leaves(tree, none_is_leaf=True, namespace="gradtx")
+        assert [p[1] for p in pairs] == optree.tree_leaves(other, none_is_leaf=True, namespace="gradtx")
+    else:
+        assert pairs is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(plain_trees())
+def test_the_rebuilt_tree_is_optrees_map(tree):
+    pairs = tree_lib._plain_pairs(tree, [tree], strict=False)
+    tags = iter(range(1000))
+    ours = tree_lib._plain_rebuild(tree, iter([None if p[0] is None else next(tags) for p in pairs]))
+    tags = iter(range(1000))
+    theirs = optree.tree_map(lambda x: None if x is None else next(tags), tree, none_is_leaf=True, namespace="gradtx")
+    assert ours == theirs and _same_shape(ours, theirs)
+
+
+def _same_shape(a, b) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same_shape(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return all(_same_shape(x, y) for x, y in zip(a, b))
+    return True
+
+
+def test_a_prefix_tree_maps_whole_subtrees_as_optree_does():
+    tree = {"w": torch.ones(2), "b": None}
+    rest = {"w": {"deep": 1}, "b": [2, 3]}
+    pairs = tree_lib._plain_pairs(tree, [rest], strict=False)
+    assert pairs == [(tree["b"], [2, 3]), (tree["w"], {"deep": 1})]  # sorted keys
+    assert tree_lib._plain_pairs(tree, [rest], strict=True) is None
+
+
+@pytest.mark.parametrize(
+    "tree, other",
+    [
+        ({1: torch.ones(1), "a": torch.ones(1)}, {1: torch.ones(1), "a": torch.ones(1)}),  # a non-string key
+        (UserPair(torch.ones(1), None), UserPair(torch.ones(1), None)),  # a user's namedtuple
+        ({"a": 1.0}, {"a": 2.0}),  # a leaf that is not a tensor
+        (collections.defaultdict(list, a=torch.ones(1)), collections.defaultdict(list, a=torch.ones(1))),
+    ],
+    ids=["int key", "user namedtuple", "float leaf", "defaultdict"],
+)
+def test_what_the_walk_does_not_know_goes_to_optree(tree, other):
+    assert tree_lib._plain_pairs(tree, [other], strict=False) is None
+
+
+def test_an_ordered_dict_keeps_its_order_and_must_match_it_where_structures_must_be_equal():
+    first = collections.OrderedDict(z=torch.ones(1), a=torch.zeros(1))
+    swapped = collections.OrderedDict(a=torch.zeros(1), z=torch.ones(1))
+    assert [p[0] for p in tree_lib._plain_pairs(first, [], strict=True)] == [first["z"], first["a"]]
+    assert tree_lib._plain_pairs(first, [swapped], strict=True) is None  # optree: different specs
+    assert [p[1] for p in tree_lib._plain_pairs(first, [swapped], strict=False)] == [swapped["z"], swapped["a"]]
+
+
+def test_compiled_tree_map_and_flatten_like_give_the_eager_results():
+    tree = collections.OrderedDict(
+        z={"w": torch.randn(3), "b": None}, a=[torch.randn(2), (torch.randn(1),)], s=gtx.ClipByGlobalNormState(torch.ones(()))
+    )
+    other = tree_lib.tree_map(lambda x: x * 2, tree)
+
+    def both(tree, other):
+        mapped = tree_lib.tree_map(lambda x, y: x + y, tree, other)
+        leaves = tree_lib.flatten_like(other, tree_lib.structure(tree), tree, what="other", like="tree")
+        return mapped, leaves
+
+    eager = both(tree, other)
+    compiled = torch.compile(both, backend="eager", fullgraph=True)(tree, other)
+    assert _same_shape(compiled[0], eager[0])
+    for x, y in zip(tree_lib.leaves(compiled), tree_lib.leaves(eager)):
+        assert (x is None and y is None) or torch.equal(x, y)
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+def test_a_mismatch_under_compile_is_the_eager_error():
+    tree = {"w": torch.ones(2), "b": torch.ones(1)}
+    other = {"w": torch.ones(2), "c": torch.ones(1)}
+
+    def check(tree, other):
+        return tree_lib.flatten_like(other, tree_lib.structure(tree), tree, what="adam: state.mu", like="updates")
+
+    with pytest.raises(ValueError) as eager:
+        check(tree, other)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as compiled:
+        torch.compile(check, backend="eager")(tree, other)
+    assert str(eager.value) in str(compiled.value)
+
+
+def test_a_compiled_adam_step_takes_the_walk():
+    """The trees of an ordinary step are plain: the fast path serves them (else its speed is moot)."""
+    params = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    tx = gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adam(1e-2))
+    state = tx.init(params)
+    grads = tree_lib.tree_map(torch.ones_like, params)
+    served = []
+    original = tree_lib._plain_pairs
+
+    def counting(tree, others, *, strict):
+        result = original(tree, others, strict=strict)
+        served.append(result is not None)
+        return result
+
+    torch._dynamo.reset()
+    tree_lib._plain_pairs = counting
+    try:
+        torch.compile(tx.update, backend="eager", fullgraph=True)(grads, state, params)
+    finally:
+        tree_lib._plain_pairs = original
+        torch._dynamo.reset()
+    assert served and all(served)
