@@ -9,7 +9,9 @@ package resolves at run time, to the same objects.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
+import json
 import pkgutil
 import subprocess
 import sys
@@ -42,6 +44,43 @@ def run_python(code: str) -> str:
     return result.stdout
 
 
+# One fresh interpreter serves every check below (each costs an ``import torch``): it imports
+# torch, then gradtx, recording what each step added; then uses two names; then names public names
+# every way a user can. The report is what it saw at each step.
+FRESH_SESSION = """
+import json, sys
+report = {}
+import torch
+report["heavy_before"] = {m: m in sys.modules for m in HEAVY}
+before = set(sys.modules)
+import gradtx
+report["added_by_import"] = sorted(set(sys.modules) - before)
+report["heavy_after"] = {m: m in sys.modules for m in HEAVY}
+report["dir"] = dir(gradtx)
+report["submodules_after_dir"] = [m for m in sys.modules if m.startswith("gradtx.")]
+gradtx.adamw(1e-3); gradtx.chain(gradtx.clip_by_global_norm(1.0))
+report["after_two_names"] = sorted(m for m in sys.modules if m.startswith("gradtx"))
+import gradtx as gtx
+from gradtx import adamw, ShardingSpec, contrib
+from gradtx.contrib import muon
+import gradtx.contrib
+import gradtx.sharding
+assert gtx.contrib.muon is muon is gtx.muon
+assert gtx.adamw is adamw and gtx.ShardingSpec is ShardingSpec is gradtx.sharding.ShardingSpec
+assert gtx.contrib is contrib is gradtx.contrib
+assert gtx.transforms.scale_by_adam is gtx.scale_by_adam  # a submodule outside __all__, as before
+from gradtx import *
+assert chain is gtx.chain and muon is gtx.muon
+report["every_way_of_naming"] = "ok"
+print(json.dumps(report))
+"""
+
+
+@functools.cache
+def fresh_session() -> dict:
+    return json.loads(run_python(f"HEAVY = {HEAVY!r}\n" + FRESH_SESSION))
+
+
 def names_declared_for_type_checkers() -> dict[str, str]:
     """Each name the ``if TYPE_CHECKING:`` block of ``gradtx/__init__.py`` imports, with the module
     it names it from (``gradtx.contrib`` for ``from gradtx import contrib``)."""
@@ -62,48 +101,25 @@ def names_declared_for_type_checkers() -> dict[str, str]:
 
 @pytest.mark.parametrize("module", HEAVY)
 def test_import_gradtx_does_not_import(module):
-    code = f"import sys, torch; before = {module!r} in sys.modules; import gradtx; print(before, {module!r} in sys.modules)"
-    before, after = run_python(code).split()
-    assert before == "True" or after == "False", f"import gradtx imported {module}"
+    session = fresh_session()
+    assert session["heavy_before"][module] or not session["heavy_after"][module], f"import gradtx imported {module}"
 
 
 def test_import_gradtx_imports_no_feature():
-    code = (
-        "import sys, torch; before = set(sys.modules); import gradtx;"
-        "print(' '.join(sorted(set(sys.modules) - before)))"
-    )
-    imported = run_python(code).split()
+    imported = fresh_session()["added_by_import"]
     assert imported == ["gradtx"], f"import gradtx imported {imported}"
     assert not set(imported) & set(NOT_ON_IMPORT)
 
 
 def test_a_name_imports_its_own_feature_only():
     """``gradtx.adamw`` imports the optimizers, not ``gradtx.contrib`` or the torch interop."""
-    code = (
-        "import sys, torch, gradtx; gradtx.adamw(1e-3); gradtx.chain(gradtx.clip_by_global_norm(1.0));"
-        "print(' '.join(sorted(m for m in sys.modules if m.startswith('gradtx'))))"
-    )
-    imported = set(run_python(code).split())
+    imported = set(fresh_session()["after_two_names"])
     assert {"gradtx.optimizers", "gradtx.chains"} <= imported
     assert not {"gradtx.contrib", "gradtx.interop", "gradtx.microbatching", "gradtx.projections"} & imported, imported
 
 
 def test_every_way_of_naming_a_public_name_works_in_a_fresh_interpreter():
-    code = """
-import gradtx as gtx
-from gradtx import adamw, ShardingSpec, contrib
-from gradtx.contrib import muon
-import gradtx.contrib
-import gradtx.sharding
-assert gtx.contrib.muon is muon is gtx.muon
-assert gtx.adamw is adamw and gtx.ShardingSpec is ShardingSpec is gradtx.sharding.ShardingSpec
-assert gtx.contrib is contrib is gradtx.contrib
-assert gtx.transforms.scale_by_adam is gtx.scale_by_adam  # a submodule outside __all__, as before
-from gradtx import *
-assert chain is gtx.chain and muon is gtx.muon
-print("ok")
-"""
-    assert run_python(code).split() == ["ok"]
+    assert fresh_session()["every_way_of_naming"] == "ok"
 
 
 def test_type_checkers_read_the_names_the_package_resolves():
@@ -130,13 +146,12 @@ def test_no_public_name_is_a_submodule_that_would_replace_it():
 
 
 def test_dir_lists_every_public_name_and_submodule_before_their_import():
-    code = "import gradtx, sys; print(' '.join(dir(gradtx))); print(' '.join(m for m in sys.modules if m.startswith('gradtx.')))"
-    listed, imported = run_python(code).splitlines()
-    listed = set(listed.split())
+    session = fresh_session()
+    listed, imported = set(session["dir"]), session["submodules_after_dir"]
     submodules = {info.name for info in pkgutil.iter_modules(gradtx.__path__)}
     assert set(gradtx.__all__) | submodules | {"__version__", "__all__"} <= listed
     assert not {name for name in listed if not name.startswith("_")} - set(gradtx.__all__) - submodules
-    assert not imported.split(), "dir(gradtx) imported submodules"
+    assert not imported, "dir(gradtx) imported submodules"
     assert set(dir(gradtx)) == listed  # the same once everything is imported
 
 
