@@ -180,3 +180,30 @@ def test_a_compiled_adam_step_takes_the_walk():
         tree_lib._plain_pairs = original
         torch._dynamo.reset()
     assert served and all(served)
+
+
+@settings(max_examples=60, deadline=None)
+@given(plain_trees(), plain_trees())
+def test_a_plain_structure_answers_as_optrees_spec(tree, other):
+    spec = _spec(tree)
+    leaves = optree.tree_leaves(tree, none_is_leaf=True, namespace="gradtx")
+    plain = tree_lib._PlainStructure(tree, len(leaves))
+    assert plain.num_leaves == spec.num_leaves and plain.num_nodes == spec.num_nodes  # the latter from optree
+    assert plain == spec and not plain != spec
+    rebuilt = tree_lib.unflatten(plain, leaves)
+    assert _same(rebuilt, optree.tree_unflatten(spec, leaves))
+    other_plain = tree_lib._PlainStructure(other, _spec(other).num_leaves)
+    assert (plain == other_plain) == (spec == _spec(other)) == (plain == _spec(other))
+    try:
+        expected = spec.flatten_up_to(other)
+    except (ValueError, TypeError):
+        with pytest.raises((ValueError, TypeError)):
+            plain.flatten_up_to(other)
+    else:
+        assert plain.flatten_up_to(other) == expected
+
+
+def test_a_plain_structure_refuses_the_wrong_number_of_leaves():
+    plain = tree_lib._PlainStructure({"a": torch.ones(1)}, 1)
+    with pytest.raises(ValueError, match="2 leaves for a structure of 1"):
+        plain.unflatten([torch.ones(1), torch.ones(1)])

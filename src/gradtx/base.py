@@ -279,7 +279,7 @@ def paired_leaves(params: Params, updates: Updates, *, owner: str) -> tuple[list
     structure, and the indices where an update meets its parameter. A mismatch (structure, a leaf
     that is not a tensor, an update for a ``None`` parameter, another shape) is a ``ValueError`` or
     ``TypeError`` naming the leaf's path, raised before any computation."""
-    param_leaves, treedef = tree_lib.flatten(params)
+    param_leaves, treedef, _ = tree_lib.tensor_leaves(params, what="params")
     update_leaves = tree_lib.flatten_like(updates, treedef, params, what=f"{owner}: updates", like="params")
     tree_lib.check_tensors(params, param_leaves, what="params", allow_none=True)
     tree_lib.check_tensors(updates, update_leaves, what="updates", allow_none=True)

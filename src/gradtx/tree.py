@@ -40,7 +40,10 @@ def flatten(tree: PyTree) -> tuple[list[Any], TreeSpec]:
 
 
 def unflatten(treedef: TreeSpec, leaves: Sequence[Any]) -> PyTree:
-    """Inverse of :func:`flatten`."""
+    """Inverse of :func:`flatten` (and of :func:`tensor_leaves`, whose structure may be a
+    :class:`_PlainStructure` while ``torch.compile`` traces)."""
+    if type(treedef) is _PlainStructure:
+        return treedef.unflatten(leaves)
     return optree.tree_unflatten(treedef, leaves)
 
 
@@ -222,14 +225,55 @@ def _plain_rebuild(tree: PyTree, values: Iterator[Any]) -> PyTree:
     if tree is None or isinstance(tree, Tensor):
         return next(values)
     kind = type(tree)
-    if kind is list or kind is tuple:
-        return kind([_plain_rebuild(child, values) for child in tree])
-    if issubclass(kind, tuple):  # a state NamedTuple
-        return kind(*[_plain_rebuild(child, values) for child in tree])
     keys, children = _plain_children(tree)
-    built = {key: _plain_rebuild(child, values) for key, child in zip(keys, children)}
-    items = [(key, built[key]) for key in tree]  # the keys in their own order
-    return collections.OrderedDict(items) if kind is collections.OrderedDict else dict(items)
+    built = []
+    for child in children:
+        built.append(next(values) if child is None or isinstance(child, Tensor) else _plain_rebuild(child, values))
+    if kind is list or kind is tuple:
+        return kind(built)
+    if issubclass(kind, tuple):  # a state NamedTuple
+        return kind(*built)
+    if kind is collections.OrderedDict:  # its keys are in their own order already
+        return collections.OrderedDict(zip(keys, built))
+    by_key = dict(zip(keys, built))
+    return {key: by_key[key] for key in tree}  # the keys in their own order
+
+
+class _PlainStructure:
+    """The structure of a plain tree (see :func:`_plain_pairs`) while ``torch.compile`` traces:
+    it unflattens, flattens up to and compares by walking the tree it was taken from, in far fewer
+    traced steps than optree's spec; anything else it is asked is optree's spec's answer."""
+
+    __slots__ = ("tree", "num_leaves")
+
+    def __init__(self, tree: PyTree, num_leaves: int) -> None:
+        self.tree = tree
+        self.num_leaves = num_leaves
+
+    def unflatten(self, leaves: Sequence[Any]) -> PyTree:
+        leaves = list(leaves)
+        if len(leaves) != self.num_leaves:
+            raise ValueError(f"{len(leaves)} leaves for a structure of {self.num_leaves}")
+        return _plain_rebuild(self.tree, iter(leaves))
+
+    def flatten_up_to(self, other: PyTree) -> list[Any]:
+        pairs = _plain_pairs(self.tree, (other,), strict=False)
+        return structure(self.tree).flatten_up_to(other) if pairs is None else [pair[1] for pair in pairs]
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is _PlainStructure:
+            return _plain_pairs(self.tree, (other.tree,), strict=True) is not None
+        return structure(self.tree) == other
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __getattr__(self, name: str) -> Any:  # only what the slots and methods above do not answer
+        if name.startswith("_") or name in _PlainStructure.__slots__:
+            raise AttributeError(name)
+        return getattr(structure(self.tree), name)
 
 
 def _plain_leaves_like(tree: PyTree, reference: PyTree) -> Optional[list[Any]]:
@@ -347,7 +391,15 @@ def check_tensors(tree: PyTree, tree_leaves: Sequence[Any], *, what: str, allow_
 
 
 def tensor_leaves(tree: PyTree, *, what: str) -> tuple[list[Any], TreeSpec, list[int]]:
-    """Flattens ``tree``, checks its leaves, and returns the indices of the non-``None`` ones."""
+    """Flattens ``tree``, checks its leaves, and returns the indices of the non-``None`` ones.
+
+    While ``torch.compile`` traces, a plain tree's structure is a :class:`_PlainStructure`."""
+    if torch.compiler.is_compiling():
+        pairs = _plain_pairs(tree, (), strict=True)
+        if pairs is not None:  # its leaves are tensors and None
+            tree_leaves = [pair[0] for pair in pairs]
+            present = [i for i, leaf in enumerate(tree_leaves) if leaf is not None]
+            return tree_leaves, _PlainStructure(tree, len(tree_leaves)), present
     tree_leaves, treedef = flatten(tree)
     kinds = set(map(type, tree_leaves))  # a C-level pass: the check costs little on many small leaves
     if all(issubclass(kind, Tensor) for kind in kinds):
