@@ -18,7 +18,7 @@ from _world import case
 from gradtx.contrib import GaLoreDimensionNumbers, GaLoreState, galore, scale_by_galore
 from gradtx.sharding import Replicate, Shard, ShardingSpec
 from test_sharding_collectives import count_collectives
-from test_sharding_muon import _dtensors, _everyone_raises, _plain
+from test_sharding_muon import _dtensors, _everyone_raises, _plain, _same_layout
 
 galore_lib = importlib.import_module("gradtx.contrib.galore")  # the module (its name is also the function's)
 STEPS = 4
@@ -51,6 +51,8 @@ def _run(make, shapes, to_local, from_local, *, steps=STEPS, plain=None, refresh
         expected = to_local(dense_updates)
         for name in shapes:
             what = f"step {step} update {name!r}"
+            _same_layout(updates[name], expected[name], what)
+            _same_layout(donated[name], expected[name], f"step {step} donated update {name!r}")
             close(from_local(updates[name]), from_local(expected[name]), what, rtol=1e-5, atol=1e-6)
             assert torch.equal(from_local(local_grads[name]), before[name]), f"the pure update mutated {name!r}"
             assert torch.equal(from_local(donated[name]), from_local(updates[name])), f"in-place differs for {name!r}"

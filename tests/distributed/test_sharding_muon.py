@@ -50,6 +50,8 @@ def _run(make, shapes, to_local, from_local, *, steps=STEPS, collectives=None):
         donated, donated_state = tx.update(to_local(grads), donated_state, params, inplace=True)
         expected = to_local(dense_updates)
         for name in shapes:
+            _same_layout(updates[name], expected[name], f"step {step} update {name!r}")
+            _same_layout(donated[name], expected[name], f"step {step} donated update {name!r}")
             close(from_local(updates[name]), from_local(expected[name]), f"step {step} update {name!r}", rtol=1e-5, atol=1e-6)
             assert torch.equal(from_local(local_grads[name]), before[name]), f"the pure update mutated {name!r}"
             assert torch.equal(from_local(donated[name]), from_local(updates[name])), f"in-place differs for {name!r}"
@@ -78,15 +80,33 @@ def _plain(world, mesh, layout):
 
 
 def _dtensors(mesh, placements):
+    """(to_local, from_local) for DTensors placed by ``placements``. Every rank holds the same dense
+    tree, so each cuts its own shard and nothing is sent; results are compared shard by shard
+    (``from_local`` is the local shard), after ``_same_layout`` has checked their placements."""
     from torch.distributed.tensor import distribute_tensor
 
     def to_local(tree):
-        return {k: distribute_tensor(v, mesh, placements[k]) if k in placements else v.clone() for k, v in tree.items()}
+        return {
+            k: distribute_tensor(v, mesh, placements[k], src_data_rank=None) if k in placements else v.clone()
+            for k, v in tree.items()
+        }
 
     def from_local(x):
-        return x.full_tensor() if hasattr(x, "full_tensor") else x
+        return x.to_local() if hasattr(x, "to_local") else x
 
     return to_local, from_local
+
+
+def _same_layout(actual, expected, what: str) -> None:
+    """``actual`` is a DTensor laid out as ``expected`` (its mesh, placements, logical shape), or
+    both are plain tensors: so equal local shards on every rank mean equal logical tensors."""
+    if hasattr(expected, "placements"):
+        assert hasattr(actual, "placements"), f"{what}: a plain tensor where a DTensor was expected"
+        got = (actual.device_mesh, tuple(actual.placements), tuple(actual.shape))
+        want = (expected.device_mesh, tuple(expected.placements), tuple(expected.shape))
+        assert got == want, f"{what}: laid out as {got}, expected {want}"
+    else:
+        assert not hasattr(actual, "placements"), f"{what}: a DTensor where a plain tensor was expected"
 
 
 @case(2, 4)
