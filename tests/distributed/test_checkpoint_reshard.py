@@ -371,11 +371,11 @@ def _uneven_saved(name, index, sd):
 # --------------------------------------------------------------------------- a generator state
 
 
-@case(4)
+@case(2)  # replicated over a 1-D mesh: two copies show what four would
 def replicated_generator_state_to_dense(world):
     # every rank draws the same noise for the whole params: the generator state is one value
     replicated = {name: Piece(name) for name in FLAT_SHAPES}
-    layouts = [Layout(world.mesh((4,), ("dp",)), replicated), Layout()]
+    layouts = [Layout(world.mesh((world.size,), ("dp",)), replicated), Layout()]
     resume_chain(world, list(GENERATORS), FLAT_SHAPES, layouts, [N_STEPS, M_STEPS], saved=_generator_saved)
 
 

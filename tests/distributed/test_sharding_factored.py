@@ -121,7 +121,7 @@ def factored_tp_rows_and_columns(world):
     assert state.v_row["small.weight"].shape == (8,) and state.v_col["small.weight"].shape == (8 // world.size,)
 
 
-@case(2, 4)
+@case(2)  # nothing is sharded: no size to vary
 def factored_replicated_only_spec(world):
     mesh = world.mesh((world.size,), ("tp",))
     shapes = {"w": (12, 8), "b": (8,), "t": (2, 7, 9)}
