@@ -155,4 +155,4 @@ def ddp_worker(rank: int, port: int, checkpoint_dir: str) -> None:
 
 @pytest.mark.distributed
 def test_ddp_on_two_ranks_and_save_state_load_state_resume(tmp_path):
-    run_ranks(ddp_worker, (free_port(), str(tmp_path / "state")), nprocs=WORLD)
+    run_ranks(ddp_worker, (free_port(), str(tmp_path / "state")), nprocs=WORLD, preload=("torch._dynamo",))
