@@ -15,6 +15,7 @@ import gc
 import multiprocessing
 import os
 import queue as queue_lib
+import sys
 import tempfile
 import time
 import traceback
@@ -157,6 +158,20 @@ def _child(rank: int, size: int, store_path: str, modules: list[str], results: A
         dist.destroy_process_group()
 
 
+def _collect_hypothesis_constants() -> None:
+    """Hypothesis, on a process's first draw, collects the constants of every local module (a walk
+    over all of sys.modules, a second or more with torch imported) to draw from. Done here once,
+    the ranks inherit the collection instead of each redoing it, and all draw from the same pool.
+    A private function of hypothesis: without it, each rank collects its own, as before."""
+    if "hypothesis" not in sys.modules:
+        return
+    try:
+        from hypothesis.internal.conjecture.providers import _get_local_constants
+    except ImportError:
+        return
+    _get_local_constants()
+
+
 @functools.cache
 def run_world(size: int, modules: tuple[str, ...] = CASE_MODULES) -> dict[str, list[str]]:
     """Runs every case registered for ``size`` in one spawned world; returns case -> error reports."""
@@ -166,6 +181,7 @@ def run_world(size: int, modules: tuple[str, ...] = CASE_MODULES) -> dict[str, l
         importlib.import_module(module)
     for module in PRELOAD:
         importlib.import_module(module)
+    _collect_hypothesis_constants()
     # fork: the children start with torch and the cases already imported (spawning 8 fresh
     # interpreters costs ~15 s on two cores). The parent never touches torch.distributed.
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
