@@ -21,8 +21,8 @@ from test_sharding_collectives import count_collectives
 from test_sharding_muon import _dtensors, _everyone_raises, _plain, _same_layout
 
 galore_lib = importlib.import_module("gradtx.contrib.galore")  # the module (its name is also the function's)
-STEPS = 4
-GAP = 2  # refreshes at steps 0 and 2
+STEPS = 3
+GAP = 2  # refreshes at steps 0 and 2: step 1 is a plain step, step 2 a refresh on a state it changed
 
 
 def _run(make, shapes, to_local, from_local, *, steps=STEPS, plain=None, refresh=None):

@@ -97,7 +97,7 @@ def dp_tp(world):
     assert only_group(spec) == ("tp",), "data-parallel copies must not join the reduction"
 
 
-@case(2, 4)
+@case(2)  # every flattened leaf of tp_model(1) splits evenly over 2 and over 4: the same pieces, halved
 def zero_dp(world):
     mesh = world.mesh((world.size,), ("dp",))
     shapes, pieces = tp_model(1)
