@@ -119,11 +119,11 @@ def check_sharded_rows(rank: int) -> None:
 
 
 def worker(rank: int, init_file: str) -> None:
+    torch.set_num_threads(1)  # forked from a process that may have run OpenMP regions: start none
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
     )
     try:
-        torch.set_num_threads(1)
         check_ddp(rank, clip_in_step=False)
         check_ddp(rank, clip_in_step=True)
         check_sharded_rows(rank)
@@ -137,4 +137,9 @@ def worker(rank: int, init_file: str) -> None:
 
 def test_wrapped_optimizer_under_ddp_and_sharded_gradients(tmp_path):
     init_file = os.path.join(tmp_path, "rendezvous")
-    mp.spawn(worker, args=(init_file,), nprocs=WORLD, join=True)
+    import torch._dynamo  # noqa: F401  (DistributedDataParallel imports it: once here, not on every rank)
+
+    # fork: the ranks start with torch, dynamo, gradtx and this module imported (a fresh
+    # interpreter each costs seconds on a small machine)
+    start = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    mp.start_processes(worker, args=(init_file,), nprocs=WORLD, join=True, start_method=start)

@@ -154,11 +154,11 @@ def zero_worker(rank: int, init_file: str) -> None:
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    torch.set_num_threads(1)  # forked from a process that may have run OpenMP regions: start none
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=30)
     )
     try:
-        torch.set_num_threads(1)
         model, reference = mlp(), mlp()
         opt = gtx.wrap(
             ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2),
@@ -192,7 +192,12 @@ def zero_worker(rank: int, init_file: str) -> None:
 def test_a_wrapped_zero_redundancy_optimizer_consolidates_its_state(tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(zero_worker, args=(str(tmp_path / "rendezvous"),), nprocs=WORLD, join=True)
+    import torch._dynamo  # noqa: F401  (DistributedDataParallel imports it: once here, not on every rank)
+
+    # fork: the ranks start with torch, dynamo, gradtx and this module imported (a fresh
+    # interpreter each costs seconds on a small machine)
+    start = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    mp.start_processes(zero_worker, args=(str(tmp_path / "rendezvous"),), nprocs=WORLD, join=True, start_method=start)
 
 
 # --------------------------------------------------------------------------- step hooks

@@ -15,6 +15,7 @@ import gc
 import multiprocessing
 import os
 import queue as queue_lib
+import sys
 import tempfile
 import time
 import traceback
@@ -44,6 +45,11 @@ CASE_MODULES = (
     "test_checkpoint_reshard",
     "test_private_apis_dtensor",
 )
+
+# What the cases import on first use, imported once in the parent before the fork instead of on
+# every rank: dynamo (DTensor.from_local and torch.compile), torch.compile's compiler stack (also
+# what torch.profiler imports), DCP. Seconds of CPU per rank on a small machine.
+PRELOAD = ("torch._dynamo", "functorch.compile", "torch._inductor.compile_fx", "torch.distributed.checkpoint")
 
 _CASES: dict[int, dict[str, Callable[["World"], None]]] = {}
 
@@ -152,6 +158,20 @@ def _child(rank: int, size: int, store_path: str, modules: list[str], results: A
         dist.destroy_process_group()
 
 
+def _collect_hypothesis_constants() -> None:
+    """Hypothesis, on a process's first draw, collects the constants of every local module (a walk
+    over all of sys.modules, a second or more with torch imported) to draw from. Done here once,
+    the ranks inherit the collection instead of each redoing it, and all draw from the same pool.
+    A private function of hypothesis: without it, each rank collects its own, as before."""
+    if "hypothesis" not in sys.modules:
+        return
+    try:
+        from hypothesis.internal.conjecture.providers import _get_local_constants
+    except ImportError:
+        return
+    _get_local_constants()
+
+
 @functools.cache
 def run_world(size: int, modules: tuple[str, ...] = CASE_MODULES) -> dict[str, list[str]]:
     """Runs every case registered for ``size`` in one spawned world; returns case -> error reports."""
@@ -159,6 +179,9 @@ def run_world(size: int, modules: tuple[str, ...] = CASE_MODULES) -> dict[str, l
 
     for module in modules:
         importlib.import_module(module)
+    for module in PRELOAD:
+        importlib.import_module(module)
+    _collect_hypothesis_constants()
     # fork: the children start with torch and the cases already imported (spawning 8 fresh
     # interpreters costs ~15 s on two cores). The parent never touches torch.distributed.
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
@@ -168,8 +191,15 @@ def run_world(size: int, modules: tuple[str, ...] = CASE_MODULES) -> dict[str, l
         context.Process(target=_child, args=(rank, size, store_path, list(modules), results), daemon=True)
         for rank in range(size)
     ]
-    for process in processes:
-        process.start()
+    # The children's garbage collections skip every object that exists now (torch, dynamo, sympy,
+    # ...): a full collection otherwise walks them all on every rank.
+    gc.collect()
+    gc.freeze()
+    try:
+        for process in processes:
+            process.start()
+    finally:
+        gc.unfreeze()
     reports: dict[str, list[str]] = {name: [] for name in cases_for(size)}
     seen: dict[str, set[int]] = {name: set() for name in cases_for(size)}
     finished: set[int] = set()

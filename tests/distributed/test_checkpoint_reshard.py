@@ -146,37 +146,37 @@ def run_steps(tx, family: Family, layout: Layout, shapes, params, state, steps):
     return params, state
 
 
-def dense_run(family: Family, shapes, steps):
+def dense_runs(family: Family, shapes, total: int) -> list:
+    """The dense run's params after 0, 1, ..., ``total`` steps (one run, kept at every step)."""
     tx = family.make(None)
     params = params_of(family, dense_tree(shapes, seed=7))
-    return run_steps(tx, family, Layout(), shapes, params, tx.init(params), steps)[0]
+    state = tx.init(params)
+    runs = [params]
+    for step in range(total):
+        params, state = run_steps(tx, family, Layout(), shapes, params, state, [step])
+        runs.append(params)
+    return runs
 
 
-def save(path: str, params, state, layout: Layout) -> dict:
-    import torch.distributed.checkpoint as dcp
-
+def to_save(params, state, layout: Layout) -> dict:
+    """What DCP saves of one run: its state and its params, each through ``gtx.checkpoint.state_dict``."""
     plain = plain_of(params)
-    sd = {
+    return {
         "state": gtx.checkpoint.state_dict(state, plain, layout.spec),
         "params": gtx.checkpoint.state_dict(params, plain, layout.spec),
     }
-    dcp.save(sd, checkpoint_id=path)
-    return sd
 
 
-def load(path: str, tx, family: Family, layout: Layout, shapes):
-    """The new layout's template (params and state of other values), filled from the checkpoint."""
-    import torch.distributed.checkpoint as dcp
-
+def template(tx, family: Family, layout: Layout, shapes) -> tuple:
+    """The new layout's params and state (of other values) and the dict DCP loads them into."""
     params = params_of(family, layout.local(dense_tree(shapes, seed=99)))
     state = tx.init(params)
-    plain = plain_of(params)
-    sd = {
-        "state": gtx.checkpoint.state_dict(state, plain, layout.spec),
-        "params": gtx.checkpoint.state_dict(params, plain, layout.spec),
-    }
-    dcp.load(sd, checkpoint_id=path)
-    new_params = gtx.checkpoint.load_state_dict(params, sd["params"], plain, layout.spec)
+    return params, state, to_save(params, state, layout)
+
+
+def filled(params, state, sd: dict, layout: Layout) -> tuple:
+    """The template filled from ``sd``, which DCP has loaded."""
+    new_params = gtx.checkpoint.load_state_dict(params, sd["params"], plain_of(params), layout.spec)
     new_state = gtx.checkpoint.load_state_dict(state, sd["state"], plain_of(new_params), layout.spec)
     return new_params, new_state
 
@@ -184,27 +184,40 @@ def load(path: str, tx, family: Family, layout: Layout, shapes):
 def resume_chain(world, family_names, shapes, layouts: list[Layout], steps: list[int], saved: Optional[Callable] = None) -> None:
     """For each family: ``steps[0]`` steps on ``layouts[0]``, saved; loaded on ``layouts[1]``,
     ``steps[1]`` more, saved; ... Every stretch ends equal to the dense run of as many steps.
-    ``saved(family, layout index, dict)`` sees each dict saved."""
+    ``saved(family, layout index, dict)`` sees each dict saved.
+
+    The families run side by side: one DCP checkpoint per layout holds every family's run, each
+    under its own name (DCP's planning and file writes happen once per layout, not per family)."""
+    import torch.distributed.checkpoint as dcp
+
     root = shared_dir(world)
     try:
-        for name in family_names:
-            family = FAMILIES[name]
-            done = 0
-            params = state = None
-            for i, (layout, count) in enumerate(zip(layouts, steps)):
-                tx = family.make(layout.spec)
-                if i == 0:
+        families = {name: FAMILIES[name] for name in family_names}
+        dense = {name: dense_runs(family, shapes, sum(steps)) for name, family in families.items()}
+        runs: dict[str, tuple] = {}
+        done = 0
+        for i, (layout, count) in enumerate(zip(layouts, steps)):
+            txs = {name: family.make(layout.spec) for name, family in families.items()}
+            if i == 0:
+                for name, family in families.items():
                     params = params_of(family, layout.local(dense_tree(shapes, seed=7)))
-                    state = tx.init(params)
-                else:
-                    params, state = load(f"{root}/{name}_{i - 1}", tx, family, layout, shapes)
-                    check_params(params, dense_run(family, shapes, range(done)), layout, f"{name}: loaded on layout {i}")
-                params, state = run_steps(tx, family, layout, shapes, params, state, range(done, done + count))
-                done += count
-                check_params(params, dense_run(family, shapes, range(done)), layout, f"{name}: layout {i} after {done} steps")
-                if i + 1 < len(layouts):
-                    sd = save(f"{root}/{name}_{i}", params, state, layout)
-                    if saved is not None:
+                    runs[name] = (params, txs[name].init(params))
+            else:
+                templates = {name: template(txs[name], family, layout, shapes) for name, family in families.items()}
+                dcp.load({name: sd for name, (_, _, sd) in templates.items()}, checkpoint_id=f"{root}/{i - 1}")
+                for name, (params, state, sd) in templates.items():
+                    runs[name] = filled(params, state, sd, layout)
+                    check_params(runs[name][0], dense[name][done], layout, f"{name}: loaded on layout {i}")
+            for name, family in families.items():
+                params, state = runs[name]
+                runs[name] = run_steps(txs[name], family, layout, shapes, params, state, range(done, done + count))
+                check_params(runs[name][0], dense[name][done + count], layout, f"{name}: layout {i} after {done + count} steps")
+            done += count
+            if i + 1 < len(layouts):
+                sds = {name: to_save(params, state, layout) for name, (params, state) in runs.items()}
+                dcp.save(sds, checkpoint_id=f"{root}/{i}")
+                if saved is not None:
+                    for name, sd in sds.items():
                         saved(name, i, sd)
     finally:
         remove_dir(world, root)
@@ -358,11 +371,11 @@ def _uneven_saved(name, index, sd):
 # --------------------------------------------------------------------------- a generator state
 
 
-@case(4)
+@case(2)  # replicated over a 1-D mesh: two copies show what four would
 def replicated_generator_state_to_dense(world):
     # every rank draws the same noise for the whole params: the generator state is one value
     replicated = {name: Piece(name) for name in FLAT_SHAPES}
-    layouts = [Layout(world.mesh((4,), ("dp",)), replicated), Layout()]
+    layouts = [Layout(world.mesh((world.size,), ("dp",)), replicated), Layout()]
     resume_chain(world, list(GENERATORS), FLAT_SHAPES, layouts, [N_STEPS, M_STEPS], saved=_generator_saved)
 
 

@@ -46,7 +46,7 @@ def contrib_optimizers_on_dtensor_leaves(world):
     layout = {"fsdp.weight": [Shard(0)], "tp.weight": [Shard(1)], "bias": [Replicate()]}
 
     def distribute(tree):
-        return {k: distribute_tensor(v, mesh, layout[k]) for k, v in tree.items()}
+        return {k: distribute_tensor(v, mesh, layout[k], src_data_rank=None) for k, v in tree.items()}
 
     params, grads = _tree(0), [_tree(10 + i) for i in range(3)]
     for name, make in FACTORIES.items():
@@ -55,7 +55,7 @@ def contrib_optimizers_on_dtensor_leaves(world):
             got, state = _run(make(), distribute(params), [distribute(g) for g in grads], inplace=inplace)
             for key, value in got.items():
                 assert isinstance(value, DTensor), (name, key)
-                want = distribute_tensor(expected[key], mesh, layout[key]).to_local()
+                want = distribute_tensor(expected[key], mesh, layout[key], src_data_rank=None).to_local()
                 close(value.to_local(), want, f"{name} inplace={inplace} {key!r}", rtol=1e-12)
             if name.startswith("schedule_free"):
                 x = contrib.schedule_free_eval_params(state, got)
@@ -82,7 +82,7 @@ def optimizers_on_a_tree_mixing_dtensor_and_plain_leaves(world):
     layout = {"fsdp.weight": [Shard(0)], "tp.weight": [Shard(1)]}  # "bias" stays a plain tensor
 
     def distribute(tree):
-        return {k: distribute_tensor(v, mesh, layout[k]) if k in layout else v.clone() for k, v in tree.items()}
+        return {k: distribute_tensor(v, mesh, layout[k], src_data_rank=None) if k in layout else v.clone() for k, v in tree.items()}
 
     params, grads = _tree(0), [_tree(10 + i) for i in range(3)]
     for name, make in MIXED.items():
@@ -91,7 +91,7 @@ def optimizers_on_a_tree_mixing_dtensor_and_plain_leaves(world):
             got, _ = _run(make(), distribute(params), [distribute(g) for g in grads], inplace=inplace)
             for key, value in got.items():
                 assert isinstance(value, DTensor) == (key in layout), (name, key)
-                want = distribute_tensor(expected[key], mesh, layout[key]).to_local() if key in layout else expected[key]
+                want = distribute_tensor(expected[key], mesh, layout[key], src_data_rank=None).to_local() if key in layout else expected[key]
                 local = value.to_local() if key in layout else value
                 close(local, want, f"{name} inplace={inplace} {key!r}", rtol=1e-12)
 

@@ -108,7 +108,7 @@ def _dtensor_tools(world):
     layout = {"w": [S(0)], "b": [R()]}
 
     def distribute(tree):
-        return {k: distribute_tensor(v, mesh, layout[k]) if k in layout else v.clone() for k, v in tree.items()}
+        return {k: distribute_tensor(v, mesh, layout[k], src_data_rank=None) if k in layout else v.clone() for k, v in tree.items()}
 
     def local(tree):
         return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in tree.items()}

@@ -82,7 +82,7 @@ def one_collective_dtensors_mixed(world):
     assert count_collectives(lambda: gtx.adaptive_grad_clip(0.1).update(grads, None, grads)) == 1
 
 
-@case(2, 4)
+@case(2)  # the check's cost per mode does not depend on the number of ranks
 def consistency_check_costs_by_mode(world):
     mesh = world.mesh((world.size,), ("tp",))
     grads = {"w": torch.randn(4, 4), "b": torch.randn(4)}

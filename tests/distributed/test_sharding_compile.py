@@ -67,7 +67,7 @@ def _rank_gen(rank: int) -> torch.Generator:
     return gen
 
 
-@case(2, 4)
+@case(2)  # as above: every rank traces the same graph at any world size
 def user_compile_of_a_sharded_update(world):
     spec, params, grads = _setup(world)
     tx = gtx.clip_by_global_norm(0.5, spec)

@@ -45,7 +45,7 @@ def _dtensor_tree(world):
     }
 
     def distribute(tree):
-        out = {k: distribute_tensor(v, *layout[k]) if k in layout else v.clone() for k, v in tree.items()}
+        out = {k: distribute_tensor(v, *layout[k], src_data_rank=None) if k in layout else v.clone() for k, v in tree.items()}
         out["absent"] = None
         return out
 
@@ -115,8 +115,8 @@ def dtensor_tied_duplicate_by_rule(world):
     mesh = world.mesh((2, 2), ("dp", "tp"))
     dense = dense_tree({"embed": (8, 4), "other": (6,)})
     grads = {
-        "embed": distribute_tensor(dense["embed"], mesh, [S(0), S(1)]),
-        "lm_head": distribute_tensor(dense["embed"], mesh, [S(0), S(1)]),
+        "embed": distribute_tensor(dense["embed"], mesh, [S(0), S(1)], src_data_rank=None),
+        "lm_head": distribute_tensor(dense["embed"], mesh, [S(0), S(1)], src_data_rank=None),
         "other": dense["other"].clone(),
     }
     spec = ShardingSpec(mesh, [("lm_head", Shard("dp", "tp", duplicate=True))], default=Replicate())
@@ -147,7 +147,7 @@ def dtensors_match_torch_clip_grad_norm(world):
     mesh = world.mesh((2, 2), ("dp", "tp"))
     dense = dense_tree({"a": (8, 6), "b": (4, 10), "c": (6,)})
     placements = {"a": [S(0), S(0)], "b": [S(0), S(1)], "c": [S(0), S(0)]}
-    grads = {k: distribute_tensor(v, mesh, placements[k]) for k, v in dense.items()}
+    grads = {k: distribute_tensor(v, mesh, placements[k], src_data_rank=None) for k, v in dense.items()}
     for p in (2.0, math.inf):
         params = [nn.Parameter(torch.zeros_like(g)) for g in grads.values()]
         for param, g in zip(params, grads.values()):
@@ -192,7 +192,7 @@ def fully_shard_with_tensor_parallel(world):
     for name, x in dense_clipped.items():
         grad = grads[name]
         assert grad.placements == clipped[name].placements
-        expected = distribute_tensor(x, grad.device_mesh, grad.placements).to_local()
+        expected = distribute_tensor(x, grad.device_mesh, grad.placements, src_data_rank=None).to_local()
         close(clipped[name].to_local(), expected, f"clipped {name!r}", rtol=1e-4)
 
 

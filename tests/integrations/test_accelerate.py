@@ -131,9 +131,18 @@ def check_ddp(rank: int, checkpoint_dir: str) -> None:
 
 
 def ddp_worker(rank: int, port: int, checkpoint_dir: str) -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    # OMP_NUM_THREADS: accelerate leaves torch's thread count alone (one thread: a rank forked from a
+    # process that has run OpenMP regions must not start its own)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD)
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+        OMP_NUM_THREADS="1",
     )
+    # Forked from the test process: accelerate's process-wide state, if a single-process test set
+    # it up there, starts afresh, and the accelerators below set it up from this environment.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
     torch.set_num_threads(1)
     try:
         check_ddp(rank, checkpoint_dir)
@@ -146,5 +155,4 @@ def ddp_worker(rank: int, port: int, checkpoint_dir: str) -> None:
 
 @pytest.mark.distributed
 def test_ddp_on_two_ranks_and_save_state_load_state_resume(tmp_path):
-    # spawn: a forked rank would inherit accelerate's process-wide state, set up for one process
-    run_ranks(ddp_worker, (free_port(), str(tmp_path / "state")), nprocs=WORLD, start_method="spawn")
+    run_ranks(ddp_worker, (free_port(), str(tmp_path / "state")), nprocs=WORLD, preload=("torch._dynamo",))

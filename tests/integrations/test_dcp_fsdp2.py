@@ -173,4 +173,5 @@ def worker(rank: int, init_file: str, checkpoint_root: str) -> None:
 
 
 def test_fsdp2_dcp_save_and_resume_equal_the_uninterrupted_run(tmp_path):
-    run_ranks(worker, (str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD)
+    preload = ("torch._dynamo", "torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp", "accelerate.utils.fsdp_utils")
+    run_ranks(worker, (str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD, preload=preload)

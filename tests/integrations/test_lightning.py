@@ -209,7 +209,8 @@ class StateNotConsolidated(AssertionError):
 @pytest.mark.distributed
 def test_ddp_with_a_wrapped_zero_redundancy_optimizer_checkpoints(tmp_path):
     try:
-        run_ranks(ddp_worker, (free_port(), str(tmp_path / "last.ckpt")), nprocs=WORLD)
+        preload = ("lightning.pytorch", "torch._dynamo", "torch.distributed.optim")
+        run_ranks(ddp_worker, (free_port(), str(tmp_path / "last.ckpt")), nprocs=WORLD, preload=preload)
     except mp.ProcessRaisedException as error:
         if "Optimizer state has not been consolidated on this rank" in str(error):
             raise StateNotConsolidated(str(error)) from None
