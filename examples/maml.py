@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few meta-steps (as the tests run it)")
     args = parser.parse_args()
     quick = args.quick or os.environ.get("GRADTX_EXAMPLES_QUICK") == "1"
-    meta_steps = args.meta_steps or (60 if quick else META_STEPS[args.inner])
+    meta_steps = args.meta_steps or (20 if quick else META_STEPS[args.inner])
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # a model this small runs fastest on one thread
 
