@@ -19,7 +19,7 @@ The script prints the meta-loss (the mean query loss after adaptation, on a fixe
 tasks) before and after meta-training; it must decrease.
 
 Run:  python examples/maml.py [--inner sgd|adam] [--meta-steps N]   (by default under a minute on 2 cores)
-      python examples/maml.py --quick   (or GRADTX_EXAMPLES_QUICK=1: a few meta-steps, as the tests run it)
+      python examples/maml.py --quick   (or GRADTX_EXAMPLES_QUICK=1: a few meta-steps of 10 tasks, as the tests run it)
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few meta-steps (as the tests run it)")
     args = parser.parse_args()
     quick = args.quick or os.environ.get("GRADTX_EXAMPLES_QUICK") == "1"
-    meta_steps = args.meta_steps or (60 if quick else META_STEPS[args.inner])
+    meta_steps = args.meta_steps or (20 if quick else META_STEPS[args.inner])
+    meta_batch = 10 if quick else META_BATCH
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # a model this small runs fastest on one thread
 
@@ -106,7 +107,7 @@ def main() -> None:
     print(f"meta-loss before meta-training: {before:.4f}")
     progress = tqdm(range(1, meta_steps + 1), desc="meta-training", unit="meta-step", dynamic_ncols=True)
     for step in progress:
-        loss = meta_loss(sample_tasks(META_BATCH, generator), create_graph=True)
+        loss = meta_loss(sample_tasks(meta_batch, generator), create_graph=True)
         meta_opt.zero_grad()
         loss.backward()  # through the inner update, into the initial parameters
         meta_opt.step()

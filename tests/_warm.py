@@ -1,7 +1,8 @@
 """Runs Python scripts as ``python SCRIPT ARGS`` or ``torchrun --standalone --nproc_per_node N
-SCRIPT ARGS`` would, each in a process forked from one interpreter that has imported torch and
-gradtx and run nothing else: a run starts in milliseconds instead of paying torch's import, seconds
-on a small machine (four times for a world of 3 ranks and torchrun's agent).
+SCRIPT ARGS`` would, each in a process forked from one interpreter that has imported torch, gradtx
+and the heavy modules nearly every run imports (``_warm_server.PRELOAD``) and run nothing else: a
+run starts in milliseconds instead of paying those imports, seconds on a small machine (four times
+for a world of 3 ranks and torchrun's agent).
 
 A forked run is a fresh interpreter in everything a script can see: its own ``__main__``,
 ``sys.argv``, ``sys.path[0]``, working directory, environment and standard streams; it ends as

@@ -1,12 +1,12 @@
 """Every ```python block of README.md and docs/*.md runs as written, so the docs cannot rot.
 
 A page's blocks run in order, in one namespace, as one script a reader would paste together, in a
-fresh interpreter on CPU (forked from one that has imported torch and gradtx only: ``_warm``). A
-block fenced ```` ```python no-run ```` is shown only (another library's code, CUDA, a mesh larger
-than a CPU test machine). A page whose code needs several ranks says ``# torchrun N`` in a comment
-of one of its blocks; it then runs on N ranks as ``torchrun --standalone --nproc_per_node N``
-starts them (gloo). A failure names the page, the block (its index and line in the page) and shows
-the script's output.
+fresh interpreter on CPU (forked from one that has imported torch, gradtx and a few heavy modules
+and run nothing: ``_warm``). A block fenced ```` ```python no-run ```` is shown only (another
+library's code, CUDA, a mesh larger than a CPU test machine). A page whose code needs several
+ranks says ``# torchrun N`` in a comment of one of its blocks; it then runs on N ranks as
+``torchrun --standalone --nproc_per_node N`` starts them (gloo). A failure names the page, the
+block (its index and line in the page) and shows the script's output.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Each example runs as a user launches it, ``python examples/NAME.py`` or, for the distributed ones,
 ``torchrun --standalone --nproc_per_node N examples/NAME.py`` (gloo, CPU), in processes forked
-from an interpreter that has imported torch and gradtx only (``_warm``: the ranks get torchrun's
-environment; torchrun itself runs in ``tests/distributed/test_hybrid_parallel_example.py``).
+from an interpreter that has imported torch, gradtx and a few heavy modules and run nothing
+(``_warm``: the ranks get torchrun's environment; torchrun itself runs in
+``tests/distributed/test_hybrid_parallel_example.py``).
 ``hybrid_parallel.py`` (4 processes) is run by ``tests/distributed/test_hybrid_parallel_example.py``;
 ``reshard_resume.py`` is run with ``python`` and starts its worlds of 4, 2 and 1 ranks itself. A run passes
 when it exits with 0 and prints the line that shows it did its job. Examples need the

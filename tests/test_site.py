@@ -12,8 +12,8 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import os
 import re
-import subprocess
 import sys
 import types
 import zlib
@@ -22,6 +22,7 @@ from typing import Any, Iterable
 
 import pytest
 
+import _warm
 import gradtx
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,13 +159,21 @@ def _inventory(path: Path) -> dict[str, str]:
     return inventory
 
 
+# What ``python -m sphinx`` runs (sphinx/__main__.py).
+SPHINX_MAIN = "import sys\nfrom sphinx.cmd.build import main\n\nraise SystemExit(main(sys.argv[1:]))\n"
+
+
 def test_the_site_builds_without_warnings(tmp_path: Path):
     pytest.importorskip("sphinx", reason="the docs extra (sphinx, myst-parser, furo) is not installed")
     pytest.importorskip("myst_parser", reason="the docs extra (sphinx, myst-parser, furo) is not installed")
     pytest.importorskip("furo", reason="the docs extra (sphinx, myst-parser, furo) is not installed")
     out = tmp_path / "html"
-    command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(out)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    # python -m sphinx, in a process forked from the interpreter that runs the docs' code (torch and
+    # gradtx imported once, for all of them: _warm).
+    script = tmp_path / "sphinx_main.py"
+    script.write_text(SPHINX_MAIN)
+    args = ["-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(out)]
+    done = _warm.run([str(script), *args], cwd=ROOT, env=dict(os.environ), timeout=600)
     assert done.returncode == 0, f"sphinx build failed (exit {done.returncode}):\n{done.stderr[-6000:]}"
     for page in ("index", "concepts", "sharding", "benchmarks", "api/optimizers", "api/sharding"):
         assert (out / f"{page}.html").exists(), page
@@ -179,6 +188,22 @@ def test_the_site_builds_without_warnings(tmp_path: Path):
     index = (out / "index.html").read_text()
     for href in ("api/optimizers.html#gradtx.adamw", "api/sharding.html#gradtx.sharding.leaf_norms"):
         assert f'href="{href}"' in index, href
+    # Each api block opens with a table of its names and their summaries, as autosummary makes them:
+    # a docstring's first sentence, a value's docstring under its assignment, nothing for a class
+    # under another name (ClipState is EmptyState) or a generated NamedTuple docstring (a signature).
+    summaries = {
+        **_summary_rows(out / "api/optimizers.html"), **_summary_rows(out / "api/interop.html"),
+        **_summary_rows(out / "api/transforms.html"),
+    }
+    assert summaries["adamw"] == "AdamW: Adam with weight decay decoupled from the gradient."
+    assert summaries["STATE_KEY"].startswith("The key, in the first param group of a ChainedOptimizer state dict")
+    assert summaries["ClipState"] == summaries["ScaleByRmsWithCountState"] == ""
+
+
+def _summary_rows(page: Path) -> dict[str, str]:
+    """``{name: summary}`` from the rows of a built page's summary tables (their text, tags dropped)."""
+    rows = re.findall(r'<tr class="row-(?:odd|even)"><td><p>(.*?)</td>\s*<td><p>(.*?)</p></td>', page.read_text(), re.S)
+    return {re.sub("<.*?>", "", name).strip(): re.sub("<.*?>", "", summary).strip() for name, summary in rows}
 
 
 def test_fenced_examples_in_docstrings_become_code_blocks():

@@ -682,6 +682,8 @@ def foreach(name: str, selves: Sequence[Tensor], *args: Any, inplace: bool, **kw
     ``inplace=True`` overwrites ``selves`` and returns them; otherwise new tensors are returned.
     Where a graph is needed (:func:`needs_graph`) new tensors are returned either way, so callers
     always use the result. Arguments are numbers, 0-d tensors, or lists with one entry per tensor.
+    ``name`` is elementwise: on DTensors laid out alike the kernel runs on their local shards
+    (:func:`gradtx.sharding.dtensor.foreach_on_shards`).
     """
     selves = list(selves)
     args = tuple(list(a) if isinstance(a, (list, tuple)) else a for a in args)
@@ -691,10 +693,17 @@ def foreach(name: str, selves: Sequence[Tensor], *args: Any, inplace: bool, **kw
             return [op(s, *args, **kwargs) for s in selves]
         columns = [a if isinstance(a, list) else itertools.repeat(a, len(selves)) for a in args]
         return [op(s, *xs, **kwargs) for s, *xs in zip(selves, *columns)]
+    kernel = torch_internals.foreach_kernel(f"{name}_" if inplace else name)
+    if selves and dtensor_type() is not None and isinstance(selves[0], dtensor_type()):
+        from gradtx.sharding.dtensor import foreach_on_shards  # (which imports this module)
+
+        on_shards = foreach_on_shards(kernel, selves, args, kwargs, inplace=inplace)
+        if on_shards is not None:
+            return on_shards
     if inplace:
-        torch_internals.foreach_kernel(f"{name}_")(selves, *args, **kwargs)
+        kernel(selves, *args, **kwargs)
         return selves
-    return list(torch_internals.foreach_kernel(name)(selves, *args, **kwargs))
+    return list(kernel(selves, *args, **kwargs))
 
 
 def foreach_mul(tensors: Sequence[Tensor], scalar: Tensor | float | Sequence[Tensor], *, inplace: bool) -> list[Tensor]:

@@ -83,6 +83,67 @@ def locals_of(tensors: Sequence[Tensor]) -> tuple[list[Tensor], Callable[[Sequen
     return locals_, rewrap
 
 
+def foreach_on_shards(
+    kernel: Callable[..., Any], selves: Sequence[Tensor], args: Sequence[Any], kwargs: dict[str, Any], *, inplace: bool
+) -> Optional[list[Tensor]]:
+    """An elementwise foreach ``kernel`` on DTensors, run on their local shards; ``None`` where it can't be.
+
+    ``selves`` are DTensors sharded or replicated (no ``Partial``); each list argument holds, per
+    position, a DTensor laid out as that position's (mesh, placements, global shape) or a 0-d
+    tensor; other arguments are numbers or 0-d tensors (a 0-d DTensor replicated on its mesh).
+    Each shard's result is then the shard of the elementwise result, the numbers DTensor's dispatch
+    computes, without its sharding propagation on every call (seconds on a 2-D mesh for a step's
+    first calls). Returns ``selves`` (in place) or the results laid out as ``selves``.
+    """
+    cls = dtensor_type()
+    if (
+        cls is None
+        or torch.compiler.is_compiling()  # the tracer propagates once, at compile time
+        or not all(isinstance(s, cls) for s in selves)
+        or any(isinstance(v, Tensor) for v in kwargs.values())
+    ):
+        return None
+    layouts = [(s.device_mesh, s.placements, s.shape) for s in selves]
+    if not all(p.is_shard() or p.is_replicate() for _, placements, _ in layouts for p in placements):
+        return None
+    local_args: list[Any] = []
+    for arg in args:
+        if isinstance(arg, list):
+            column = [
+                _local_of(value) if isinstance(value, cls) and (value.device_mesh, value.placements, value.shape) == layout
+                else _scalar(value, cls)
+                for value, layout in zip(arg, layouts)
+            ]
+            if any(value is None for value in column):
+                return None
+            local_args.append(column)
+        elif isinstance(arg, Tensor):
+            local_args.append(_scalar(arg, cls))
+            if local_args[-1] is None:
+                return None
+        else:
+            local_args.append(arg)
+    local_selves = [_local_of(s) for s in selves]
+    if inplace:
+        kernel(local_selves, *local_args, **kwargs)
+        return list(selves)
+    return [
+        _like(cls, s, r) if r.dtype == s.dtype else cls.from_local(  # type: ignore[attr-defined]
+            r, s.device_mesh, s.placements, run_check=False, shape=s.shape, stride=s.stride()
+        )
+        for s, r in zip(selves, kernel(local_selves, *local_args, **kwargs))
+    ]
+
+
+def _scalar(value: Any, cls: type) -> Optional[Tensor]:
+    """A 0-d tensor operand as each shard uses it (a replicated 0-d DTensor's local value), else ``None``."""
+    if not isinstance(value, Tensor) or value.dim() != 0:
+        return None
+    if not isinstance(value, cls):
+        return value
+    return _local_of(value) if all(p.is_replicate() for p in value.placements) else None
+
+
 def describe(tensor: Tensor) -> Optional[tuple[Any, tuple[Any, ...]]]:
     """``(mesh, placements)`` of a DTensor (the part of its layout a plan depends on), else ``None``."""
     if not is_dtensor(tensor):
