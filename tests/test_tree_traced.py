@@ -6,7 +6,8 @@ walk does not know goes to optree."""
 from __future__ import annotations
 
 import collections
-from typing import Any, NamedTuple
+import operator
+from typing import Any, Callable, NamedTuple
 
 import optree
 import pytest
@@ -50,15 +51,21 @@ def _spec(tree):
     return optree.tree_structure(tree, none_is_leaf=True, namespace="gradtx")
 
 
-def _same(a, b) -> bool:
-    """Equal trees: the same containers (types and key order) and identical leaves."""
+def _same(a, b, *, leaves: Callable[[Any, Any], bool] = operator.is_) -> bool:
+    """Equal trees: the same containers (types and key order), and leaves ``leaves`` calls equal
+    (identical by default)."""
     if type(a) is not type(b):
         return False
     if isinstance(a, dict):
-        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+        return list(a) == list(b) and all(_same(a[k], b[k], leaves=leaves) for k in a)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a is b
+        return len(a) == len(b) and all(_same(x, y, leaves=leaves) for x, y in zip(a, b))
+    return leaves(a, b)
+
+
+def _same_shape(a, b) -> bool:
+    """The same containers (types and key order), whatever the leaves."""
+    return _same(a, b, leaves=lambda x, y: True)
 
 
 @settings(max_examples=60, deadline=None)
@@ -82,16 +89,6 @@ def test_the_rebuilt_tree_is_optrees_map(tree):
     tags = iter(range(1000))
     theirs = optree.tree_map(lambda x: None if x is None else next(tags), tree, none_is_leaf=True, namespace="gradtx")
     assert ours == theirs and _same_shape(ours, theirs)
-
-
-def _same_shape(a, b) -> bool:
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(_same_shape(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return all(_same_shape(x, y) for x, y in zip(a, b))
-    return True
 
 
 def test_a_prefix_tree_maps_whole_subtrees_as_optree_does():
