@@ -281,7 +281,6 @@ def paired_leaves(params: Params, updates: Updates, *, owner: str) -> tuple[list
     ``TypeError`` naming the leaf's path, raised before any computation."""
     param_leaves, treedef, _ = tree_lib.tensor_leaves(params, what="params")
     update_leaves = tree_lib.flatten_like(updates, treedef, params, what=f"{owner}: updates", like="params")
-    tree_lib.check_tensors(params, param_leaves, what="params", allow_none=True)
     tree_lib.check_tensors(updates, update_leaves, what="updates", allow_none=True)
     pairs = []
     for index, (param, update) in enumerate(zip(param_leaves, update_leaves)):
