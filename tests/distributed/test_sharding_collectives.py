@@ -63,6 +63,28 @@ def one_collective_pp_dp_tp_and_moe(world):
     assert count_collectives(lambda: gtx.clip_by_block_rms(0.1, spec).update(grads, None)) == 2
 
 
+@case(8)
+def groups_over_several_axes_whatever_groups_ranks_made_before(world):
+    """Ranks 4 and 5 make a group of their own before the spec exists; then each pipeline stage
+    reduces a leaf split over dp x tp. Torch names a group by how many its creator has made, so a
+    group made on demand would be named differently on ranks 4, 5 and 6, 7, and never form."""
+    import torch.distributed as dist
+    from gradtx.sharding import mesh as mesh_lib
+
+    mesh_lib._GROUPS.clear()  # forget the groups earlier cases made, as a fresh job would have none
+    rank = dist.get_rank()
+    if rank in (4, 5):
+        dist.new_group([4, 5], use_local_synchronization=True)
+    mesh = world.mesh((2, 2, 2), ("pp", "dp", "tp"))
+    spec = ShardingSpec(mesh, [("*", gtx.Shard("dp", "tp", dim=(0, 1)))], stage_axis="pp")
+    stage, dp, tp = mesh.get_coordinate()
+    dense = torch.Generator().manual_seed(stage)
+    whole = torch.randn(4, 6, generator=dense)
+    grads = {f"stage{stage}": whole[2 * dp : 2 * dp + 2, 3 * tp : 3 * tp + 3]}
+    norms = gtx.sharding.leaf_norms(grads, spec)
+    torch.testing.assert_close(norms[f"stage{stage}"], torch.linalg.vector_norm(whole))
+
+
 @case(4)
 def one_collective_dtensors_mixed(world):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor

@@ -1,8 +1,10 @@
 """A device mesh seen as named axes: this rank's coordinates and process groups over sets of axes.
 
 Everything else in ``gradtx.sharding`` speaks of axes by name; this module turns names into ranks
-and groups. Groups spanning several axes are created once per (mesh, axes) and cached for the life
-of the default process group, so steady-state steps create nothing.
+and groups. Groups spanning several axes are created when the axes are first named, for every set
+of two or more axes at once, on every rank in the same order (as a ``DeviceMesh`` creates its own
+groups), and cached for the life of the default process group, so steps create nothing and a rank
+never names a group its peers named differently.
 
 Users of Megatron-LM, DeepSpeed or another framework that already owns its process groups build the
 mesh from them with ``DeviceMesh.from_group`` (see :class:`gradtx.sharding.ShardingSpec`).
@@ -11,15 +13,19 @@ mesh from them with ``DeviceMesh.from_group`` (see :class:`gradtx.sharding.Shard
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-# (default group, mesh, axes) -> process group. Keyed by the default group too, so a test that
-# destroys and re-creates the world never reuses a dead group.
+# (default group, ranks) -> process group (or torch's non-member marker on ranks outside it). Keyed
+# by the default group too, so a test that destroys and re-creates the world never reuses a dead
+# group. Every rank fills it in the same order, so every rank finds the same keys.
 _GROUPS: dict[tuple[Any, ...], Any] = {}
+# The same for meshes over part of the world, whose groups only their members create, when needed.
+_LOCAL_GROUPS: dict[tuple[Any, ...], Any] = {}
 
 
 def _world_key() -> int:
@@ -52,6 +58,31 @@ class MeshAxes:
             int(self._grid[index]): index for index in itertools.product(*(range(n) for n in self._grid.shape))
         }
         self._spans: dict[tuple[Any, int], tuple[str, ...]] = {}
+        self._create_groups()
+
+    def _create_groups(self) -> None:
+        """Creates the group of every set of two or more axes, through every rank of the mesh.
+
+        Torch names a group by how many its creator has made, so groups created on demand would
+        get different names on ranks whose histories differ (a stage that has made a group of its
+        own, say), and their creation would hang. Made here, every rank makes every group, in mesh
+        order, like the mesh's own groups. A mesh over part of the world cannot do that (ranks
+        outside it never get here): its members create their groups on demand instead.
+        """
+        sized = [name for name in self.names if self.sizes[name] > 1]
+        world = dist.get_world_size()
+        if len(sized) < 2 or self._grid.numel() != world:
+            return
+        positions = {name: i for i, name in enumerate(self.names)}
+        for count in range(2, len(sized) + 1):
+            for axes in itertools.combinations(sized, count):
+                spanned = [positions[name] for name in axes]
+                others = [i for i in range(self._grid.ndim) if i not in spanned]
+                blocks = self._grid.permute(*others, *spanned).reshape(-1, math.prod(self.sizes[a] for a in axes))
+                for block in blocks.tolist():
+                    key = (_world_key(), tuple(sorted(block)))
+                    if key not in _GROUPS:
+                        _GROUPS[key] = dist.group.WORLD if len(block) == world else dist.new_group(sorted(block))
 
     def device(self) -> torch.device:
         """The device this rank's collectives over the mesh use (the current CUDA device on a CUDA mesh)."""
@@ -80,12 +111,12 @@ class MeshAxes:
         if len(axes) == 1:
             # by index: a mesh without names (FSDP2's default) has no dim to look up by name
             return self.mesh.get_group(self.names.index(axes[0]))
-        ranks = self.ranks(axes)
-        key = (_world_key(), tuple(ranks))
+        key = (_world_key(), tuple(self.ranks(axes)))
         group = _GROUPS.get(key)
-        if group is None:
-            group = dist.new_group(ranks, use_local_synchronization=True)
-            _GROUPS[key] = group
+        if group is None:  # a mesh over part of the world
+            group = _LOCAL_GROUPS.get(key)
+            if group is None:
+                group = _LOCAL_GROUPS[key] = dist.new_group(list(key[1]), use_local_synchronization=True)
         return group
 
     def group_ranks(self, axes: Sequence[str]) -> list[int]:

@@ -90,6 +90,9 @@ class ShardingSpec:
         ``None`` waits as long as the process group lets it. It bounds the waits on CPU (gloo)
         buffers, in eager mode; GPU collectives are not waited on by the host.
 
+    Build the spec on every rank of the mesh, in the same order as other process groups, as a
+    ``DeviceMesh`` is built: it creates the groups its reductions span over several axes at once.
+
     DTensor leaves take their layout from their placements (a rule matching one may add
     ``duplicate=True``; if it names other axes than the placements do, that is a ``ValueError``);
     their meshes must be slices of this mesh's ranks (``mesh["dp"]``, flattened dims, ...).
