@@ -47,7 +47,10 @@ def normalize_of_dtensor_leaves_is_the_dense_normalize(world):
     mesh = world.mesh((world.size,), ("tp",))
     dense = dense_tree(SHAPES, seed=4)
     expected, _ = normalize().update(dense, gtx.EmptyState())
-    tree = {"w": distribute_tensor(dense["w"], mesh, [DShard(0)], src_data_rank=None), "b": distribute_tensor(dense["b"], mesh, [DReplicate()], src_data_rank=None)}
+    tree = {
+        "w": distribute_tensor(dense["w"], mesh, [DShard(0)], src_data_rank=None),
+        "b": distribute_tensor(dense["b"], mesh, [DReplicate()], src_data_rank=None),
+    }
     got, _ = normalize().update(tree, gtx.EmptyState())
     for name, value in expected.items():
         close(got[name].full_tensor(), value, f"leaf {name!r}")
