@@ -30,6 +30,7 @@ from gradtx.chains.monitoring import (
     monitor,
     snapshot,
 )
+from gradtx.chains.observing import ObservedClip, ObservedStats, ObserveState, observations, observe
 from gradtx.chains.partition import (
     MultiTransformState,
     PartitionState,
@@ -55,6 +56,9 @@ __all__ = [
     "MultiSteps",
     "MultiStepsState",
     "MultiTransformState",
+    "ObserveState",
+    "ObservedClip",
+    "ObservedStats",
     "PartitionState",
     "ShouldSkipUpdateFunction",
     "SnapshotState",
@@ -74,6 +78,8 @@ __all__ = [
     "monitor",
     "multi_transform",
     "named_chain",
+    "observations",
+    "observe",
     "partition",
     "selective_transform",
     "skip_large_updates",

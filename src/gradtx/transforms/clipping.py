@@ -98,6 +98,13 @@ def clip_by_global_norm(
         dtype, device = _norm_state_dtype(params)
         return ClipByGlobalNormState(norm=torch.zeros((), dtype=dtype, device=device))
 
+    def clip_coefficient(norm: Tensor) -> Tensor:
+        """``min(1, max_norm / (norm + 1e-6))``: the factor a gradient of global norm ``norm`` is scaled by."""
+        if isinstance(max_norm, Tensor):
+            # a float divided by a tensor is the reciprocal times the float: the same numbers
+            return torch.clamp(torch.reciprocal(norm + _EPS) * max_norm.to(norm.device, norm.dtype), max=1.0)
+        return torch.clamp(max_norm / (norm + _EPS), max=1.0)
+
     def coefficient(updates, grads, groups=None) -> tuple[Tensor, Tensor]:
         if groups is None and sharding.is_sharded(grads, spec):
             norm = sharding.global_norm(updates, spec, norm_type=norm_type)
@@ -109,12 +116,7 @@ def clip_by_global_norm(
                 f"({norm.item()}), so it cannot be clipped. Pass error_if_nonfinite=False to scale by it "
                 "anyway, or wrap the chain in apply_if_finite to skip such steps."
             )
-        if isinstance(max_norm, Tensor):
-            # a float divided by a tensor is the reciprocal times the float: the same numbers
-            coef = torch.clamp(torch.reciprocal(norm + _EPS) * max_norm.to(norm.device, norm.dtype), max=1.0)
-        else:
-            coef = torch.clamp(max_norm / (norm + _EPS), max=1.0)
-        return fe.realized(coef, norm)  # compiled: the coefficient is computed once, not per vector
+        return fe.realized(clip_coefficient(norm), norm)  # compiled: the coefficient is computed once, not per vector
 
     def leaves_of(updates: Any) -> tuple[list[Any], Any, list[int]]:
         try:
@@ -155,6 +157,7 @@ def clip_by_global_norm(
         return coef, ClipByGlobalNormState(norm=norm)
 
     update_fn.scalar_factor = scalar_factor
+    update_fn.clip_coefficient = clip_coefficient  # lets gradtx.observe report the factor from the state's norm
     update_fn.sharding_spec = spec  # lets gradtx.wrap(..., spec=) catch a clip that was given none
     return GradientTransformation(init_fn, supports_donated_updates(update_fn))
 

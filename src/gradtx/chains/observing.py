@@ -1,0 +1,344 @@
+"""Observing an optimizer: per-group statistics of what it sees and does, exact under sharding.
+
+``observe(inner, groups="module", spec=spec)`` runs ``inner`` (any transformation or chain) and
+records, for every group of leaves and for all leaves together: the norm of the gradients entering,
+of the updates leaving, of the parameters, the update/parameter norm ratio, the largest ``|g|`` and
+the number of non-finite gradient elements; and, when ``inner`` is or contains a
+``clip_by_global_norm``, its norm, coefficient and whether it clipped. The updates are ``inner``'s,
+untouched. :func:`observations` turns the state into a flat ``{"grad_norm/layers.3": float}`` dict
+for a logger (the only host sync).
+
+Under a ``ShardingSpec`` or DTensor leaves every number is that of the logical (unsharded) tensors,
+each element counted once, as :func:`gradtx.global_norm` counts it, and every rank holds the same
+numbers: all statistics of a step travel in one all-reduce, run after ``inner`` (so every number
+belongs to the current step); nothing is communicated when nothing is sharded.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from gradtx import sharding
+from gradtx import tree as tree_lib
+from gradtx.base import (
+    GradientTransformation,
+    GradientTransformationExtraArgs,
+    returns_new_updates,
+    supports_donated_updates,
+    takes_donated_updates,
+    takes_extra_args,
+    with_inplace,
+)
+from gradtx.sharding import statistics as stats_lib
+from gradtx.sharding.plan import _layout_key
+from gradtx.sharding.spec import nearest_paths
+
+PyTree = Any
+Groups = Union[None, str, int, Sequence[Union[str, tuple[str, str]]], Callable[[str], Optional[str]]]
+
+_PARTS = "_gradtx_chain_parts"  # chain's record of its members (see gradtx.chains.chain)
+STATISTICS = ("grad_norm", "update_norm", "param_norm", "update_ratio", "grad_max", "grad_nonfinite")
+
+
+class ObservedStats(NamedTuple):
+    """One group's statistics for the last step (0-d tensors).
+
+    ``grad_norm``: L2 norm of the updates entering ``inner`` (the gradients); ``update_norm``: of the
+    updates it returned; ``param_norm``: of the params passed to ``update`` (NaN when none are);
+    ``update_ratio``: ``update_norm / param_norm``; ``grad_max``: the largest ``|g|`` (NaN when a
+    gradient element is NaN); ``grad_nonfinite``: how many gradient elements are NaN or infinite (int64).
+    """
+
+    grad_norm: Tensor
+    update_norm: Tensor
+    param_norm: Tensor
+    update_ratio: Tensor
+    grad_max: Tensor
+    grad_nonfinite: Tensor
+
+
+class ObservedClip(NamedTuple):
+    """The first ``clip_by_global_norm`` of ``inner`` at the last step: the norm it saw, the factor it
+    scaled by (``min(1, max_norm / (norm + 1e-6))``), and whether that factor was below 1."""
+
+    norm: Tensor
+    coefficient: Tensor
+    clipped: Tensor
+
+
+class ObserveState(NamedTuple):
+    """``inner_state``: ``inner``'s state; ``total``: the statistics of all leaves together;
+    ``groups``: group name -> its statistics (every group of every rank, in the same order on every
+    rank); ``clip``: the clip's statistics, or ``None`` when ``inner`` has no global-norm clip."""
+
+    inner_state: Any
+    total: ObservedStats
+    groups: dict[str, ObservedStats]
+    clip: Optional[ObservedClip]
+
+
+# --------------------------------------------------------------------------- grouping
+
+
+def _module_of(path: str) -> str:
+    """``"layers.3.attn.weight"`` -> ``"layers.3.attn"`` (a top-level leaf is its own group)."""
+    head, _, _ = path.rpartition(".")
+    return head or path
+
+
+def _prefix(depth: int) -> Callable[[str], str]:
+    def prefix(path: str) -> str:
+        return ".".join(path.split(".")[:depth])
+
+    return prefix
+
+
+class _Grouping:
+    """How leaf paths map to group names: ``assign(paths)`` and the check for unused glob rules."""
+
+    def __init__(self, groups: Groups, owner: str):
+        self.owner = owner
+        self.rules: Optional[list[tuple[str, re.Pattern, str]]] = None
+        self.fn: Optional[Callable[[str], Any]] = None
+        if groups is None:
+            self.fn = lambda path: None
+        elif groups == "module":
+            self.fn = _module_of
+        elif isinstance(groups, int) and not isinstance(groups, bool):
+            if groups < 1:
+                raise ValueError(f"{owner}: a depth given as groups must be >= 1, got {groups}")
+            self.fn = _prefix(groups)
+        elif isinstance(groups, str):
+            raise ValueError(f"{owner}: groups={groups!r}: the only string accepted is 'module' (give globs as a list)")
+        elif isinstance(groups, (list, tuple)):
+            self.rules = []
+            for rule in groups:
+                if isinstance(rule, str):
+                    glob, name = rule, rule
+                elif isinstance(rule, tuple) and len(rule) == 2 and all(isinstance(x, str) for x in rule):
+                    glob, name = rule
+                else:
+                    raise TypeError(f"{owner}: a group rule must be a glob or a (glob, group name) pair of strings, got {rule!r}")
+                self.rules.append((glob, re.compile(fnmatch.translate(glob)), name))
+        elif callable(groups):
+            self.fn = groups
+        else:
+            raise TypeError(
+                f"{owner}: groups must be None, 'module', a depth (int), a list of globs or (glob, name) pairs, "
+                f"or a callable path -> group name; got {type(groups).__name__}"
+            )
+
+    def assign(self, paths: Sequence[str]) -> stats_lib.Assignment:
+        named: list[Optional[str]] = []
+        matched: set[str] = set()
+        try:
+            for path in paths:
+                if self.rules is not None:
+                    name = None
+                    for glob, pattern, group in self.rules:
+                        if pattern.match(path):
+                            name = group
+                            matched.add(glob)
+                            break
+                else:
+                    name = self.fn(path)  # type: ignore[misc]
+                    if name is not None and not isinstance(name, str):
+                        raise TypeError(
+                            f"{self.owner}: the groups callable returned {name!r} (a {type(name).__name__}) for leaf "
+                            f"{path!r}; it must return a group name (str) or None"
+                        )
+                named.append(name)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank alike
+            return [None] * len(paths), matched, exc
+        return named, matched, None
+
+    def check_unused(self, matched: set[str], paths: Sequence[str]) -> Optional[Exception]:
+        if self.rules is None:
+            return None
+        unused = [glob for glob, _, _ in self.rules if glob not in matched]
+        if not unused:
+            return None
+        listed = "; ".join(
+            f"glob {glob!r} matches no leaf path (the nearest: {', '.join(repr(p) for p in nearest_paths(glob, paths)) or 'none'})"
+            for glob in unused
+        )
+        return ValueError(f"{self.owner}: {listed}")
+
+
+# --------------------------------------------------------------------------- the clip
+
+
+def _find_clip(inner: GradientTransformation) -> Optional[tuple[Optional[int], Callable[[Tensor], Tensor]]]:
+    """Where ``inner``'s first ``clip_by_global_norm`` keeps its state (``None``: ``inner`` is the clip;
+    an int: its index in the chain's state), and its coefficient as a function of the norm."""
+    parts = getattr(inner.init, _PARTS, None)
+    if parts is None:
+        coefficient = getattr(inner.update, "clip_coefficient", None)
+        return None if coefficient is None else (None, coefficient)
+    for index, part in enumerate(parts):
+        coefficient = getattr(part.update, "clip_coefficient", None)
+        if coefficient is not None:
+            return index, coefficient
+    return None
+
+
+def _clip_stats(found: Any, inner_state: Any, dtype: torch.dtype) -> Optional[ObservedClip]:
+    if found is None:
+        return None
+    index, coefficient = found
+    clip_state = inner_state if index is None else inner_state[index]
+    norm = clip_state.norm
+    coef = coefficient(norm)
+    return ObservedClip(norm.detach().to(dtype), coef.detach().to(dtype), (coef < 1.0).detach())
+
+
+# --------------------------------------------------------------------------- the transformation
+
+
+def _stats_of(sums: Tensor, maxima: Tensor, column: int, dtype: torch.dtype) -> ObservedStats:
+    grad, update, param = (sums[k, column].sqrt().to(dtype) for k in range(3))
+    return ObservedStats(grad, update, param, update / param, maxima[column].to(dtype), sums[3, column].to(torch.int64))
+
+
+def _empty_stats(device: torch.device, dtype: torch.dtype) -> ObservedStats:
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return ObservedStats(zero, zero, zero, zero, zero, torch.zeros((), dtype=torch.int64, device=device))
+
+
+def observe(
+    inner: GradientTransformation, groups: Groups = None, spec: Optional[sharding.ShardingSpec] = None
+) -> GradientTransformation:
+    """Runs ``inner`` and records per-group statistics of its gradients, updates and params.
+
+    Args:
+      inner: any transformation or chain; its updates are returned as they are (the same tensors).
+      groups: how leaves form groups, besides the total of all leaves: ``None`` (the total only);
+        ``"module"`` (a leaf's path without its last part: ``"layers.3.attn"``); a depth ``n`` (the
+        first ``n`` parts: ``2`` gives ``"layers.3"`` per layer); a list of globs (``fnmatch``,
+        ``*`` crosses dots, as :class:`~gradtx.sharding.ShardingSpec`'s rules) or ``(glob, name)``
+        pairs, matched in order, each leaf joining the first that matches (a glob that matches no
+        leaf, on any rank, is a ``ValueError``); or a callable ``path -> group name or None``.
+        Leaves in no group still count in the total.
+      spec: how the gradients are sharded (DTensors need none): every statistic is then that of the
+        logical tensors, identical on every rank, with one all-reduce per step.
+
+    The state is an :class:`ObserveState`; read it with :func:`observations`. Every number belongs
+    to the step that produced the state. Leaves whose gradient is ``None`` are left out.
+    """
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"observe: inner must be a GradientTransformation, got {type(inner).__name__}")
+    if spec is not None and not isinstance(spec, sharding.ShardingSpec):
+        raise TypeError(f"observe: spec must be a gradtx.sharding.ShardingSpec or None, got {type(spec).__name__}")
+    grouping = _Grouping(groups, "observe")
+    inner_update = with_inplace(inner)
+    extra = takes_extra_args(inner)
+    clip = _find_clip(inner)
+    layouts: dict[Any, stats_lib.GroupLayout] = {}
+
+    def layout_of(tree: PyTree) -> stats_lib.GroupLayout:
+        tree_leaves = tree_lib.leaves(tree)
+        key = (tree_lib._structure_paths.__wrapped__(tree_lib.structure(tree)), _layout_key(tree_leaves))
+        layout = layouts.get(key)
+        if layout is None:
+            if torch.compiler.is_compiling():
+                raise ValueError(
+                    "observe: under torch.compile met a gradient tree no eager call has seen; run the step once "
+                    "eagerly before compiling (gradtx.compile_step does this for you)"
+                )
+            layout = stats_lib.layout_groups(tree, spec, grouping.assign, grouping.check_unused, what="observe")
+            layouts[key] = layout
+        return layout
+
+    def init_fn(params: PyTree) -> ObserveState:
+        inner_state = inner.init(params)
+        layout = layout_of(params)
+        tensors = [leaf for leaf in tree_lib.leaves(params) if isinstance(leaf, Tensor)]
+        dtype = tree_lib.accumulation_dtype(tree_lib.real_dtypes(params)) if tensors else torch.float32
+        device = stats_lib.local_device(tree_lib.leaves(params), layout.plan)
+        empty = _empty_stats(device, dtype)
+        clip_stats = None
+        if clip is not None:
+            false = torch.zeros((), dtype=torch.bool, device=device)
+            clip_stats = ObservedClip(empty.grad_norm, empty.grad_norm, false)
+        return ObserveState(inner_state, empty, {name: empty for name in layout.names}, clip_stats)
+
+    def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
+        layout = layout_of(updates)
+        grads = tree_lib.leaves(updates)
+        device = stats_lib.local_device(grads, layout.plan)
+        dtype = tree_lib.accumulation_dtype(tree_lib.real_dtypes(updates))
+        grad_sq, nonfinite, grad_max = stats_lib.gradient_partials(layout, grads, device)
+        if params is None:
+            param_sq = torch.full_like(grad_sq, float("nan"))
+        else:
+            param_leaves = tree_lib.flatten_like(params, tree_lib.structure(updates), updates, what="observe: params", like="updates")
+            param_sq = stats_lib.squared_sums(layout, [p if g is not None else None for p, g in zip(param_leaves, grads)], device)
+        forwarded = extra_args if extra else {}
+        new_updates, inner_state = inner_update(updates, state.inner_state, params, inplace=inplace, **forwarded)
+        update_leaves = tree_lib.leaves(new_updates)
+        update_sq = stats_lib.squared_sums(layout, update_leaves, device)
+        sums = torch.stack([grad_sq, update_sq, param_sq, nonfinite])
+        sums, maxima = stats_lib.reduce_statistics(layout, sums, grad_max, what="observe")
+        total = _stats_of(sums, maxima, 0, dtype)
+        per_group = {name: _stats_of(sums, maxima, i + 1, dtype) for i, name in enumerate(layout.names)}
+        return new_updates, ObserveState(inner_state, total, per_group, _clip_stats(clip, inner_state, dtype))
+
+    update_fn.sharding_spec = spec  # lets gradtx.wrap(..., spec=) catch an observe given none
+    if takes_donated_updates(inner):
+        supports_donated_updates(update_fn, returns_new_updates=returns_new_updates(inner))
+    kind = GradientTransformationExtraArgs if extra else GradientTransformation
+    return kind(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------- for loggers
+
+
+def _find_states(node: Any) -> list[ObserveState]:
+    if isinstance(node, ObserveState):
+        return [node]
+    if isinstance(node, Mapping):
+        children = list(node.values())
+    elif isinstance(node, (tuple, list)):
+        children = list(node)
+    else:
+        return []
+    return [found for child in children for found in _find_states(child)]
+
+
+def observations(state: Any, *, prefix: str = "") -> dict[str, float]:
+    """The statistics an :func:`observe` recorded, anywhere in ``state``, as a flat dict of floats.
+
+    ``state`` is a chain's state, or an optimizer made by :func:`gradtx.wrap` (its ``tx_state`` is
+    read). Keys: ``"grad_norm"``, ``"update_norm"``, ``"param_norm"``, ``"update_ratio"``,
+    ``"grad_max"``, ``"grad_nonfinite"`` for all leaves; the same with ``"/<group>"`` appended per group
+    (``"grad_norm/layers.3"``); ``"clip/norm"``, ``"clip/coefficient"``, ``"clip/clipped"`` (1.0 or
+    0.0) when the observed transformation has a global-norm clip; each key after ``prefix``. This is
+    where the values reach the host: one transfer for all of them. Raises ``KeyError`` when no
+    ``observe`` state is found; with several, the first (in flattening order) is read.
+    """
+    if hasattr(state, "tx_state") and not isinstance(state, tuple):
+        state = state.tx_state
+    found = _find_states(state)
+    if not found:
+        raise KeyError("observations: no gradtx.observe state found in the given state")
+    observed = found[0]
+    keys: list[str] = []
+    values: list[Tensor] = []
+    for suffix, group in [("", observed.total)] + [(f"/{name}", stats) for name, stats in observed.groups.items()]:
+        for name, value in zip(STATISTICS, group):
+            keys.append(f"{prefix}{name}{suffix}")
+            values.append(value)
+    if observed.clip is not None:
+        for name, value in zip(ObservedClip._fields, observed.clip):
+            keys.append(f"{prefix}clip/{name}")
+            values.append(value)
+    if not values:
+        return {}
+    device = values[0].device
+    numbers = torch.stack([v.detach().to(device=device, dtype=torch.float64) for v in values]).tolist()
+    return dict(zip(keys, numbers))
