@@ -1,0 +1,261 @@
+"""gtx.observe: per-group statistics against references computed here from the whole tensors
+(torch.linalg.vector_norm over each group's leaves, in float64), updates untouched, groupings,
+the clip's coefficient, errors, wrap and compile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gradtx as gtx
+
+RTOL = 1e-5  # float32 leaves: per-leaf sums accumulate in float32, the rest in float64
+
+
+def _tree(seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    return {
+        "embed": {"weight": r(6, 4)},
+        "layers": [{"attn": {"weight": r(4, 4), "bias": r(4)}, "mlp": {"weight": r(8, 4)}} for _ in range(2)],
+        "head": {"weight": r(3, 4)},
+    }
+
+
+def _flat(tree):
+    return dict(zip(gtx.tree.paths(tree), gtx.tree.leaves(tree)))
+
+
+def _norm(tensors):
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.linalg.vector_norm(torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]))
+
+
+def _reference(grads, updates, params, members):
+    """Dense statistics of the leaves whose paths are in ``members``."""
+    g, u, p = _flat(grads), _flat(updates), _flat(params)
+    gs = [g[k] for k in members if g[k] is not None]
+    us = [u[k] for k in members if g[k] is not None]
+    ps = [p[k] for k in members if g[k] is not None]
+    gn, un, pn = _norm(gs), _norm(us), _norm(ps)
+    cat = torch.cat([t.reshape(-1).to(torch.float64) for t in gs]) if gs else torch.zeros(0, dtype=torch.float64)
+    return {
+        "grad_norm": gn,
+        "update_norm": un,
+        "param_norm": pn,
+        "update_ratio": un / pn,
+        "grad_max": cat.abs().max() if cat.numel() else torch.zeros((), dtype=torch.float64),
+        "grad_nonfinite": (~torch.isfinite(cat)).sum().to(torch.float64),
+    }
+
+
+def _assert_stats(stats, expected, what, rtol=RTOL):
+    for name, value in zip(gtx.chains.observing.STATISTICS, stats):
+        torch.testing.assert_close(
+            value.to(torch.float64), expected[name], rtol=rtol, atol=1e-7, equal_nan=True, msg=lambda m: f"{what} {name}: {m}"
+        )
+
+
+def _inner():
+    return gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(1e-2, weight_decay=0.1))
+
+
+def test_groups_by_depth_match_dense_references_and_updates_pass_untouched():
+    params, grads = _tree(0), _tree(1)
+    tx = gtx.observe(_inner(), groups=2)
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)
+    plain, _ = _inner().update(grads, _inner().init(params), params)
+    for a, b in zip(gtx.tree.leaves(updates), gtx.tree.leaves(plain)):
+        assert torch.equal(a, b)
+    paths = gtx.tree.paths(grads)
+    assert list(state.groups) == ["embed.weight", "head.weight", "layers.0", "layers.1"]
+    _assert_stats(state.total, _reference(grads, updates, params, paths), "total")
+    for name in state.groups:
+        members = [p for p in paths if p == name or p.startswith(name + ".")]
+        _assert_stats(state.groups[name], _reference(grads, updates, params, members), name)
+
+
+@pytest.mark.parametrize(
+    "groups, expected",
+    [
+        ("module", {"embed": ["embed.weight"], "layers.0.attn": ["layers.0.attn.bias", "layers.0.attn.weight"]}),
+        (1, {"layers": [f"layers.{i}.{m}" for i in range(2) for m in ("attn.bias", "attn.weight", "mlp.weight")]}),
+        (["*.attn.*", ("*.mlp.*", "mlp")], {"*.attn.*": [f"layers.{i}.attn.{w}" for i in range(2) for w in ("bias", "weight")],
+                                             "mlp": ["layers.0.mlp.weight", "layers.1.mlp.weight"]}),
+        (lambda path: "big" if path.endswith("weight") else None, {"big": None}),
+    ],
+)
+def test_every_kind_of_grouping(groups, expected):
+    params, grads = _tree(2), _tree(3)
+    tx = gtx.observe(gtx.sgd(0.1), groups=groups)
+    updates, state = tx.update(grads, tx.init(params), params)
+    paths = gtx.tree.paths(grads)
+    for name, members in expected.items():
+        if members is None:
+            members = [p for p in paths if p.endswith("weight")]
+        _assert_stats(state.groups[name], _reference(grads, updates, params, members), str(name))
+    if isinstance(groups, list):
+        assert list(state.groups) == ["*.attn.*", "mlp"]  # the embedding and head are in no group
+
+
+def test_first_matching_glob_wins():
+    params = _tree(0)
+    tx = gtx.observe(gtx.sgd(0.1), groups=[("layers.0.*", "first"), ("layers.*", "rest")])
+    _, state = tx.update(params, tx.init(params), params)
+    flat = _flat(params)
+    expected = _norm([v for k, v in flat.items() if k.startswith("layers.1")])
+    torch.testing.assert_close(state.groups["rest"].grad_norm.double(), expected, rtol=RTOL, atol=0)
+
+
+def test_clip_coefficient_and_flag_follow_torch():
+    params, grads = _tree(0), _tree(1)
+    for max_norm in (0.5, 1e3):
+        inner = gtx.chain(gtx.clip_by_global_norm(max_norm), gtx.sgd(1.0))
+        tx = gtx.observe(inner)
+        _, state = tx.update(grads, tx.init(params), params)
+        norm = torch.nn.utils.get_total_norm(gtx.tree.leaves(grads))
+        coef = min(1.0, max_norm / (float(norm) + 1e-6))
+        assert math.isclose(float(state.clip.norm), float(norm), rel_tol=1e-6)
+        assert math.isclose(float(state.clip.coefficient), coef, rel_tol=1e-6)
+        assert bool(state.clip.clipped) == (coef < 1.0)
+    # a clip alone, not in a chain, is found too; no clip: no clip statistics
+    assert gtx.observe(gtx.clip_by_global_norm(1.0)).init(params).clip is not None
+    assert gtx.observe(gtx.sgd(0.1)).init(params).clip is None
+
+
+def test_non_finite_gradients_are_counted():
+    params, grads = _tree(0), _tree(1)
+    grads["layers"][1]["mlp"]["weight"][0, :3] = torch.tensor([math.nan, math.inf, -math.inf])
+    tx = gtx.observe(gtx.sgd(0.1), groups=2)
+    _, state = tx.update(grads, tx.init(params), params)
+    assert int(state.total.grad_nonfinite) == 3
+    assert int(state.groups["layers.1"].grad_nonfinite) == 3
+    assert int(state.groups["layers.0"].grad_nonfinite) == 0
+    assert math.isnan(float(state.groups["layers.1"].grad_max))
+    assert state.groups["layers.1"].grad_nonfinite.dtype == torch.int64
+
+
+def test_none_gradients_are_left_out_and_params_optional():
+    params, grads = _tree(0), _tree(1)
+    grads["head"]["weight"] = None
+    tx = gtx.observe(gtx.sgd(0.1), groups=1)
+    updates, state = tx.update(grads, tx.init(params), params)
+    members = [p for p in gtx.tree.paths(grads) if p != "head.weight"]
+    _assert_stats(state.total, _reference(grads, updates, params, members), "total")
+    assert float(state.groups["head"].grad_norm) == 0.0
+    _, state = tx.update(grads, state)  # no params: their norm and the ratio are NaN
+    assert math.isnan(float(state.total.param_norm)) and math.isnan(float(state.total.update_ratio))
+
+
+def test_float64_trees_are_exact_to_float64_rounding():
+    params, grads = _tree(0, torch.float64), _tree(1, torch.float64)
+    tx = gtx.observe(gtx.sgd(0.1), groups="module")
+    updates, state = tx.update(grads, tx.init(params), params)
+    assert state.total.grad_norm.dtype == torch.float64
+    _assert_stats(state.total, _reference(grads, updates, params, gtx.tree.paths(grads)), "total", rtol=1e-12)
+
+
+def test_donated_path_gives_the_same_updates_and_statistics():
+    params, grads = _tree(0), _tree(1)
+    tx = gtx.observe(_inner(), groups=2)
+    state = tx.init(params)
+    pure, pure_state = tx.update(grads, state, params)
+    donated = gtx.tree.tree_map(torch.clone, grads)
+    inplace, inplace_state = tx.update(donated, tx.init(params), params, inplace=True)
+    for a, b in zip(gtx.tree.leaves((pure, pure_state)), gtx.tree.leaves((inplace, inplace_state))):
+        assert torch.equal(a, b)
+
+
+def test_observations_is_a_flat_dict_of_floats():
+    params, grads = _tree(0), _tree(1)
+    tx = gtx.chain(gtx.observe(_inner(), groups=1), gtx.scale(1.0))
+    state = tx.init(params)
+    _, state = tx.update(grads, state, params)
+    logged = gtx.observations(state)
+    assert all(type(v) is float for v in logged.values())
+    observed = state[0]
+    assert logged["grad_norm/layers"] == float(observed.groups["layers"].grad_norm)
+    assert logged["update_ratio"] == float(observed.total.update_ratio)
+    assert logged["clip/coefficient"] == float(observed.clip.coefficient)
+    assert logged["clip/clipped"] in (0.0, 1.0)
+    assert set(gtx.observations(state, prefix="opt/")) == {"opt/" + k for k in logged}
+    with pytest.raises(KeyError, match="no gradtx.observe state"):
+        gtx.observations(_inner().init(params))
+
+
+def test_bad_groups_name_the_problem():
+    params = _tree(0)
+    with pytest.raises(ValueError, match=r"glob '\*\.atn\.\*' matches no leaf path \(the nearest: 'layers"):
+        gtx.observe(gtx.sgd(0.1), groups=["*.attn.*", "*.atn.*"]).init(params)
+    with pytest.raises(TypeError, match=r"returned 3 \(a int\) for leaf 'embed.weight'"):
+        gtx.observe(gtx.sgd(0.1), groups=lambda path: 3).init(params)
+    with pytest.raises(TypeError, match="groups must be"):
+        gtx.observe(gtx.sgd(0.1), groups=3.5)
+    with pytest.raises(ValueError, match="only string accepted is 'module'"):
+        gtx.observe(gtx.sgd(0.1), groups="layers")
+    with pytest.raises(TypeError, match="group rule must be"):
+        gtx.observe(gtx.sgd(0.1), groups=[("a", 1)])
+    with pytest.raises(ValueError, match="depth"):
+        gtx.observe(gtx.sgd(0.1), groups=0)
+
+
+def test_through_wrap():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    opt = gtx.wrap(torch.optim.SGD(model.parameters(), lr=0.1), gtx.observe(gtx.clip_by_global_norm(0.1), groups="module"), model=model)
+    model(torch.randn(5, 4)).square().sum().backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    opt.step()
+    logged = gtx.observations(opt)
+    for module in ("0", "2"):
+        expected = _norm([g for k, g in grads.items() if k.startswith(module + ".")])
+        assert math.isclose(logged[f"grad_norm/{module}"], float(expected), rel_tol=RTOL)
+    assert logged["clip/clipped"] == 1.0
+
+
+def test_compiled_step_records_the_same_statistics():
+    params, grads = _tree(0), _tree(1)
+    tx = gtx.observe(_inner(), groups=2)
+    state = tx.init(params)
+    eager_params, eager_state = gtx.apply_updates(params, tx.update(grads, state, params)[0]), tx.update(grads, state, params)[1]
+    step = gtx.compile_step(tx, backend="eager")
+    new_params, new_state = step(grads, state, params)
+    assert gtx.observations(new_state).keys() == gtx.observations(eager_state).keys()
+    for key, value in gtx.observations(new_state).items():
+        assert math.isclose(value, gtx.observations(eager_state)[key], rel_tol=1e-6, abs_tol=1e-9) or (math.isnan(value)), key
+    for a, b in zip(gtx.tree.leaves(new_params), gtx.tree.leaves(eager_params)):
+        torch.testing.assert_close(a, b)
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@st.composite
+def _trees_and_groupings(draw):
+    n = draw(st.integers(1, 7))
+    shapes = [tuple(draw(st.lists(st.integers(0, 4), min_size=0, max_size=3))) for _ in range(n)]
+    names = [f"m{draw(st.integers(0, 2))}.l{i}" for i in range(n)]
+    labels = draw(st.lists(st.sampled_from(["a", "b", "c", None]), min_size=n, max_size=n))
+    seed = draw(st.integers(0, 2**16))
+    return dict(zip(names, shapes)), dict(zip(names, labels)), seed
+
+
+@settings(max_examples=30, deadline=None)
+@given(_trees_and_groupings())
+def test_group_statistics_equal_dense_for_random_trees_and_groupings(drawn):
+    shapes, labels, seed = drawn
+    gen = torch.Generator().manual_seed(seed)
+    params = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    grads = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    tx = gtx.observe(gtx.adam(1e-2), groups=lambda path: labels[path])
+    updates, state = tx.update(grads, tx.init(params), params)
+    for name in set(labels.values()) - {None}:
+        members = [k for k, label in labels.items() if label == name]
+        _assert_stats(state.groups[name], _reference(grads, updates, params, members), name)
+    _assert_stats(state.total, _reference(grads, updates, params, list(shapes)), "total")
