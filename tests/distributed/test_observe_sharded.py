@@ -1,0 +1,174 @@
+"""gtx.observe under sharding: per-group statistics equal those of the dense tree (observed
+unsharded) under TP (dims 0 and 1), ZeRO flat pieces, PP x TP with stage-local groups and a tied
+duplicate, experts over ep, and FSDP2/HSDP DTensors; every rank holds the same dict, a NaN on one
+rank counts on all, one collective per step, and grouping errors raise alike on every rank."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import _world
+from _layouts import Piece, dense_tree, local_tree, rules
+from _world import case
+from test_sharding_collectives import count_collectives
+from test_sharding_dtensor import _dtensor_tree
+from test_sharding_layouts import moe_model, tp_model
+import gradtx as gtx
+from gradtx.sharding import ShardingSpec
+
+RTOL = 2e-5  # float32 leaves: per-piece sums accumulate in float32, everything after in float64
+
+
+def _inner(spec, max_norm=1.0):
+    return gtx.chain(gtx.clip_by_global_norm(max_norm, spec), gtx.adamw(1e-2, weight_decay=0.1))
+
+
+def _logical(tree, pieces):
+    """The dense tree under the local leaf names, duplicates (tied copies) left out."""
+    return {name: tree[p.source] for name, p in pieces.items() if not p.duplicate}
+
+
+def _same_on_every_rank(logged):
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, logged)
+    for rank, theirs in enumerate(everyone):
+        assert theirs.keys() == logged.keys(), f"rank {rank} has other keys"
+        for key in logged:
+            a, b = theirs[key], logged[key]
+            assert a == b or (math.isnan(a) and math.isnan(b)), f"{key}: rank {rank} has {a}, this rank {b}"
+
+
+def _check_against_dense(local_grads, local_params, dense_grads, dense_params, spec, groups, duplicates=()):
+    tx = gtx.observe(_inner(spec), groups=groups, spec=spec)
+    _, state = tx.update(local_grads, tx.init(local_params), local_params)
+    dense_tx = gtx.observe(_inner(None), groups=groups)
+    _, dense_state = dense_tx.update(dense_grads, dense_tx.init(dense_params), dense_params)
+    logged, expected = gtx.observations(state), gtx.observations(dense_state)
+    for key, value in expected.items():
+        both_nan = math.isnan(logged[key]) and math.isnan(value)  # a group of None gradients: ratio 0/0
+        assert both_nan or math.isclose(logged[key], value, rel_tol=RTOL, abs_tol=1e-7), f"{key}: sharded {logged[key]}, dense {value}"
+    for key in set(logged) - set(expected):  # only a duplicate's own group: it counts nothing
+        assert any(key.endswith("/" + d) for d in duplicates), key
+        assert logged[key] == 0.0 or math.isnan(logged[key]), key
+    _same_on_every_rank(logged)
+    return tx, state
+
+
+def _check_layout(world, mesh, shapes, pieces, stage_axis=None, groups=2):
+    spec = ShardingSpec(mesh, rules(pieces), stage_axis=stage_axis)
+    dense, params = dense_tree(shapes), dense_tree(shapes, seed=1)
+    local, local_params = local_tree(dense, pieces, mesh, stage_axis), local_tree(params, pieces, mesh, stage_axis)
+    duplicates = [name for name, p in pieces.items() if p.duplicate]
+    _check_against_dense(local, local_params, _logical(dense, pieces), _logical(params, pieces), spec, groups, duplicates)
+    return spec, local, local_params
+
+
+@case(2)
+def observe_tp_dims_0_and_1(world):
+    mesh = world.mesh((2,), ("tp",))
+    shapes, pieces = tp_model(2)  # column-parallel (dim 0), row-parallel (dim 1), replicated
+    _check_layout(world, mesh, shapes, pieces)
+    _check_layout(world, mesh, shapes, pieces, groups="module")
+
+
+@case(2)
+def observe_zero_flat_pieces(world):
+    mesh = world.mesh((2,), ("dp",))
+    shapes, pieces = tp_model(1)
+    pieces = {name: Piece(p.source, ((("dp",), None),)) for name, p in pieces.items()}  # flat, uneven
+    _check_layout(world, mesh, shapes, pieces, groups=[("*.qkv.*", "qkv"), "layers.*"])
+
+
+@case(4)
+def observe_pp_tp_stage_local_groups_and_tied(world):
+    mesh = world.mesh((2, 2), ("pp", "tp"))
+    shapes, pieces = tp_model(2, stages=2, tied=True)
+    spec, local, _ = _check_layout(world, mesh, shapes, pieces, stage_axis="pp")
+    # layers.0 lives on stage 0 only, layers.1 on stage 1 only: every rank still lists both
+    tx = gtx.observe(gtx.sgd(0.1), groups=2, spec=spec)
+    assert {"layers.0", "layers.1", "embed.weight", "ln_f.weight"} <= set(tx.init(local).groups)
+    # a glob that matches on one stage only is used
+    gtx.observe(gtx.sgd(0.1), groups=["layers.1.*"], spec=spec).init(local)
+
+
+@case(4)
+def observe_experts_over_ep(world):
+    mesh = world.mesh((2, 2), ("ep", "tp"))
+    shapes, pieces = moe_model()
+    _check_layout(world, mesh, shapes, pieces, groups=[("experts.*", "experts"), ("router.*", "router")])
+
+
+@case(4)
+def observe_fsdp2_hsdp_dtensors(world):
+    mesh, dense, params, distribute = _dtensor_tree(world)
+    sharded, sharded_params = distribute(dense), distribute(params)
+    _check_against_dense(sharded, sharded_params, dict(dense, absent=None), dict(params, absent=None), None, "module")
+
+
+@case(4)
+def observe_nan_on_one_rank_counts_everywhere(world):
+    mesh = world.mesh((2, 2), ("pp", "tp"))
+    shapes, pieces = tp_model(2, stages=2)
+    spec = ShardingSpec(mesh, rules(pieces), stage_axis="pp")
+    dense = dense_tree(shapes)
+    local = local_tree(dense, pieces, mesh, "pp")
+    if dist.get_rank() == 3:  # stage 1, tp rank 1: its piece of a column-parallel weight
+        local["layers.1.fc1.weight"][0, 0] = math.nan
+    tx = gtx.observe(gtx.sgd(0.1), groups=2, spec=spec)
+    _, state = tx.update(local, tx.init(local), local)
+    logged = gtx.observations(state)
+    assert logged["grad_nonfinite"] == 1.0 and logged["grad_nonfinite/layers.1"] == 1.0
+    assert logged["grad_nonfinite/layers.0"] == 0.0
+    assert math.isnan(logged["grad_max/layers.1"]) and math.isnan(logged["grad_norm"])
+    assert not math.isnan(logged["grad_norm/layers.0"])
+    _same_on_every_rank(logged)
+
+
+@case(4)
+def observe_costs_one_collective_per_step(world):
+    mesh = world.mesh((2, 2), ("pp", "tp"))
+    shapes, pieces = tp_model(2, stages=2)
+    spec = ShardingSpec(mesh, rules(pieces), stage_axis="pp")
+    local = local_tree(dense_tree(shapes), pieces, mesh, "pp")
+    tx = gtx.observe(gtx.sgd(0.1), groups="module", spec=spec)
+    state = tx.init(local)  # agrees on the groups (and checks the plan) once
+    _, state = tx.update(local, state, local)
+    assert count_collectives(lambda: tx.update(local, state, local)) == 1
+    # with a sharded clip inside: the clip's all-reduce, and the statistics'
+    tx = gtx.observe(_inner(spec), groups="module", spec=spec)
+    state = tx.init(local)
+    _, state = tx.update(local, state, local)
+    assert count_collectives(lambda: tx.update(local, state, local)) == 2
+    # nothing sharded: nothing communicated
+    dense = dense_tree(shapes)
+    tx = gtx.observe(gtx.sgd(0.1), groups="module")
+    state = tx.init(dense)
+    assert count_collectives(lambda: tx.update(dense, state, dense)) == 0
+
+
+@case(4)
+def observe_grouping_errors_raise_alike_on_every_rank(world):
+    mesh = world.mesh((2, 2), ("pp", "tp"))
+    shapes, pieces = tp_model(2, stages=2)
+    spec = ShardingSpec(mesh, rules(pieces), stage_axis="pp")
+    local = local_tree(dense_tree(shapes), pieces, mesh, "pp")
+    with pytest.raises(ValueError, match=r"glob '\*\.qvk\.\*' matches no leaf path \(the nearest: 'layers"):
+        gtx.observe(gtx.sgd(0.1), groups=["*.qkv.*", "*.qvk.*"], spec=spec).init(local)
+    def groups(path):  # wrong on the ranks of stage 1 only
+        return 7 if (path == "layers.1.qkv.weight") else "g"
+
+    with pytest.raises(TypeError, match=r"on rank 2: observe: the groups callable returned 7 \(a int\) for leaf 'layers.1.qkv.weight'"):
+        gtx.observe(gtx.sgd(0.1), groups=groups, spec=spec).init(local)
+    # the world is still in step: a good observe works afterwards
+    tx = gtx.observe(gtx.sgd(0.1), groups=2, spec=spec)
+    tx.update(local, tx.init(local), local)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("size,name", _world.params_for(__name__))
+def test_observe_sharded(size, name):
+    _world.check(size, name)
