@@ -109,13 +109,17 @@ def observe_fsdp2_hsdp_dtensors(world):
     _check_against_dense(sharded, sharded_params, dict(dense, absent=None), dict(params, absent=None), None, "module")
 
 
-@case(4)
-def observe_nan_on_one_rank_counts_everywhere(world):
+def _pipeline(world):
+    """A 2-stage x 2-way TP model: its spec, this rank's gradients, the dense shapes."""
     mesh = world.mesh((2, 2), ("pp", "tp"))
     shapes, pieces = tp_model(2, stages=2)
     spec = ShardingSpec(mesh, rules(pieces), stage_axis="pp")
-    dense = dense_tree(shapes)
-    local = local_tree(dense, pieces, mesh, "pp")
+    return spec, local_tree(dense_tree(shapes), pieces, mesh, "pp"), shapes
+
+
+@case(4)
+def observe_nan_on_one_rank_counts_everywhere(world):
+    spec, local, _ = _pipeline(world)
     if dist.get_rank() == 3:  # stage 1, tp rank 1: its piece of a column-parallel weight
         local["layers.1.fc1.weight"][0, 0] = math.nan
     tx = gtx.observe(gtx.sgd(0.1), groups=2, spec=spec)
@@ -130,10 +134,7 @@ def observe_nan_on_one_rank_counts_everywhere(world):
 
 @case(4)
 def observe_costs_one_collective_per_step(world):
-    mesh = world.mesh((2, 2), ("pp", "tp"))
-    shapes, pieces = tp_model(2, stages=2)
-    spec = ShardingSpec(mesh, rules(pieces), stage_axis="pp")
-    local = local_tree(dense_tree(shapes), pieces, mesh, "pp")
+    spec, local, shapes = _pipeline(world)
     tx = gtx.observe(gtx.sgd(0.1), groups="module", spec=spec)
     state = tx.init(local)  # agrees on the groups (and checks the plan) once
     _, state = tx.update(local, state, local)
@@ -152,10 +153,7 @@ def observe_costs_one_collective_per_step(world):
 
 @case(4)
 def observe_grouping_errors_raise_alike_on_every_rank(world):
-    mesh = world.mesh((2, 2), ("pp", "tp"))
-    shapes, pieces = tp_model(2, stages=2)
-    spec = ShardingSpec(mesh, rules(pieces), stage_axis="pp")
-    local = local_tree(dense_tree(shapes), pieces, mesh, "pp")
+    spec, local, _ = _pipeline(world)
     with pytest.raises(ValueError, match=r"glob '\*\.qvk\.\*' matches no leaf path \(the nearest: 'layers"):
         gtx.observe(gtx.sgd(0.1), groups=["*.qkv.*", "*.qvk.*"], spec=spec).init(local)
     def groups(path):  # wrong on the ranks of stage 1 only
