@@ -250,8 +250,9 @@ def stochastic_rounding(
         tree_lib.require_params(updates, params, owner="stochastic_rounding", why=" (it rounds p + u)")
         leaves = fe.leaves_of(updates, what="stochastic_rounding")
         count = fe.increment(state.count, inplace=inplace)
+        seed = state.seed if inplace else state.seed.clone()  # a pure step's state is new tensors
         if not leaves.present:
-            return updates, StochasticRoundingState(count=count, seed=state.seed)
+            return updates, StochasticRoundingState(count=count, seed=seed)
         param_values = fe.params_of(leaves, params, owner="stochastic_rounding")
         flags = low_precision_flags(params, owner="stochastic_rounding")
         rounded = [i for i, p in zip(leaves.present, param_values) if flags[i]]
@@ -270,7 +271,7 @@ def stochastic_rounding(
             draws = random_draws(state.seed, count, path, index)
             new = round_stochastic(exact_sum(p_local, u_local), p.dtype, draws)
             out.append(rewrap([p_local, updates_to(new, p_local, dtype)])[1])
-        return leaves.rebuild(out), StochasticRoundingState(count=count, seed=state.seed)
+        return leaves.rebuild(out), StochasticRoundingState(count=count, seed=seed)
 
     update_fn.sharding_spec = spec  # type: ignore[attr-defined]
     return GradientTransformation(init_fn, update_fn)
