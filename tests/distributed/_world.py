@@ -44,6 +44,7 @@ CASE_MODULES = (
     "test_state_errors_sharded",
     "test_checkpoint_reshard",
     "test_private_apis_dtensor",
+    "test_sharding_low_precision",
 )
 
 # What the cases import on first use, imported once in the parent before the fork instead of on

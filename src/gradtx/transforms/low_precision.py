@@ -257,7 +257,7 @@ def stochastic_rounding(
         flags = low_precision_flags(params, owner="stochastic_rounding")
         rounded = [i for i, p in zip(leaves.present, param_values) if flags[i]]
         pieces: list[Any] = [None] * len(flags)
-        if rounded and sharding.is_sharded(params, spec):
+        if rounded and sharding.is_sharded(tree_lib.leaves(params), spec):
             pieces = sharding.matrices.local_pieces(params, spec, what="stochastic_rounding").pieces
         out = []
         for i, p, u in zip(leaves.present, param_values, leaves.tensors):
