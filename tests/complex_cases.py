@@ -256,6 +256,9 @@ CASES: dict[str, Case] = {
 # init refuses complex params (TypeError naming a leaf): ordered comparisons, or a complex g * g
 # where a modulus is meant (optax either fails on complex numbers there or computes that product).
 REFUSED: dict[str, Callable[[Any], Any]] = {
+    "stochastic_rounding": lambda m: m.chain(m.sgd(0.1), m.stochastic_rounding(0)),
+    "kahan_summation": lambda m: m.chain(m.sgd(0.1), m.kahan_summation()),
+    "master_weights": lambda m: m.master_weights(m.sgd(0.1)),
     "clip_by_value": lambda m: m.clip_by_value(1.0),
     "clip": lambda m: m.clip(1.0),
     "keep_params_nonnegative": lambda m: m.chain(m.sgd(0.1), m.keep_params_nonnegative()),

@@ -222,6 +222,7 @@ COMPONENTS = {
     "apply_if_finite": lambda: gtx.apply_if_finite(gtx.scale_by_adam(), 2),
     "freeze": lambda: gtx.chain(gtx.scale_by_adam(), gtx.freeze({"w": False, "b": True})),
     "inject_hyperparams": lambda: gtx.inject_hyperparams(gtx.scale_by_adam)(b1=0.8),
+    "master_weights": lambda: gtx.master_weights(gtx.scale_by_adam()),  # wider params: the inner as it is
     "masked": lambda: gtx.masked(gtx.scale_by_adam(), {"w": True, "b": False}),
     "measure_with_ema": lambda: gtx.chain(
         gtx.monitor({"norm": gtx.measure_with_ema(gtx.global_norm, 0.9)}), gtx.scale_by_adam()
@@ -298,6 +299,8 @@ COMPONENTS = {
 LONGER = {"scale_by_radam": 7}
 # Public names of gradtx.transforms and gradtx.chains that are not covered above, and why.
 COMPONENTS_NOT_COVERED = {
+    "stochastic_rounding": "rounds to bfloat16 / float16 values, a step function; wider params (these) pass through",
+    "kahan_summation": "rounds to bfloat16 / float16 values, a step function; wider params (these) pass through",
     "differentially_private_aggregate": "takes per-example gradients: covered by the dpsgd case",
     "per_example_global_norm_clip": "a function inside differentially_private_aggregate: covered by dpsgd",
     "per_example_layer_norm_clip": "a function on per-example gradients, not a transformation",

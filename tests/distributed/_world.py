@@ -45,6 +45,7 @@ CASE_MODULES = (
     "test_checkpoint_reshard",
     "test_private_apis_dtensor",
     "test_observe_sharded",
+    "test_sharding_low_precision",
 )
 
 # What the cases import on first use, imported once in the parent before the fork instead of on

@@ -20,6 +20,7 @@ from gradtx.chains.conditionals import ApplyIfFiniteState, apply_if_finite
 from gradtx.chains.hyperparams import InjectHyperparamsState, inject_hyperparams
 from gradtx.chains.layouts import flatten
 from gradtx.chains.lookahead import LookaheadParams, LookaheadState, lookahead
+from gradtx.chains.master_weights import MasterWeightsState, master_weights
 from gradtx.chains.masking import MaskedNode, MaskedState, freeze, masked
 from gradtx.chains.monitoring import (
     EmaMeasureState,
@@ -52,6 +53,7 @@ __all__ = [
     "LookaheadState",
     "MaskedNode",
     "MaskedState",
+    "MasterWeightsState",
     "MonitorState",
     "MultiSteps",
     "MultiStepsState",
@@ -74,6 +76,7 @@ __all__ = [
     "inject_stateful_hyperparams",
     "lookahead",
     "masked",
+    "master_weights",
     "measure_with_ema",
     "monitor",
     "multi_transform",

@@ -47,6 +47,12 @@ from gradtx.transforms.linesearch import (
     value_and_grad_from_state,
 )
 from gradtx.transforms.lion import ScaleByLionState, scale_by_lion
+from gradtx.transforms.low_precision import (
+    KahanSummationState,
+    StochasticRoundingState,
+    kahan_summation,
+    stochastic_rounding,
+)
 from gradtx.transforms.momentum import EmaState, TraceState, ema, trace
 from gradtx.transforms.noise import (
     AddNoiseState,
@@ -91,6 +97,7 @@ __all__ = [
     "DifferentiallyPrivateAggregateState",
     "EmaState",
     "FactoredState",
+    "KahanSummationState",
     "NonNegativeParamsState",
     "ScaleByAdaDeltaState",
     "ScaleByAdamState",
@@ -114,6 +121,7 @@ __all__ = [
     "ScaleByTrustRatioState",
     "ScaleByZoomLinesearchState",
     "ScaleState",
+    "StochasticRoundingState",
     "TraceState",
     "WeightDecaySchedule",
     "ZeroNansState",
@@ -130,6 +138,7 @@ __all__ = [
     "ema",
     "fused_adam",
     "global_norm",
+    "kahan_summation",
     "keep_params_nonnegative",
     "normalize_by_update_norm",
     "per_example_global_norm_clip",
@@ -164,6 +173,7 @@ __all__ = [
     "scale_by_yogi",
     "scale_by_zoom_linesearch",
     "set_to_zero",
+    "stochastic_rounding",
     "trace",
     "unitwise_norm",
     "value_and_grad_from_state",
