@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs read: the same names, imported 
         with_extra_args_support,
     )
     from gradtx.compiled_step import compile_step
+    from gradtx.quantization import quantize_state, QuantizedState
     from gradtx.sharding import LeafSpec, Replicate, Shard, ShardingSpec
     from gradtx.transforms import (
         adaptive_grad_clip,
@@ -347,6 +348,7 @@ __all__ = [
     "Params",
     "PartitionState",
     "ProdigyState",
+    "QuantizedState",
     "ReduceLROnPlateauState",
     "Replicate",
     "SAMState",
@@ -491,6 +493,7 @@ __all__ = [
     "power_iteration",
     "prodigy",
     "projections",
+    "quantize_state",
     "radam",
     "reduce_on_plateau",
     "rmsprop",
@@ -588,6 +591,7 @@ _SOURCES = {
         "Updates", "with_extra_args_support",
     ),
     "gradtx.compiled_step": ("compile_step",),
+    "gradtx.quantization": ("QuantizedState", "quantize_state"),
     "gradtx.sharding": ("LeafSpec", "Replicate", "Shard", "ShardingSpec"),
     "gradtx.transforms": (
         "adaptive_grad_clip", "AdaptiveGradClipState", "add_decayed_weights", "add_noise",
