@@ -139,8 +139,14 @@ def decode(codes: Tensor, scales: Optional[Tensor], placeholder: Tensor, fmt: St
 # --------------------------------------------------------------------------- which leaves are stored
 
 
-@functools.lru_cache(maxsize=256)
 def params_parts(state_def: Any, params_def: Any) -> tuple[int, ...]:
+    """:func:`find_params_parts`, remembered per pair of structures (found anew while compiling)."""
+    if torch.compiler.is_compiling():
+        return find_params_parts(state_def, params_def)
+    return _remembered_parts(state_def, params_def)
+
+
+def find_params_parts(state_def: Any, params_def: Any) -> tuple[int, ...]:
     """Where each params-shaped part of a state begins among its leaves (outermost parts; as
     :mod:`gradtx.checkpoint` finds them): the state's moments, momentum buffers, accumulators."""
     starts: list[int] = []
@@ -157,6 +163,9 @@ def params_parts(state_def: Any, params_def: Any) -> tuple[int, ...]:
 
     walk(state_def, 0)
     return tuple(starts)
+
+
+_remembered_parts = functools.lru_cache(maxsize=256)(find_params_parts)
 
 
 def _stored(leaf: Any, param: Any, min_size: int) -> bool:
@@ -236,7 +245,7 @@ def quantize_state(
       >>> params = {"w": torch.linspace(-1.0, 1.0, 8192)}
       >>> def f(params):  # a quadratic, smallest at w = 0
       ...     return (params["w"] ** 2).sum()
-      >>> tx = gtx.quantize_state(gtx.adamw(learning_rate=0.1), bits=8)
+      >>> tx = gtx.quantize_state(gtx.adamw(learning_rate=0.1), bits=8)  # AdamW fp32: 1993.9 ... 392.2
       >>> state = tx.init(params)
       >>> state.codes[0]["w"].dtype, tuple(state.scales[0]["w"].shape)  # mu's codes and its 32 blocks' scales
       (torch.uint8, (32,))
@@ -245,11 +254,11 @@ def quantize_state(
       ...     updates, state = tx.update(grads, state, params)
       ...     params = gtx.apply_updates(params, updates)
       ...     print(f"{f(params):.1f}")
-      1867.5
-      1117.2
-      560.6
-      212.2
-      46.5
+      1993.9
+      1406.1
+      956.0
+      624.3
+      391.3
     """
     owner = "quantize_state"
     if not isinstance(inner, GradientTransformation):
