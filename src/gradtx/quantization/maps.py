@@ -64,13 +64,54 @@ def linear_map_without_zero(bits: int) -> list[float]:
     return [k / count for k in range(1, count + 1)]
 
 
+_CELL_SHIFT = 13  # a non-negative float32's exponent and top 10 mantissa bits name its cell
+_CELLS = (0x3F800000 >> _CELL_SHIFT) + 2  # the cells of [0, 1], and one above for NaN
+
+
+class _NearestMagnitude:
+    """The tables of a nearest-value lookup in an ascending list of non-negative values, in constant time.
+
+    The float32 bit pattern of a value, shifted right by :data:`_CELL_SHIFT`, names a cell of
+    relative width ``2**-10``; the tables here hold no two midpoints that close, so each cell
+    holds at most one midpoint between neighbouring values. ``first[cell]`` is the index of the
+    lowest value a member of the cell can be nearest to; one comparison with the midpoint above it
+    finishes the job (a tie goes to the smaller value). As exact as ``bucketize`` on the midpoints,
+    without its binary search.
+    """
+
+    def __init__(self, values: list[float]) -> None:
+        table = torch.tensor(values, dtype=torch.float32).to(torch.float64)
+        exact = (table[1:] + table[:-1]) / 2
+        # the float32 at or below each exact midpoint: for a float32 m, m > it exactly when m > the midpoint
+        midpoints = exact.to(torch.float32)
+        midpoints = torch.where(midpoints.to(torch.float64) > exact, torch.nextafter(midpoints, torch.tensor(-1.0)), midpoints)
+        starts = (torch.arange(_CELLS, dtype=torch.int64) << _CELL_SHIFT).to(torch.int32).view(torch.float32)
+        first = torch.bucketize(starts, midpoints, right=False)  # the midpoints below the cell's start
+        ends = torch.cat([starts[1:], torch.tensor([float("inf")])])
+        inside = torch.bucketize(ends, midpoints, right=False) - torch.bucketize(starts, midpoints, right=True)
+        if int(inside.max()) > 1:
+            raise ValueError("a code book with two midpoints closer than the lookup's cells")
+        self.first = first.to(torch.int32)
+        self.midpoints = torch.cat([midpoints, torch.tensor([float("inf")])])
+
+def _lookup(magnitude: Tensor, first: Tensor, midpoints: Tensor, table: Tensor) -> Tensor:
+    """:class:`_NearestMagnitude` lookups in one of several tables laid end to end (``first``
+    of each table offset into the joint ``midpoints``), ``table`` choosing which per value."""
+    device = magnitude.device
+    cell = (magnitude.view(torch.int32) >> _CELL_SHIFT).clamp(max=_CELLS - 1) + table * _CELLS
+    index = first.to(device)[cell.to(torch.int64)]
+    above = magnitude > midpoints.to(device)[index.to(torch.int64)]
+    return index + above.to(torch.int32)
+
+
 class TableCodec:
     """Nearest-value encoding against a signed and an unsigned table of normalized values.
 
-    ``encode`` returns, per value, the index of the nearest table value (a tie goes to the lower
-    one; ``bucketize`` on the midpoints between neighbours), in the signed table where ``signed``
-    is true, else in the unsigned one; a negative value that rounds to zero gets ``-0.0``'s code.
-    ``decode`` looks the codes up. Both are elementwise and deterministic.
+    ``encode`` returns, per value, the index of the nearest table value (a tie goes to the smaller
+    magnitude), in the signed table where ``signed`` is true, else in the unsigned one; a negative
+    value that rounds to zero gets ``-0.0``'s code. ``decode`` looks the codes up. Both are
+    elementwise and deterministic. The signed table must be symmetric: its non-negative half
+    (``0.0`` and up) follows ``-0.0``, and ``-v`` sits as far below ``-0.0`` as ``v`` above ``0.0``.
     """
 
     def __init__(self, bits: int, signed: list[float], unsigned: list[float]) -> None:
@@ -80,22 +121,21 @@ class TableCodec:
         self.code_dtype = torch.uint8
         self.signed = torch.tensor(signed, dtype=torch.float32)
         self.unsigned = torch.tensor(unsigned, dtype=torch.float32)
-        self._negative_zero = next(i for i, v in enumerate(signed) if v == 0.0)  # -0.0 comes first
-        distinct = signed[: self._negative_zero] + signed[self._negative_zero + 1 :]
-        self._signed_midpoints = _midpoints(distinct)
-        self._unsigned_midpoints = _midpoints(unsigned)
+        self._zero = len(signed) // 2  # the index of 0.0; -0.0 just below
+        half = signed[self._zero :]
+        if [-v for v in reversed(half)] != signed[: self._zero] or half[0] != 0.0:
+            raise ValueError("a signed code book must be symmetric around -0.0, 0.0")
+        signed_half, unsigned_lookup = _NearestMagnitude(half), _NearestMagnitude(unsigned)
+        self._offset = len(signed_half.midpoints)  # where the unsigned table's midpoints start
+        self._first = torch.cat([signed_half.first, unsigned_lookup.first + self._offset])
+        self._midpoints = torch.cat([signed_half.midpoints, unsigned_lookup.midpoints])
 
     def encode(self, normalized: Tensor, signed: Tensor) -> Tensor:
         """Codes (``uint8``) of ``normalized`` values (float32 in ``[-1, 1]``); ``signed`` broadcasts against them."""
-        device = normalized.device
-        in_signed = torch.bucketize(normalized, self._signed_midpoints.to(device), out_int32=True)
-        # indices into the table without -0.0: those from the zero up move one along, and a
-        # negative value that lands on zero takes -0.0's place
-        in_signed = in_signed + (in_signed >= self._negative_zero).to(torch.int32)
-        on_zero = (in_signed == self._negative_zero + 1) & torch.signbit(normalized)
-        in_signed = in_signed - on_zero.to(torch.int32)
-        in_unsigned = torch.bucketize(normalized, self._unsigned_midpoints.to(device), out_int32=True)
-        return torch.where(signed, in_signed, in_unsigned).to(torch.uint8)
+        # one lookup per value, in the signed map's non-negative half or in the unsigned map
+        index = _lookup(normalized.abs(), self._first, self._midpoints, (~signed).to(torch.int32))
+        in_signed = torch.where(torch.signbit(normalized), self._zero - 1 - index, self._zero + index)
+        return torch.where(signed, in_signed, index - self._offset).to(torch.uint8)
 
     def decode(self, codes: Tensor, signed: Tensor) -> Tensor:
         """The float32 normalized values of ``codes``; ``signed`` broadcasts against them."""
@@ -124,11 +164,6 @@ class FloatCodec:
 
 
 Codec = Union[TableCodec, FloatCodec]
-
-
-def _midpoints(values: list[float]) -> Tensor:
-    table = torch.tensor(values, dtype=torch.float64)
-    return ((table[1:] + table[:-1]) / 2).to(torch.float32)
 
 
 @functools.lru_cache(maxsize=None)
