@@ -111,6 +111,20 @@ def test_every_public_transformation_is_covered():
         assert hasattr(test_complex_params, test) or test in globals(), f"{name}: no test {test!r}"
 
 
+def test_quantize_state_keeps_complex_moments_as_its_inner_transformation_does():
+    """Complex moments are not stored quantized (only real floating ones are): the numbers are
+    the inner optimizer's, bit for bit, and the state holds no codes."""
+    params = _params()
+    tx, plain = gtx.quantize_state(gtx.adam(0.1), min_size=1), gtx.adam(0.1)
+    state, plain_state = tx.init(params), plain.init(params)
+    for _ in range(3):
+        grads = {k: v * (1 - 2j) for k, v in params.items()}
+        updates, state = tx.update(grads, state, params)
+        plain_updates, plain_state = plain.update(grads, plain_state, params)
+        assert all(torch.equal(updates[k], plain_updates[k]) for k in params)
+    assert all(c is None for tree in state.codes for c in gtx.tree.leaves(tree))
+
+
 def test_adam_first_update_on_complex_gradients_matches_optax():
     # optax.adam(0.1)'s first update is -0.1 * g / |g| elementwise (0.0894+0.0447j for -4-2j): the
     # second moment is |g|^2, not g * g

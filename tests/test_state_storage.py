@@ -88,6 +88,7 @@ FACTORIES = {
     "named_chain": lambda: gtx.named_chain(("sum", running_sum()), ("adam", adam())),
     "noisy_sgd": lambda: gtx.noisy_sgd(1e-2, key=0),
     "partition": lambda: gtx.partition({"a": running_sum(), "b": adam()}, LABELS),
+    "quantize_state": lambda: gtx.quantize_state(gtx.adam(1e-2), min_size=4),
     "radam": lambda: gtx.radam(1e-2),
     "rmsprop": lambda: gtx.rmsprop(1e-2, momentum=0.9, centered=True),
     "scale": lambda: gtx.scale(0.5),

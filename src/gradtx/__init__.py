@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs read: the same names, imported 
         with_extra_args_support,
     )
     from gradtx.compiled_step import compile_step
+    from gradtx.quantization import quantize_state, QuantizedState
     from gradtx.sharding import LeafSpec, Replicate, Shard, ShardingSpec
     from gradtx.transforms import (
         adaptive_grad_clip,
@@ -363,6 +364,7 @@ __all__ = [
     "ObservedStats",
     "PartitionState",
     "ProdigyState",
+    "QuantizedState",
     "ReduceLROnPlateauState",
     "Replicate",
     "SAMState",
@@ -512,6 +514,7 @@ __all__ = [
     "power_iteration",
     "prodigy",
     "projections",
+    "quantize_state",
     "radam",
     "reduce_on_plateau",
     "rmsprop",
@@ -610,6 +613,7 @@ _SOURCES = {
         "Updates", "with_extra_args_support",
     ),
     "gradtx.compiled_step": ("compile_step",),
+    "gradtx.quantization": ("QuantizedState", "quantize_state"),
     "gradtx.sharding": ("LeafSpec", "Replicate", "Shard", "ShardingSpec"),
     "gradtx.transforms": (
         "adaptive_grad_clip", "AdaptiveGradClipState", "add_decayed_weights", "add_noise",

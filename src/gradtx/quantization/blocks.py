@@ -1,0 +1,173 @@
+"""Block-wise quantization on the logical tensor: block geometry, scales, codes, 4-bit packing.
+
+A block is a run of ``block_size`` elements along the last dim of the *logical* tensor, within
+one row (a 1-D tensor has one row; a 0-d one is a row of one). Each function here works on a
+local piece of that tensor, ``(..., columns)``, whose first column is logical column ``offset``:
+the whole tensor is the piece at offset 0, a piece split along a leading dim holds whole blocks,
+and a piece split along the last dim starts and ends inside blocks it shares with its neighbours
+(their absmax is then the maximum over the pieces). A flat piece of the flattened tensor is cut
+into such pieces by :func:`flat_segments`. Everything is vectorized over a ``(rows, blocks,
+block_size)`` zero-padded view: no loop over blocks or elements.
+
+A block's *scale* is its absolute maximum (float32), negated (sign bit set) when the block holds
+a value with its sign bit set: such a block is read with the codec's signed map, any other with
+its unsigned map. So which map a block gets is decided by the block's own values, the same
+whatever the layout, and needs no knowledge of which state field it belongs to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from gradtx.quantization.maps import Codec
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where the columns of a local piece fall among the blocks of its logical rows.
+
+    ``columns``: the piece's last-dim length; ``offset``: the logical column of its first column;
+    ``block_size``: the block length. The piece covers logical blocks ``first_block ..
+    first_block + blocks - 1`` of each row; in the padded view it starts ``lead`` elements into its
+    first block and leaves ``trail`` elements of its last block out.
+    """
+
+    columns: int
+    offset: int
+    block_size: int
+
+    @property
+    def lead(self) -> int:
+        return self.offset % self.block_size
+
+    @property
+    def first_block(self) -> int:
+        return self.offset // self.block_size
+
+    @property
+    def blocks(self) -> int:
+        return -(-(self.lead + self.columns) // self.block_size)
+
+    @property
+    def trail(self) -> int:
+        return self.blocks * self.block_size - self.lead - self.columns
+
+
+def geometry(shape: torch.Size | tuple[int, ...], block_size: int, offset: int = 0) -> Geometry:
+    """The :class:`Geometry` of a local piece of shape ``shape`` starting at logical column ``offset``."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset!r}")
+    return Geometry(shape[-1] if len(shape) else 1, offset, block_size)
+
+
+def blocked(x: Tensor, geo: Geometry) -> Tensor:
+    """``x`` (``(..., columns)``) as ``(rows, blocks, block_size)``, zero-padded at both edges."""
+    rows = x.reshape(-1, geo.columns)
+    if geo.lead or geo.trail:
+        rows = torch.nn.functional.pad(rows, (geo.lead, geo.trail))
+    return rows.reshape(rows.shape[0], geo.blocks, geo.block_size)
+
+
+def unblocked(y: Tensor, geo: Geometry, shape: torch.Size | tuple[int, ...]) -> Tensor:
+    """The inverse of :func:`blocked`: the padding dropped, ``shape`` restored."""
+    rows = y.reshape(y.shape[0], geo.blocks * geo.block_size)
+    if geo.lead or geo.trail:
+        rows = rows[:, geo.lead : geo.lead + geo.columns]
+    return rows.reshape(shape)
+
+
+def block_absmax(x: Tensor, geo: Geometry) -> Tensor:
+    """Each block's absolute maximum over this piece, float32 ``(rows, blocks)`` (NaN if it holds one)."""
+    return blocked(x, geo).abs().amax(dim=-1).to(torch.float32)
+
+
+def block_signed(x: Tensor, geo: Geometry) -> Tensor:
+    """Whether each block holds a value with its sign bit set (``-0.0`` included), bool ``(rows, blocks)``."""
+    return torch.signbit(blocked(x, geo)).any(dim=-1)
+
+
+def block_scales(absmax: Tensor, signed: Tensor) -> Tensor:
+    """The stored scales: ``absmax``, with the sign bit set where the block is ``signed``."""
+    return torch.where(signed, -absmax, absmax)
+
+
+def quantize(x: Tensor, scales: Tensor, geo: Geometry, codec: Codec) -> Tensor:
+    """The codes of ``x`` (a piece laid out as ``geo`` says) under the blocks' ``scales``: each value
+    divided by its block's absmax, then encoded by ``codec`` (the nearest map value). Same shape as ``x``."""
+    absmax = scales.abs()
+    signed = torch.signbit(scales)[..., None]
+    divisor = torch.where(absmax > 0, absmax, torch.ones_like(absmax))[..., None]
+    normalized = blocked(x.to(torch.float32), geo) / divisor
+    return unblocked(codec.encode(normalized, signed), geo, x.shape)
+
+
+def dequantize(codes: Tensor, scales: Tensor, geo: Geometry, codec: Codec, dtype: torch.dtype) -> Tensor:
+    """The values ``codes`` stand for under the blocks' ``scales``, in ``dtype``, shaped as ``codes``."""
+    signed = torch.signbit(scales)[..., None]
+    values = codec.decode(blocked(codes, geo), signed) * scales.abs()[..., None]
+    return unblocked(values, geo, codes.shape).to(dtype)
+
+
+def pack_nibbles(codes: Tensor, offset: int = 0) -> Tensor:
+    """4-bit ``codes`` (``uint8`` below 16, ``(..., columns)``) two per byte along the last dim.
+
+    Logical columns ``2j`` and ``2j + 1`` share byte ``j`` (low and high nibble), so a piece at an
+    odd ``offset`` starts with a high nibble and a piece of odd extent ends with a low one; the
+    missing halves are zero. Result: ``(..., ceil((offset % 2 + columns) / 2))`` ``uint8``.
+    """
+    lead = offset % 2
+    columns = codes.shape[-1] if codes.ndim else 1
+    rows = codes.reshape(-1, columns)
+    trail = (lead + columns) % 2
+    if lead or trail:
+        rows = torch.nn.functional.pad(rows, (lead, trail))
+    pairs = rows.reshape(rows.shape[0], -1, 2)
+    packed = pairs[..., 0] | (pairs[..., 1] << 4)
+    return packed.reshape(*codes.shape[:-1], packed.shape[-1])
+
+
+def unpack_nibbles(packed: Tensor, columns: int, offset: int = 0) -> Tensor:
+    """The inverse of :func:`pack_nibbles`: ``(..., columns)`` ``uint8`` codes."""
+    lead = offset % 2
+    rows = packed.reshape(-1, packed.shape[-1])
+    both = torch.stack((rows & 0x0F, rows >> 4), dim=-1).reshape(rows.shape[0], -1)
+    return both[:, lead : lead + columns].reshape(*packed.shape[:-1], columns)
+
+
+class Segment(NamedTuple):
+    """A run of a flat piece that is a block of whole local rows: elements ``begin .. end`` of the
+    piece, ``(rows, end - begin) / rows`` once reshaped, its first column at logical ``offset``."""
+
+    begin: int
+    end: int
+    rows: int
+    offset: int
+
+
+def flat_segments(start: int, stop: int, row_length: int) -> list[Segment]:
+    """Elements ``start .. stop`` of a flattened logical tensor whose rows have ``row_length``
+    elements, cut into at most three :class:`Segment` s (a partial first row, whole rows, a
+    partial last row) each of which the functions above take as a piece at its offset."""
+    if not 0 <= start <= stop or row_length < 1:
+        raise ValueError(f"flat_segments: need 0 <= start <= stop and row_length >= 1, got {start}, {stop}, {row_length}")
+    segments = []
+    position = start
+    head = start % row_length
+    if head and position < stop:
+        end = min(stop, start - head + row_length)
+        segments.append(Segment(0, end - start, 1, head))
+        position = end
+    whole = (stop - position) // row_length
+    if whole:
+        end = position + whole * row_length
+        segments.append(Segment(position - start, end - start, whole, 0))
+        position = end
+    if position < stop:
+        segments.append(Segment(position - start, stop - start, 1, 0))
+    return segments

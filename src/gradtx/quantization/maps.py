@@ -1,0 +1,179 @@
+"""The code books of quantized state: which normalized value each code stands for.
+
+A block of ``block_size`` state values is divided by its absolute maximum, so every value lies in
+``[-1, 1]``; a code book maps that interval onto a few bits. Two kinds live here:
+
+- :class:`TableCodec`: a table of at most ``2**bits`` values and nearest-value encoding. Its maps
+  are the non-linear ones of the literature, built below: Dettmers et al.'s *dynamic tree* map for
+  8 bits (`8-bit Optimizers via Block-wise Quantization <https://arxiv.org/abs/2110.02861>`_, ICLR
+  2022), and for 4 bits Li et al.'s signed *dynamic exponent* map for first moments and their
+  *linear map without zero* for second moments (`Memory Efficient Optimizers with 4-bit States
+  <https://arxiv.org/abs/2309.01507>`_, NeurIPS 2023).
+- :class:`FloatCodec`: a scaled cast to a float8 dtype (the absmax lands on the dtype's largest
+  finite value), rounding to nearest as torch's cast does.
+
+Each codec holds a *signed* map (for blocks with a negative value) and an *unsigned* one (for
+blocks without: more resolution on ``[0, 1]``, and for 4 bits no zero, which keeps a second moment
+from collapsing to zero and its update from blowing up, the failure Li et al. identify). The
+signed tables also hold ``-0.0`` beside ``0.0``: a negative value too small for any negative code
+reads back as ``-0.0``, so the sign bit of every value survives and the block stays signed when
+it is quantized again (quantizing a dequantized block gives the same codes).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Union
+
+import torch
+from torch import Tensor
+
+
+def dynamic_magnitudes(magnitude_bits: int) -> list[float]:
+    """The positive values of a dynamic tree (dynamic exponent) map with ``magnitude_bits`` bits, ascending.
+
+    A code's bits after the sign are a run of ``e`` zeros (the decimal exponent), an indicator
+    one, and ``magnitude_bits - e - 1`` bits of a linear fraction in ``(0.1, 1]``: the value is
+    ``10**-e * (0.1 + 0.9 * k / 2**f)`` for ``k = 1 .. 2**f``, ``f`` the fraction's bits. The
+    all-zero code is ``0`` (not listed here). So large values get fine linear steps and small ones
+    a wide range of exponents: 8 bits reach down to ``1e-6`` (signed) or ``1e-7`` (unsigned).
+    """
+    values = []
+    for zeros in range(magnitude_bits):
+        fraction_bits = magnitude_bits - zeros - 1
+        count = 2**fraction_bits
+        values += [10.0**-zeros * (0.1 + 0.9 * k / count) for k in range(1, count + 1)]
+    return sorted(values)
+
+
+def signed_dynamic_map(bits: int) -> list[float]:
+    """Dettmers' signed dynamic tree map (Li et al.'s dynamic exponent map for 4 bits), ascending,
+    with ``-0.0`` before ``0.0``: ``2**bits`` values in ``[-1, 1]``."""
+    positive = dynamic_magnitudes(bits - 1)
+    return [-v for v in reversed(positive)] + [-0.0, 0.0] + positive
+
+
+def unsigned_dynamic_map(bits: int) -> list[float]:
+    """Dettmers' unsigned dynamic tree map: ``0`` and ``2**bits - 1`` values in ``(0, 1]``, ascending."""
+    return [0.0] + dynamic_magnitudes(bits)
+
+
+def linear_map_without_zero(bits: int) -> list[float]:
+    """Li et al.'s linear map without zero: ``k / 2**bits`` for ``k = 1 .. 2**bits``, ascending."""
+    count = 2**bits
+    return [k / count for k in range(1, count + 1)]
+
+
+_CELL_SHIFT = 13  # a non-negative float32's exponent and top 10 mantissa bits name its cell
+_CELLS = (0x3F800000 >> _CELL_SHIFT) + 2  # the cells of [0, 1], and one above for NaN
+
+
+class _NearestMagnitude:
+    """The tables of a nearest-value lookup in an ascending list of non-negative values, in constant time.
+
+    The float32 bit pattern of a value, shifted right by :data:`_CELL_SHIFT`, names a cell of
+    relative width ``2**-10``; the tables here hold no two midpoints that close, so each cell
+    holds at most one midpoint between neighbouring values. ``first[cell]`` is the index of the
+    lowest value a member of the cell can be nearest to; one comparison with the midpoint above it
+    finishes the job (a tie goes to the smaller value). As exact as ``bucketize`` on the midpoints,
+    without its binary search.
+    """
+
+    def __init__(self, values: list[float]) -> None:
+        table = torch.tensor(values, dtype=torch.float32).to(torch.float64)
+        exact = (table[1:] + table[:-1]) / 2
+        # the float32 at or below each exact midpoint: for a float32 m, m > it exactly when m > the midpoint
+        midpoints = exact.to(torch.float32)
+        midpoints = torch.where(midpoints.to(torch.float64) > exact, torch.nextafter(midpoints, torch.tensor(-1.0)), midpoints)
+        starts = (torch.arange(_CELLS, dtype=torch.int64) << _CELL_SHIFT).to(torch.int32).view(torch.float32)
+        first = torch.bucketize(starts, midpoints, right=False)  # the midpoints below the cell's start
+        ends = torch.cat([starts[1:], torch.tensor([float("inf")])])
+        inside = torch.bucketize(ends, midpoints, right=False) - torch.bucketize(starts, midpoints, right=True)
+        if int(inside.max()) > 1:
+            raise ValueError("a code book with two midpoints closer than the lookup's cells")
+        self.first = first.to(torch.int32)
+        self.midpoints = torch.cat([midpoints, torch.tensor([float("inf")])])
+
+def _lookup(magnitude: Tensor, first: Tensor, midpoints: Tensor, table: Tensor) -> Tensor:
+    """:class:`_NearestMagnitude` lookups in one of several tables laid end to end (``first``
+    of each table offset into the joint ``midpoints``), ``table`` choosing which per value."""
+    device = magnitude.device
+    cell = (magnitude.view(torch.int32) >> _CELL_SHIFT).clamp(max=_CELLS - 1) + table * _CELLS
+    index = first.to(device)[cell.to(torch.int64)]
+    above = magnitude > midpoints.to(device)[index.to(torch.int64)]
+    return index + above.to(torch.int32)
+
+
+class TableCodec:
+    """Nearest-value encoding against a signed and an unsigned table of normalized values.
+
+    ``encode`` returns, per value, the index of the nearest table value (a tie goes to the smaller
+    magnitude), in the signed table where ``signed`` is true, else in the unsigned one; a negative
+    value that rounds to zero gets ``-0.0``'s code. ``decode`` looks the codes up. Both are
+    elementwise and deterministic. The signed table must be symmetric: its non-negative half
+    (``0.0`` and up) follows ``-0.0``, and ``-v`` sits as far below ``-0.0`` as ``v`` above ``0.0``.
+    """
+
+    def __init__(self, bits: int, signed: list[float], unsigned: list[float]) -> None:
+        if len(signed) > 2**bits or len(unsigned) > 2**bits:
+            raise ValueError(f"a {bits}-bit code book has at most {2**bits} values")
+        self.bits = bits
+        self.code_dtype = torch.uint8
+        self.signed = torch.tensor(signed, dtype=torch.float32)
+        self.unsigned = torch.tensor(unsigned, dtype=torch.float32)
+        self._zero = len(signed) // 2  # the index of 0.0; -0.0 just below
+        half = signed[self._zero :]
+        if [-v for v in reversed(half)] != signed[: self._zero] or half[0] != 0.0:
+            raise ValueError("a signed code book must be symmetric around -0.0, 0.0")
+        signed_half, unsigned_lookup = _NearestMagnitude(half), _NearestMagnitude(unsigned)
+        self._offset = len(signed_half.midpoints)  # where the unsigned table's midpoints start
+        self._first = torch.cat([signed_half.first, unsigned_lookup.first + self._offset])
+        self._midpoints = torch.cat([signed_half.midpoints, unsigned_lookup.midpoints])
+
+    def encode(self, normalized: Tensor, signed: Tensor) -> Tensor:
+        """Codes (``uint8``) of ``normalized`` values (float32 in ``[-1, 1]``); ``signed`` broadcasts against them."""
+        # one lookup per value, in the signed map's non-negative half or in the unsigned map
+        index = _lookup(normalized.abs(), self._first, self._midpoints, (~signed).to(torch.int32))
+        in_signed = torch.where(torch.signbit(normalized), self._zero - 1 - index, self._zero + index)
+        return torch.where(signed, in_signed, index - self._offset).to(torch.uint8)
+
+    def decode(self, codes: Tensor, signed: Tensor) -> Tensor:
+        """The float32 normalized values of ``codes``; ``signed`` broadcasts against them."""
+        device = codes.device
+        index = codes.to(torch.int64)
+        return torch.where(signed, self.signed.to(device)[index], self.unsigned.to(device)[index])
+
+
+class FloatCodec:
+    """A scaled cast to a float8 ``dtype``: ``normalized * max`` rounded to the nearest ``dtype``
+    value (``max`` the dtype's largest finite value), read back as ``code / max``. The sign is the
+    dtype's own, so ``signed`` is ignored."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.bits = torch.finfo(dtype).bits
+        self.code_dtype = dtype
+        self.max = float(torch.finfo(dtype).max)
+
+    def encode(self, normalized: Tensor, signed: Tensor) -> Tensor:
+        del signed
+        return (normalized * self.max).clamp(-self.max, self.max).to(self.code_dtype)
+
+    def decode(self, codes: Tensor, signed: Tensor) -> Tensor:
+        del signed
+        return codes.to(torch.float32) / self.max
+
+
+Codec = Union[TableCodec, FloatCodec]
+
+
+@functools.lru_cache(maxsize=None)
+def codec(bits: Union[int, torch.dtype]) -> Codec:
+    """The codec of a storage format: 8 (dynamic tree maps), 4 (dynamic exponent and linear
+    without zero), or a float8 dtype. Built once per format."""
+    if bits == 8:
+        return TableCodec(8, signed_dynamic_map(8), unsigned_dynamic_map(8))
+    if bits == 4:
+        return TableCodec(4, signed_dynamic_map(4), linear_map_without_zero(4))
+    if isinstance(bits, torch.dtype):
+        return FloatCodec(bits)
+    raise ValueError(f"no code book for {bits!r}")

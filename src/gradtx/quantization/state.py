@@ -1,0 +1,346 @@
+"""``quantize_state``: a transformation whose large per-element moments are stored quantized.
+
+``quantize_state(adamw(1e-3))`` keeps AdamW's ``mu`` and ``nu`` as 8-bit codes plus one float32
+scale per block of 256 values: about 2 bytes per parameter instead of 8. Each ``update``
+dequantizes the stored moments, runs the inner transformation on them, and quantizes the new ones.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Union
+
+import torch
+from torch import Tensor
+
+from gradtx import tree as tree_lib
+from gradtx.base import (
+    GradientTransformation,
+    GradientTransformationExtraArgs,
+    returns_new_updates,
+    supports_donated_updates,
+    takes_donated_updates,
+    takes_extra_args,
+    with_inplace,
+)
+from gradtx.quantization import blocks
+from gradtx.quantization.maps import Codec, codec
+from gradtx.sharding import dtensor as dtensor_lib
+from gradtx.sharding.spec import ShardingSpec
+from gradtx.state_check import name_of, named
+from gradtx.state_dims import Dims, ParamLeaf, same, state_dims
+
+PyTree = Any
+
+_FORMATS = (8, 4, torch.bfloat16, torch.float8_e4m3fn)
+_DEFAULT_BLOCK_SIZE = {8: 256, 4: 128, torch.float8_e4m3fn: 256}
+
+
+# --------------------------------------------------------------------------- the state and its layout
+
+
+def _placeholder_dims(leaf: ParamLeaf) -> Optional[Dims]:
+    """A stored leaf's placeholder (``(*param_shape, 0)``) is laid out as its param, plus an empty dim."""
+    if leaf.leaf_shape == leaf.local_shape + (0,):
+        return same(leaf) + (None,)
+    return None  # any other leaf: the inner state's own declaration, or the default
+
+
+def _block_dims(leaf: ParamLeaf) -> Optional[Dims]:
+    """Codes and scales follow the param along its leading dims; along the last dim (blocks,
+    packed pairs) only while the param is whole along it. Otherwise: no declaration here."""
+    if leaf.leaf_shape == leaf.local_shape:
+        return same(leaf)
+    if not leaf.shape:  # a 0-d param: one block
+        return (None,) * len(leaf.leaf_shape)
+    if len(leaf.leaf_shape) == len(leaf.shape) and leaf.local_shape[-1] == leaf.shape[-1]:
+        return tuple(range(len(leaf.shape) - 1)) + (None,)
+    return None
+
+
+@state_dims(inner=_placeholder_dims, codes=_block_dims, scales=_block_dims)
+class QuantizedState(NamedTuple):
+    """The state of :func:`quantize_state`.
+
+    Attributes:
+      inner: the inner transformation's state, where each stored leaf is replaced by an empty
+        tensor of shape ``(*leaf.shape, 0)`` and the leaf's dtype and device (no memory; it says
+        what the leaf is read back as).
+      codes: one tree like the params per params-shaped part of ``inner`` (its moments, in the
+        order they are flattened): each stored leaf's codes (``uint8``, two 4-bit codes per byte
+        along the last dim, or the storage dtype), ``None`` elsewhere.
+      scales: trees like ``codes``: each stored leaf's float32 block scales, shaped
+        ``(*leaf.shape[:-1], blocks)`` (the block's absmax; its sign bit set where the signed map
+        was used), ``None`` where there are none (``torch.bfloat16`` storage).
+    """
+
+    inner: Any
+    codes: tuple
+    scales: tuple
+
+
+# --------------------------------------------------------------------------- storage formats
+
+
+@dataclass(frozen=True)
+class StorageFormat:
+    """How a leaf is stored: ``storage`` (8, 4 or a dtype), ``block_size`` (0: no blocks), the
+    ``codec`` (``None``: a plain cast to ``storage``), and whether codes are ``packed`` two per byte."""
+
+    storage: Union[int, torch.dtype]
+    block_size: int
+    codec: Optional[Codec]
+    packed: bool
+
+
+def storage_format(bits: Any, block_size: Any, *, owner: str = "quantize_state") -> StorageFormat:
+    """The :class:`StorageFormat` of ``bits`` and ``block_size``, or a ``ValueError``/``TypeError`` saying what is wrong."""
+    known = isinstance(bits, torch.dtype) or (isinstance(bits, int) and not isinstance(bits, bool))
+    if not known or bits not in _FORMATS:
+        raise ValueError(f"{owner}: bits must be 8, 4, torch.bfloat16 or torch.float8_e4m3fn, got {bits!r}")
+    if bits == torch.bfloat16:
+        if block_size is not None:
+            raise ValueError(f"{owner}: bfloat16 storage is a plain cast, with no blocks; got block_size={block_size!r}")
+        return StorageFormat(bits, 0, None, False)
+    if block_size is None:
+        block_size = _DEFAULT_BLOCK_SIZE[bits]
+    if not isinstance(block_size, int) or isinstance(block_size, bool):
+        raise TypeError(f"{owner}: block_size must be an int, got {type(block_size).__name__}")
+    if block_size < 1:
+        raise ValueError(f"{owner}: block_size must be at least 1, got {block_size}")
+    return StorageFormat(bits, block_size, codec(bits), bits == 4)
+
+
+def encode(leaf: Tensor, fmt: StorageFormat) -> tuple[Tensor, Optional[Tensor]]:
+    """``leaf`` as stored: ``(codes, scales)`` (``scales`` ``None`` for a plain cast)."""
+    if fmt.codec is None:
+        return leaf.to(fmt.storage), None  # type: ignore[arg-type]
+    geo = blocks.geometry(leaf.shape, fmt.block_size)
+    scales = blocks.block_scales(blocks.block_absmax(leaf, geo), blocks.block_signed(leaf, geo))
+    codes = blocks.quantize(leaf, scales, geo, fmt.codec)
+    if fmt.packed:
+        codes = blocks.pack_nibbles(codes)
+    return codes, scales.reshape(*leaf.shape[:-1], geo.blocks)
+
+
+def decode(codes: Tensor, scales: Optional[Tensor], placeholder: Tensor, fmt: StorageFormat) -> Tensor:
+    """The stored leaf read back, with the shape, dtype and device ``placeholder`` records."""
+    shape = placeholder.shape[:-1]
+    if fmt.codec is None:
+        return codes.to(placeholder.dtype)
+    geo = blocks.geometry(shape, fmt.block_size)
+    if fmt.packed:
+        codes = blocks.unpack_nibbles(codes, geo.columns)
+    codes = codes.reshape(shape)
+    return blocks.dequantize(codes, scales.reshape(-1, geo.blocks), geo, fmt.codec, placeholder.dtype)  # type: ignore[union-attr]
+
+
+# --------------------------------------------------------------------------- which leaves are stored
+
+
+def params_parts(state_def: Any, params_def: Any) -> tuple[int, ...]:
+    """:func:`find_params_parts`, remembered per pair of structures (found anew while compiling)."""
+    if torch.compiler.is_compiling():
+        return find_params_parts(state_def, params_def)
+    return _remembered_parts(state_def, params_def)
+
+
+def find_params_parts(state_def: Any, params_def: Any) -> tuple[int, ...]:
+    """Where each params-shaped part of a state begins among its leaves (outermost parts; as
+    :mod:`gradtx.checkpoint` finds them): the state's moments, momentum buffers, accumulators."""
+    starts: list[int] = []
+
+    def walk(spec: Any, start: int) -> None:
+        if spec == params_def:
+            starts.append(start)
+            return
+        if spec.is_leaf():
+            return
+        for child in spec.children():
+            walk(child, start)
+            start += child.num_leaves
+
+    walk(state_def, 0)
+    return tuple(starts)
+
+
+_remembered_parts = functools.lru_cache(maxsize=256)(find_params_parts)
+
+
+def _stored(leaf: Any, param: Any, min_size: int) -> bool:
+    """Whether a state leaf made from ``param`` is stored quantized: a real floating tensor of the
+    param's shape, whose param has at least ``min_size`` elements (and has some)."""
+    return (
+        isinstance(leaf, Tensor)
+        and isinstance(param, Tensor)
+        and leaf.is_floating_point()
+        and leaf.shape == param.shape
+        and param.numel() >= max(min_size, 1)
+    )
+
+
+# --------------------------------------------------------------------------- the transformation
+
+
+def quantize_state(
+    inner: GradientTransformation,
+    bits: Union[int, torch.dtype] = 8,
+    *,
+    block_size: Optional[int] = None,
+    min_size: int = 4096,
+    spec: Optional[ShardingSpec] = None,
+) -> GradientTransformation:
+    """``inner`` with its per-element moments stored in 8 or 4 bits (or bfloat16, or float8).
+
+    Every floating leaf of ``inner``'s state that mirrors a param (same shape as its param, in a
+    part of the state shaped like the params: Adam's ``mu`` and ``nu``, a momentum buffer,
+    Lion's momentum, contrib optimizers' moments) and whose param has at least ``min_size``
+    elements is stored as codes plus per-block scales; everything else (step counts, small
+    leaves, factored statistics) stays exactly as ``inner`` keeps it. ``update`` dequantizes the
+    stored leaves, runs ``inner.update`` on them, and quantizes the new ones.
+
+    Blocks follow the logical tensor: a block is a run of ``block_size`` elements along the last
+    dim, within one row (a 1-D leaf: along its only dim). A block is divided by its absolute
+    maximum (its scale, kept in float32) and each value is stored as the nearest value of a
+    non-linear map (the same inputs give the same codes, always). Which map a block uses is
+    decided by the block's own values, not by the field it belongs to: a block holding a
+    negative value (a first moment, a momentum) uses the signed map, any other block (a second
+    moment) the unsigned one, and the choice is recorded in the sign bit of the block's scale.
+    So nothing depends on how the state is laid out, and any inner transformation works.
+
+    - ``bits=8``: Dettmers et al.'s dynamic tree maps, signed and unsigned; blocks of 256.
+    - ``bits=4``: Li et al.'s dynamic exponent map (signed) and linear map without zero
+      (unsigned: a second moment never reads back as zero, which would blow up ``1/sqrt(nu)``);
+      blocks of 128; two codes per byte along the last dim.
+    - ``bits=torch.float8_e4m3fn``: each block scaled so its absmax is 448 and cast (round to
+      nearest); blocks of 256.
+    - ``bits=torch.bfloat16``: a plain cast (round to nearest), no blocks.
+
+    A non-finite value makes its whole block read back non-finite (never silently finite).
+
+    Args:
+      inner: the transformation whose state is stored quantized (``adamw(...)``, a chain, ...).
+      bits: the storage: ``8``, ``4``, ``torch.bfloat16`` or ``torch.float8_e4m3fn``.
+      block_size: the block length (default 256; 128 for 4 bits). Not taken with bfloat16.
+      min_size: leaves whose param has fewer elements are kept as ``inner`` keeps them
+        (quantizing a bias saves little and costs accuracy).
+      spec: the params' :class:`~gradtx.sharding.ShardingSpec`. Quantized state of sharded
+        params (a spec, or DTensor params) is refused for now with ``NotImplementedError``.
+
+    Returns:
+      A transformation with ``inner``'s updates, whose state is a :class:`QuantizedState`. It
+      takes ``update``'s extra arguments when ``inner`` does.
+
+    References:
+      Dettmers, Lewis, Shleifer & Zettlemoyer, `8-bit Optimizers via Block-wise Quantization
+      <https://arxiv.org/abs/2110.02861>`_, ICLR, 2022
+
+      Li, Chen & Zhu, `Memory Efficient Optimizers with 4-bit States
+      <https://arxiv.org/abs/2309.01507>`_, NeurIPS, 2023
+
+    Examples:
+      >>> import torch
+      >>> import gradtx as gtx
+      >>> params = {"w": torch.linspace(-1.0, 1.0, 8192)}
+      >>> def f(params):  # a quadratic, smallest at w = 0
+      ...     return (params["w"] ** 2).sum()
+      >>> tx = gtx.quantize_state(gtx.adamw(learning_rate=0.1), bits=8)  # AdamW fp32: 1993.9 ... 392.2
+      >>> state = tx.init(params)
+      >>> state.codes[0]["w"].dtype, tuple(state.scales[0]["w"].shape)  # mu's codes and its 32 blocks' scales
+      (torch.uint8, (32,))
+      >>> for _ in range(5):
+      ...     grads = torch.func.grad(f)(params)
+      ...     updates, state = tx.update(grads, state, params)
+      ...     params = gtx.apply_updates(params, updates)
+      ...     print(f"{f(params):.1f}")
+      1993.9
+      1406.1
+      956.0
+      624.3
+      391.3
+    """
+    owner = "quantize_state"
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"{owner}: inner must be a GradientTransformation, got {type(inner).__name__}")
+    fmt = storage_format(bits, block_size, owner=owner)
+    if not isinstance(min_size, int) or isinstance(min_size, bool):
+        raise TypeError(f"{owner}: min_size must be an int, got {type(min_size).__name__}")
+    if min_size < 0:
+        raise ValueError(f"{owner}: min_size must be >= 0, got {min_size}")
+    if spec is not None:
+        if not isinstance(spec, ShardingSpec):
+            raise TypeError(f"{owner}: spec must be a gradtx.sharding.ShardingSpec or None, got {type(spec).__name__}")
+        raise NotImplementedError(f"{owner}: quantized state under a ShardingSpec is not supported")
+    inner_update = with_inplace(inner)
+    extra = takes_extra_args(inner)
+
+    def init_fn(params: PyTree) -> QuantizedState:
+        param_leaves, params_def, _ = tree_lib.tensor_leaves(params, what="params")
+        inner_state = inner.init(params)
+        leaves, state_def = tree_lib.flatten(inner_state)
+        codes, scales = [], []
+        for start in params_parts(state_def, params_def):
+            part_codes: list[Any] = [None] * len(param_leaves)
+            part_scales: list[Any] = [None] * len(param_leaves)
+            for i, param in enumerate(param_leaves):
+                leaf = leaves[start + i]
+                if not _stored(leaf, param, min_size):
+                    continue
+                if dtensor_lib.is_dtensor(leaf) or dtensor_lib.is_dtensor(param):
+                    raise NotImplementedError(
+                        f"{owner}: param {tree_lib.path_at(params, i)!r} is a DTensor; quantized state of "
+                        "DTensor params is not supported"
+                    )
+                part_codes[i], part_scales[i] = encode(leaf, fmt)
+                leaves[start + i] = leaf.new_empty((*leaf.shape, 0))
+            codes.append(tree_lib.unflatten(params_def, part_codes))
+            scales.append(tree_lib.unflatten(params_def, part_scales))
+        return QuantizedState(tree_lib.unflatten(state_def, leaves), tuple(codes), tuple(scales))
+
+    def stored_leaves(state: QuantizedState) -> tuple[list[Any], Any, list[tuple[int, int, int]]]:
+        """The inner state's leaves, its structure, and ``(leaf index, part, param index)`` of each stored leaf."""
+        leaves, state_def = tree_lib.flatten(state.inner)
+        if not state.codes:
+            return leaves, state_def, []
+        params_def = tree_lib.structure(state.codes[0])
+        starts = params_parts(state_def, params_def)
+        if len(starts) != len(state.codes) or len(state.scales) != len(state.codes):
+            raise ValueError(
+                f"{owner}: the state holds codes for {len(state.codes)} params-shaped parts and scales for "
+                f"{len(state.scales)}, but its inner state has {len(starts)}; it was not made by this transformation"
+            )
+        found = []
+        for part, start in enumerate(starts):
+            for i, code in enumerate(tree_lib.leaves(state.codes[part])):
+                if code is not None:
+                    found.append((start + i, part, i))
+        return leaves, state_def, found
+
+    def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
+        leaves, state_def, found = stored_leaves(state)
+        code_leaves = [tree_lib.leaves(tree) for tree in state.codes]
+        scale_leaves = [tree_lib.leaves(tree) for tree in state.scales]
+        for index, part, i in found:
+            leaves[index] = decode(code_leaves[part][i], scale_leaves[part][i], leaves[index], fmt)
+        inner_state = tree_lib.unflatten(state_def, leaves)
+        if not extra:
+            extra_args = {}
+        new_updates, new_inner = inner_update(updates, inner_state, params, inplace=inplace, **extra_args)
+        new_leaves, new_def = tree_lib.flatten(new_inner)
+        if new_def != state_def:
+            raise ValueError(f"{owner}: {name_of(inner.update)} returned a state of another structure than it was given")
+        new_codes = [list(c) for c in code_leaves]
+        new_scales = [list(s) for s in scale_leaves]
+        for index, part, i in found:
+            leaf = new_leaves[index]
+            new_codes[part][i], new_scales[part][i] = encode(leaf, fmt)
+            new_leaves[index] = leaf.new_empty((*leaf.shape, 0))
+        codes = tuple(tree_lib.unflatten(tree_lib.structure(t), c) for t, c in zip(state.codes, new_codes))
+        scales = tuple(tree_lib.unflatten(tree_lib.structure(t), s) for t, s in zip(state.scales, new_scales))
+        return new_updates, QuantizedState(tree_lib.unflatten(new_def, new_leaves), codes, scales)
+
+    if takes_donated_updates(inner):
+        update_fn = supports_donated_updates(update_fn, returns_new_updates=returns_new_updates(inner))
+    name = f"quantize_state({name_of(inner.update)})"
+    return (GradientTransformationExtraArgs if extra else GradientTransformation)(init_fn, named(update_fn, name))

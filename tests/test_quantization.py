@@ -1,0 +1,504 @@
+"""Quantized state (``gradtx.quantize_state``) against the published recipes.
+
+The code books are checked against Dettmers et al.'s and Li et al.'s constructions; per block,
+the codes are checked against a reference computed here from the published formula (divide by
+the block's absmax, take the nearest map value), with hypothesis properties (the error bound,
+zeros, signs, idempotence); the wrapper keeps small leaves bit for bit, stores ~2 (8-bit) and
+~1 (4-bit) bytes per parameter for AdamW, tracks fp32 AdamW over 50 steps, and goes through
+checkpoints, ``wrap``, ``compile_step`` and ``inject_hyperparams``.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gradtx as gtx
+from gradtx.quantization import blocks, maps
+from gradtx.quantization.state import decode, storage_format
+
+FORMATS = (8, 4, torch.float8_e4m3fn)
+
+
+# --------------------------------------------------------------------------- code books
+
+
+def test_8_bit_dynamic_tree_maps_follow_the_paper():
+    signed, unsigned = maps.signed_dynamic_map(8), maps.unsigned_dynamic_map(8)
+    assert len(signed) == len(unsigned) == 256
+    assert signed == sorted(signed) and unsigned == sorted(unsigned)
+    assert signed[0] == -1.0 and signed[-1] == 1.0 and unsigned[0] == 0.0 and unsigned[-1] == 1.0
+    positive = [v for v in signed if v > 0]
+    assert positive == [-v for v in reversed(signed[:127])]  # symmetric
+    # one decade per exponent: 2**6 linear steps in (0.1, 1], 2**5 in (0.01, 0.1], ..., one at 1e-6
+    for exponent, count in enumerate((64, 32, 16, 8, 4, 2, 1)):
+        top = 10.0**-exponent
+        assert sum(top / 10 < v <= top * (1 + 1e-12) for v in positive) == count
+    assert min(positive) == pytest.approx(1e-6) and min(v for v in unsigned if v > 0) == pytest.approx(1e-7)
+    assert [torch.signbit(torch.tensor(v)).item() for v in signed[127:129]] == [True, False]  # -0.0, 0.0
+
+
+def test_4_bit_maps_follow_the_paper():
+    signed, linear = maps.signed_dynamic_map(4), maps.linear_map_without_zero(4)
+    assert len(signed) == len(linear) == 16
+    assert [v for v in signed if v > 0] == pytest.approx([0.01, 0.055, 0.1, 0.325, 0.55, 0.775, 1.0])
+    assert linear == [k / 16 for k in range(1, 17)] and 0.0 not in linear
+
+
+# --------------------------------------------------------------------------- one block: the published formula
+
+
+def _reference(x: torch.Tensor, block_size: int, bits) -> torch.Tensor:
+    """Dequantized ``x`` (2-D) by the formula, block by block, with Python slicing: absmax of the
+    block, the nearest value of the signed map if the block has a sign bit set, else the unsigned."""
+    codec = maps.codec(bits)
+    out = torch.empty_like(x)
+    for r in range(x.shape[0]):
+        for start in range(0, x.shape[1], block_size):
+            block = x[r, start : start + block_size]
+            absmax = block.abs().max()
+            signed = bool(torch.signbit(block).any())
+            normalized = block / absmax if absmax > 0 else block
+            if isinstance(codec, maps.FloatCodec):
+                values = (normalized * codec.max).to(codec.code_dtype).to(torch.float32) / codec.max
+            else:
+                table = (codec.signed if signed else codec.unsigned).to(torch.float64)
+                values = table[(normalized.double()[:, None] - table).abs().argmin(dim=1)].to(torch.float32)
+                if signed:  # the sign bit survives rounding to zero
+                    values = torch.where(values == 0, torch.copysign(values, block), values)
+            out[r, start : start + block_size] = values * absmax
+    return out
+
+
+def _roundtrip(x: torch.Tensor, block_size: int, bits, offset: int = 0):
+    geo = blocks.geometry(x.shape, block_size, offset)
+    scales = blocks.block_scales(blocks.block_absmax(x, geo), blocks.block_signed(x, geo))
+    codec = maps.codec(bits)
+    codes = blocks.quantize(x, scales, geo, codec)
+    return codes, scales, blocks.dequantize(codes, scales, geo, codec, torch.float32)
+
+
+def _tensors(draw, max_rows=3, max_cols=70):
+    rows, cols = draw(st.integers(1, max_rows)), draw(st.integers(1, max_cols))
+    scale = draw(st.sampled_from([1e-12, 1e-3, 1.0, 1e6]))
+    seed = draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=gen) * scale
+    kind = draw(st.sampled_from(["signed", "non-negative", "sparse", "tiny negative"]))
+    if kind == "non-negative":
+        x = x.abs()
+    elif kind == "sparse":
+        x = torch.where(torch.rand(rows, cols, generator=gen) < 0.5, x, torch.zeros(()))
+    elif kind == "tiny negative":
+        x = x.abs()
+        x[..., 0] = -1e-9 * scale  # rounds to zero in every map: read back as -0.0
+    return x
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), bits=st.sampled_from(FORMATS), block_size=st.sampled_from([1, 4, 16, 32]))
+def test_codes_are_the_nearest_map_value_of_each_block(data, bits, block_size):
+    x = data.draw(st.builds(lambda: None).flatmap(lambda _: st.composite(_tensors)()))
+    codes, scales, y = _roundtrip(x, block_size, bits)
+    assert codes.shape == x.shape and scales.shape == (x.shape[0], -(-x.shape[1] // block_size))
+    expected = _reference(x, block_size, bits)
+    codec = maps.codec(bits)
+    absmax = scales.abs().repeat_interleave(block_size, dim=1)[:, : x.shape[1]]
+    if isinstance(codec, maps.TableCodec):
+        # equal to the reference but where the value sits on a midpoint, up to float32 rounding
+        assert torch.allclose(y, expected, rtol=1e-6, atol=0) or _near_midpoints(x, absmax, scales, block_size, codec)
+        # the error is at most half the gap of the map around the value (or the distance to the
+        # map's end for a value beyond it: the zero-free map below its first entry)
+        signed = torch.signbit(scales).repeat_interleave(block_size, dim=1)[:, : x.shape[1]]
+        normalized = torch.where(absmax > 0, x / torch.where(absmax > 0, absmax, 1), x)
+        bound = torch.where(signed, _half_gaps(normalized, codec.signed), _half_gaps(normalized, codec.unsigned))
+        assert ((y - x).abs() <= bound * absmax * (1 + 1e-5) + 1e-30).all()
+        # zeros stay zero where the map has one
+        has_zero = signed | (codec.unsigned[0] == 0)
+        assert (y[(x == 0) & has_zero] == 0).all()
+    else:
+        assert torch.equal(y, expected)
+    # the sign bit is kept, and quantizing the dequantized tensor gives the same codes and scales
+    assert torch.equal(torch.signbit(y), torch.signbit(x))
+    codes_again, scales_again, _ = _roundtrip(y, block_size, bits)
+    assert torch.equal(codes_again.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(scales_again, scales)
+
+
+def _half_gaps(normalized: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    table = table.double()
+    above = torch.searchsorted(table, normalized.double()).clamp(max=len(table) - 1)
+    below = (above - 1).clamp(min=0)
+    gap = (table[above] - table[below]) / 2
+    beyond = (normalized.double() - table[above]).abs()  # below the first entry, or above the last
+    outside = (normalized.double() < table[0]) | (normalized.double() > table[-1])
+    return torch.where(outside, beyond, gap).to(torch.float32) + 1e-7
+
+
+def _near_midpoints(x, absmax, scales, block_size, codec) -> bool:
+    normalized = (x / torch.where(absmax > 0, absmax, 1)).double()
+    mids = torch.cat([(codec.signed[1:] + codec.signed[:-1]) / 2, (codec.unsigned[1:] + codec.unsigned[:-1]) / 2]).double()
+    return bool(((normalized[..., None] - mids).abs().min(dim=-1).values < 1e-6).any())
+
+
+@pytest.mark.parametrize("bits", FORMATS)
+def test_a_non_finite_value_makes_its_block_non_finite(bits):
+    x = torch.linspace(-1, 1, 12).reshape(1, 12)
+    for bad in (float("nan"), float("inf")):
+        x_bad = x.clone()
+        x_bad[0, 1] = bad
+        _, _, y = _roundtrip(x_bad, 4, bits)
+        assert not torch.isfinite(y[0, :4]).any() and torch.isfinite(y[0, 4:]).all()
+
+
+# --------------------------------------------------------------------------- pieces of the logical tensor
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 3), cols=st.integers(1, 40), block_size=st.integers(1, 9),
+    cut=st.data(), bits=st.sampled_from(FORMATS),
+)
+def test_a_piece_at_its_offset_holds_the_dense_codes(rows, cols, block_size, cut, bits):
+    """A column slice, given the scales of the blocks it touches (the max over the pieces
+    sharing an edge block), quantizes to the dense codes' slice; its own absmax and sign flags
+    combine (max, or) to the dense ones."""
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols))
+    codes, scales, y = _roundtrip(x, block_size, bits)
+    start = cut.draw(st.integers(0, cols - 1))
+    stop = cut.draw(st.integers(start + 1, cols))
+    piece = x[:, start:stop]
+    geo = blocks.geometry(piece.shape, block_size, start)
+    mine = scales[:, geo.first_block : geo.first_block + geo.blocks]
+    codec = maps.codec(bits)
+    piece_codes = blocks.quantize(piece, mine, geo, codec)
+    assert torch.equal(piece_codes.view(torch.uint8), codes[:, start:stop].view(torch.uint8))
+    assert torch.equal(blocks.dequantize(piece_codes, mine, geo, codec, torch.float32), y[:, start:stop])
+    # the pieces [0, start), [start, stop), [stop, cols) together give the dense absmax
+    absmax = torch.zeros(rows, scales.shape[1])
+    signed = torch.zeros(rows, scales.shape[1], dtype=torch.bool)
+    for a, b in ((0, start), (start, stop), (stop, cols)):
+        if a < b:
+            g = blocks.geometry((rows, b - a), block_size, a)
+            sl = slice(g.first_block, g.first_block + g.blocks)
+            absmax[:, sl] = torch.maximum(absmax[:, sl], blocks.block_absmax(x[:, a:b], g))
+            signed[:, sl] |= blocks.block_signed(x[:, a:b], g)
+    assert torch.equal(blocks.block_scales(absmax, signed), scales)
+
+
+@settings(max_examples=40, deadline=None)
+@given(start=st.integers(0, 60), length=st.integers(0, 60), row_length=st.integers(1, 13))
+def test_flat_segments_cover_a_flat_piece_row_by_row(start, length, row_length):
+    stop = start + length
+    covered = []
+    for seg in blocks.flat_segments(start, stop, row_length):
+        assert (seg.end - seg.begin) % seg.rows == 0
+        columns = (seg.end - seg.begin) // seg.rows
+        assert seg.offset + columns <= row_length
+        for r in range(seg.rows):
+            first = start + seg.begin + r * columns
+            assert first % row_length == seg.offset  # each row of the segment starts at its offset
+            covered += list(range(first, first + columns))
+    assert covered == list(range(start, stop))
+
+
+@settings(max_examples=40, deadline=None)
+@given(lead=st.integers(0, 3), columns=st.integers(1, 9), offset=st.integers(0, 5), seed=st.integers(0, 99))
+def test_4_bit_codes_pack_two_per_byte_and_unpack(lead, columns, offset, seed):
+    shape = (2,) * lead + (columns,)
+    codes = torch.randint(0, 16, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    packed = blocks.pack_nibbles(codes, offset)
+    assert packed.dtype == torch.uint8 and packed.shape == shape[:-1] + (-(-(offset % 2 + columns) // 2),)
+    assert torch.equal(blocks.unpack_nibbles(packed, columns, offset), codes)
+    if offset % 2 == 0 and columns % 2 == 0:  # logical columns 2j, 2j + 1 in byte j, low nibble first
+        assert torch.equal(packed, codes[..., 0::2] | (codes[..., 1::2] << 4))
+
+
+# --------------------------------------------------------------------------- the wrapper
+
+
+def _problem(n_in=64, n_out=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randn(256, n_in, generator=gen)
+    target = data @ torch.randn(n_in, n_out, generator=gen) * 0.1 + 0.01 * torch.randn(256, n_out, generator=gen)
+    params = {"w": torch.zeros(n_in, n_out), "b": torch.zeros(n_out)}
+
+    def loss(p):
+        return ((data @ p["w"] + p["b"] - target) ** 2).mean()
+
+    return params, loss
+
+
+def _run(tx, params, loss, steps):
+    state = tx.init(params)
+    for _ in range(steps):
+        updates, state = tx.update(torch.func.grad(loss)(params), state, params)
+        params = gtx.apply_updates(params, updates)
+    return params, state
+
+
+# bits: (|loss - fp32 loss| / initial loss, relative distance of the params, of mu, of nu) after 50
+# steps; measured: 8-bit 4e-5, 0.011, 0.10, 0.042; 4-bit 0.031, 0.30, 1.96, 0.38 (Li et al. reach
+# parity with a rank-1 normalization of nu, not done here); float8 5e-5, 0.030, 0.26, 0.16;
+# bfloat16 4e-6, 0.0013, 0.012, 0.019.
+TRACKING = {
+    8: (1e-3, 0.03, 0.2, 0.1),
+    4: (0.05, 0.5, 3.0, 0.6),
+    torch.float8_e4m3fn: (1e-3, 0.06, 0.4, 0.25),
+    torch.bfloat16: (1e-4, 0.005, 0.03, 0.04),
+}
+
+
+@pytest.mark.parametrize("bits", list(TRACKING), ids=str)
+def test_quantized_adamw_tracks_fp32_adamw_over_50_steps(bits):
+    loss_tol, params_tol, mu_tol, nu_tol = TRACKING[bits]
+    params, loss = _problem()
+    exact_params, exact_state = _run(gtx.adamw(1e-2, weight_decay=0.1), params, loss, 50)
+    tx = gtx.quantize_state(gtx.adamw(1e-2, weight_decay=0.1), bits)
+    q_params, q_state = _run(tx, params, loss, 50)
+    start = loss(params).item()
+    assert loss(exact_params).item() < 0.01 * start
+    assert abs(loss(q_params).item() - loss(exact_params).item()) <= loss_tol * start
+    assert (q_params["w"] - exact_params["w"]).norm() <= params_tol * exact_params["w"].norm()
+    fmt = storage_format(bits, None)
+    adam = q_state.inner[0]
+    assert adam.mu["b"].shape == (64,)  # 64 < min_size: kept as it is
+    for part, name, tol in ((0, "mu", mu_tol), (1, "nu", nu_tol)):
+        stored = decode(q_state.codes[part]["w"], q_state.scales[part]["w"], getattr(adam, name)["w"], fmt)
+        reference = getattr(exact_state[0], name)["w"]
+        assert (stored - reference).norm() <= tol * reference.norm()
+
+
+def test_each_step_stores_the_reference_codes_of_the_inner_update():
+    """One step of quantize_state is: read back, run the inner update, quantize by the formula."""
+    params, loss = _problem(64, 64)
+    inner = gtx.adam(1e-2)
+    tx = gtx.quantize_state(inner, 8, block_size=64)
+    state = tx.init(params)
+    fmt = storage_format(8, 64)
+    for _ in range(5):
+        grads = torch.func.grad(loss)(params)
+        adam = state.inner[0]
+        read = adam._replace(
+            mu={**adam.mu, "w": decode(state.codes[0]["w"], state.scales[0]["w"], adam.mu["w"], fmt)},
+            nu={**adam.nu, "w": decode(state.codes[1]["w"], state.scales[1]["w"], adam.nu["w"], fmt)},
+        )
+        expected_updates, expected = inner.update(grads, (read,) + tuple(state.inner[1:]), params)
+        updates, state = tx.update(grads, state, params)
+        assert torch.equal(updates["w"], expected_updates["w"]) and torch.equal(updates["b"], expected_updates["b"])
+        for part, name in ((0, "mu"), (1, "nu")):
+            got = decode(state.codes[part]["w"], state.scales[part]["w"], state.inner[0].mu["w"], fmt)
+            want = _reference(getattr(expected[0], name)["w"], 64, 8)
+            assert torch.allclose(got, want, rtol=1e-6, atol=0)
+        params = gtx.apply_updates(params, updates)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: gtx.adam(1e-2),
+        lambda: gtx.lion(1e-3),
+        lambda: gtx.sgd(1e-1, momentum=0.9),
+        lambda: gtx.contrib.adopt(1e-2),
+        lambda: gtx.contrib.ademamix(1e-2),
+    ],
+    ids=["adam", "lion", "sgd-momentum", "adopt", "ademamix"],
+)
+def test_any_inner_optimizer_with_per_element_moments(make):
+    params, loss = _problem()
+    exact, _ = _run(make(), params, loss, 10)
+    quantized, state = _run(gtx.quantize_state(make()), params, loss, 10)
+    stored = [c for tree in state.codes for c in gtx.tree.leaves(tree) if c is not None]
+    assert stored and all(c.dtype == torch.uint8 and c.shape == (64, 64) for c in stored)
+    assert loss(quantized).item() < 0.9 * loss(params).item()
+    assert abs(loss(quantized).item() - loss(exact).item()) <= 0.05 * loss(params).item()
+
+
+def test_small_leaves_stay_as_the_inner_optimizer_keeps_them_bit_for_bit():
+    params, loss = _problem(16, 16)  # 256 and 16 elements, both under min_size
+    plain_params, plain_state = _run(gtx.adamw(1e-2), params, loss, 5)
+    q_params, q_state = _run(gtx.quantize_state(gtx.adamw(1e-2), 4), params, loss, 5)
+    assert all(c is None for tree in q_state.codes for c in gtx.tree.leaves(tree))
+    for a, b in zip(gtx.tree.leaves((plain_params, plain_state)), gtx.tree.leaves((q_params, q_state.inner))):
+        assert torch.equal(a, b)
+    # with a min_size between them, the small leaf's state and updates are still the plain ones
+    tx, plain = gtx.quantize_state(gtx.adamw(1e-2), 8, min_size=100), gtx.adamw(1e-2)
+    state, plain_state = tx.init(params), plain.init(params)
+    for step in range(5):
+        gen = torch.Generator().manual_seed(step)
+        grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+        updates, state = tx.update(grads, state, params)
+        plain_updates, plain_state = plain.update(grads, plain_state, params)
+        assert torch.equal(updates["b"], plain_updates["b"]) and torch.equal(state.inner[0].nu["b"], plain_state[0].nu["b"])
+        assert state.codes[0]["w"] is not None
+
+
+@pytest.mark.parametrize(("bits", "low", "high"), [(8, 2.0, 2.04), (4, 1.0, 1.07), (torch.float8_e4m3fn, 2.0, 2.04), (torch.bfloat16, 4.0, 4.0)])
+def test_bytes_per_parameter_of_adamw_state(bits, low, high):
+    params = {"w": torch.zeros(1024, 1024)}
+    state = gtx.quantize_state(gtx.adamw(1e-3), bits).init(params)
+    total = sum(x.numel() * x.element_size() for x in gtx.tree.leaves(state) if isinstance(x, torch.Tensor))
+    assert low <= total / 2**20 <= high + 16 / 2**20  # the step count's bytes included
+
+
+def test_dtype_of_a_stored_leaf_is_kept():
+    params = {"w": torch.randn(64, 64).to(torch.bfloat16)}
+    tx = gtx.quantize_state(gtx.adam(1e-2, mu_dtype=torch.float32), 8, min_size=16)
+    state = tx.init(params)
+    assert state.inner[0].mu["w"].dtype == torch.float32 and state.inner[0].nu["w"].dtype == torch.bfloat16
+    _, state = tx.update({"w": torch.ones(64, 64, dtype=torch.bfloat16)}, state, params)
+    assert state.inner[0].mu["w"].shape == (64, 64, 0) and state.inner[0].mu["w"].dtype == torch.float32
+    assert state.inner[0].nu["w"].dtype == torch.bfloat16
+    fmt = storage_format(8, None)
+    mu = decode(state.codes[0]["w"], state.scales[0]["w"], state.inner[0].mu["w"], fmt)
+    assert mu.dtype == torch.float32 and torch.allclose(mu, torch.full((64, 64), 0.1), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- checkpoints, wrap, compile, hyperparams
+
+
+def test_state_round_trips_through_a_checkpoint_and_torch_load_weights_only():
+    params, loss = _problem()
+    tx = gtx.quantize_state(gtx.adamw(1e-2), 4)
+    straight, _ = _run(tx, params, loss, 6)
+    first, state = _run(tx, params, loss, 3)
+    buffer = io.BytesIO()
+    torch.save(gtx.checkpoint.state_dict(state, first), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    template = tx.init(first)
+    state = gtx.checkpoint.load_state_dict(template, loaded, first)
+    for a, b in zip(gtx.tree.leaves(state), gtx.tree.leaves(_run(tx, params, loss, 3)[1])):
+        assert (a is None and b is None) or (torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape)
+    resumed = first
+    for _ in range(3):
+        updates, state = tx.update(torch.func.grad(loss)(resumed), state, resumed)
+        resumed = gtx.apply_updates(resumed, updates)
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 4))
+
+
+def _batch_loss(model, step):
+    gen = torch.Generator().manual_seed(step)
+    x, y = torch.randn(32, 64, generator=gen), torch.randn(32, 4, generator=gen)
+    return ((model(x) - y) ** 2).mean()
+
+
+def test_under_wrap_it_is_the_functional_step_and_its_state_dict_loads_with_weights_only(tmp_path):
+    """``wrap(SGD(lr), quantize_state(scale_by_adam()))`` is quantized Adam; saving and loading
+    the optimizer's state dict midway (``weights_only=True``) resumes the same run."""
+
+    def make(model):
+        return gtx.wrap(torch.optim.SGD(model.parameters(), lr=1e-2), gtx.quantize_state(gtx.scale_by_adam(), min_size=1000), model=model)
+
+    straight = _mlp()
+    opt = make(straight)
+    functional = {k: v.detach().clone() for k, v in _mlp().named_parameters()}
+    tx = gtx.chain(gtx.quantize_state(gtx.scale_by_adam(), min_size=1000), gtx.scale(-1e-2))
+    state = tx.init(functional)
+    for step in range(6):
+        opt.zero_grad()
+        _batch_loss(straight, step).backward()
+        opt.step()
+        grads = torch.func.grad(lambda p: _batch_loss(lambda x: torch.func.functional_call(straight, p, (x,)), step))(functional)
+        updates, state = tx.update(grads, state, functional)
+        functional = gtx.apply_updates(functional, updates)
+    for name, p in straight.named_parameters():
+        torch.testing.assert_close(p.detach(), functional[name], rtol=1e-5, atol=1e-6)
+
+    first = _mlp()
+    opt = make(first)
+    for step in range(3):
+        opt.zero_grad()
+        _batch_loss(first, step).backward()
+        opt.step()
+    torch.save({"model": first.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    resumed = _mlp(seed=7)
+    resumed.load_state_dict(checkpoint["model"])
+    opt = make(resumed)
+    opt.load_state_dict(checkpoint["opt"])
+    for step in range(3, 6):
+        opt.zero_grad()
+        _batch_loss(resumed, step).backward()
+        opt.step()
+    for a, b in zip(resumed.parameters(), straight.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_compiled_step_equals_the_eager_step_bit_for_bit(bits=4):
+    """The whole step traces as one graph (``fullgraph=True``) and computes what the eager step
+    does, 4-bit codes (unpacked, looked up, packed) included. (Inductor's kernels round AdamW's arithmetic differently from eager, by an ulp, with or
+    without quantized state; ``tests/test_compile_step.py`` checks that closeness.)"""
+    torch._dynamo.reset()
+    params, loss = _problem(64, 64)
+    tx = gtx.quantize_state(gtx.adamw(1e-2, weight_decay=0.1), bits, min_size=1000)
+    step = gtx.compile_step(tx, backend="aot_eager")
+    state = eager_state = tx.init(params)
+    eager = params
+    for _ in range(3):
+        grads = torch.func.grad(loss)(eager)
+        params, state = step(grads, state, params)
+        updates, eager_state = tx.update(grads, eager_state, eager)
+        eager = gtx.apply_updates(eager, updates)
+        for a, b in zip(gtx.tree.leaves((params, state)), gtx.tree.leaves((eager, eager_state))):
+            assert (a is None and b is None) or (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
+    torch._dynamo.reset()
+
+
+def test_a_learning_rate_changed_midway_takes_effect_under_inject_hyperparams():
+    params, loss = _problem()
+
+    def quantized_adamw(learning_rate):
+        return gtx.quantize_state(gtx.adamw(learning_rate))
+
+    outside = gtx.inject_hyperparams(quantized_adamw)(learning_rate=1e-2)
+    inside = gtx.quantize_state(gtx.inject_hyperparams(gtx.adamw)(learning_rate=1e-2))
+    for tx, hyperparams in ((outside, lambda s: s.hyperparams), (inside, lambda s: s.inner.hyperparams)):
+        p, state = _run(tx, params, loss, 3)
+        hyperparams(state)["learning_rate"].fill_(0.0)
+        updates, state = tx.update(torch.func.grad(loss)(p), state, p)
+        assert all(not u.any() for u in gtx.tree.leaves(updates))
+        hyperparams(state)["learning_rate"].fill_(2e-2)  # twice the rate: twice the plain run's update
+        twice, _ = tx.update(torch.func.grad(loss)(p), state, p)
+        hyperparams(state)["learning_rate"].fill_(1e-2)
+        once, _ = tx.update(torch.func.grad(loss)(p), state, p)
+        torch.testing.assert_close(twice["w"], 2 * once["w"], rtol=1e-5, atol=1e-8)
+
+
+def test_extra_arguments_reach_an_inner_transformation_that_takes_them():
+    assert isinstance(gtx.quantize_state(gtx.lbfgs()), gtx.GradientTransformationExtraArgs)
+    assert not isinstance(gtx.quantize_state(gtx.adam(1e-2)), gtx.GradientTransformationExtraArgs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (dict(bits=3), ValueError, "bits must be 8, 4, torch.bfloat16 or torch.float8_e4m3fn, got 3"),
+        (dict(bits=True), ValueError, "bits must be"),
+        (dict(bits=torch.float16), ValueError, r"bits must be .*, got torch\.float16"),
+        (dict(block_size=0), ValueError, "block_size must be at least 1, got 0"),
+        (dict(block_size=2.5), TypeError, "block_size must be an int, got float"),
+        (dict(bits=torch.bfloat16, block_size=64), ValueError, "bfloat16 storage is a plain cast"),
+        (dict(min_size=-1), ValueError, "min_size must be >= 0"),
+        (dict(min_size="big"), TypeError, "min_size must be an int"),
+        (dict(spec="tp"), TypeError, "spec must be a gradtx.sharding.ShardingSpec"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(kwargs, error, message):
+    with pytest.raises(error, match="quantize_state: " + message):
+        gtx.quantize_state(gtx.adam(1e-2), **kwargs)
+
+
+def test_bad_inner_and_non_tensor_params_are_clear_errors():
+    with pytest.raises(TypeError, match="quantize_state: inner must be a GradientTransformation, got function"):
+        gtx.quantize_state(gtx.adam)
+    with pytest.raises(TypeError, match="'w'"):
+        gtx.quantize_state(gtx.adam(1e-2)).init({"w": 1.0})
