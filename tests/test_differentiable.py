@@ -228,6 +228,7 @@ COMPONENTS = {
         gtx.monitor({"norm": gtx.measure_with_ema(gtx.global_norm, 0.9)}), gtx.scale_by_adam()
     ),
     "monitor": lambda: gtx.chain(gtx.monitor({"norm": gtx.global_norm}), gtx.scale_by_adam()),
+    "observe": lambda: gtx.observe(gtx.scale_by_adam(), groups=1),
     "multi_transform": lambda: gtx.multi_transform(
         {"adam": gtx.scale_by_adam(), "sgd": gtx.trace(0.9)}, {"w": "adam", "b": "sgd"}
     ),
@@ -308,6 +309,7 @@ COMPONENTS_NOT_COVERED = {
     "unitwise_norm": "a function, differentiated inside adaptive_grad_clip",
     "chain": "every case is a chain",
     "get_measurement": "reads a state",
+    "observations": "reads a state into floats, for loggers",
     "skip_not_finite": "a MultiSteps skip function: covered by MultiSteps/skip_not_finite",
     "skip_large_updates": "a MultiSteps skip function: covered by MultiSteps/skip_large_updates",
     "from_torch": "runs a torch.optim.Optimizer's step, which torch takes under no_grad: not differentiable",

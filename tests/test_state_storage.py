@@ -60,6 +60,7 @@ FACTORIES = {
     "stochastic_rounding": lambda: gtx.chain(gtx.adam(1e-2), gtx.stochastic_rounding(3)),
     "kahan_summation": lambda: gtx.chain(gtx.adam(1e-2), gtx.kahan_summation()),
     "master_weights": lambda: gtx.master_weights(gtx.adam(1e-2)),
+    "observe": lambda: gtx.observe(gtx.adam(1e-2), groups=1),
     "apply_if_finite": lambda: gtx.apply_if_finite(running_sum(), 2),
     "centralize": gtx.centralize,
     "chain": lambda: gtx.chain(gtx.clip_by_global_norm(1.0), running_sum(), adam()),
