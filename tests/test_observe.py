@@ -258,6 +258,12 @@ def test_through_wrap():
         expected = _norm([g for k, g in grads.items() if k.startswith(module + ".")])
         assert math.isclose(logged[f"grad_norm/{module}"], float(expected), rel_tol=RTOL)
     assert logged["clip/clipped"] == 1.0
+    # a wrapper holding the optimizer as .optimizer (Lightning's, accelerate's) is seen through
+    outer = torch.optim.Optimizer.__new__(torch.optim.Optimizer)
+    outer.optimizer = opt
+    through = gtx.observations(type("Wrapper", (), {"optimizer": outer})())
+    assert through.keys() == logged.keys()
+    assert all(through[k] == v or (math.isnan(through[k]) and math.isnan(v)) for k, v in logged.items())
 
 
 def test_compiled_step_records_the_same_statistics():

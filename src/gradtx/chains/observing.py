@@ -362,7 +362,7 @@ def observations(state: Any, *, prefix: str = "") -> dict[str, float]:
     """The statistics an :func:`observe` recorded, anywhere in ``state``, as a flat dict of floats.
 
     ``state`` is a chain's state, or an optimizer made by :func:`gradtx.wrap` (its ``tx_state`` is
-    read). Keys: ``"grad_norm"``, ``"prev_update_norm"``, ``"param_norm"``, ``"prev_update_ratio"``
+    read), or a wrapper of one that holds it as ``.optimizer`` (Lightning's, accelerate's). Keys: ``"grad_norm"``, ``"prev_update_norm"``, ``"param_norm"``, ``"prev_update_ratio"``
     (the update statistics are those of the step before, NaN after the first step),
     ``"grad_max"``, ``"grad_nonfinite"`` for all leaves; the same with ``"/<group>"`` appended per group
     (``"grad_norm/layers.3"``); ``"clip/norm"``, ``"clip/coefficient"``, ``"clip/clipped"`` (1.0 or
@@ -370,6 +370,11 @@ def observations(state: Any, *, prefix: str = "") -> dict[str, float]:
     where the values reach the host: one transfer for all of them. Raises ``KeyError`` when no
     ``observe`` state is found; with several, the first (in flattening order) is read.
     """
+    for _ in range(8):  # an optimizer's wrappers (Lightning's, accelerate's) hold it as .optimizer
+        inner_optimizer = getattr(state, "optimizer", None)
+        if hasattr(state, "tx_state") or not isinstance(inner_optimizer, torch.optim.Optimizer):
+            break
+        state = inner_optimizer
     if hasattr(state, "tx_state") and not isinstance(state, tuple):
         state = state.tx_state
     found = _find_states(state)
