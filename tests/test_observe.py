@@ -36,22 +36,40 @@ def _norm(tensors):
     return torch.linalg.vector_norm(torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]))
 
 
-def _reference(grads, updates, params, members):
-    """Dense statistics of the leaves whose paths are in ``members``."""
-    g, u, p = _flat(grads), _flat(updates), _flat(params)
-    gs = [g[k] for k in members if g[k] is not None]
-    us = [u[k] for k in members if g[k] is not None]
-    ps = [p[k] for k in members if g[k] is not None]
-    gn, un, pn = _norm(gs), _norm(us), _norm(ps)
+def _reference(grads, params, members, prev=None):
+    """Dense statistics of the leaves whose paths are in ``members``; ``prev``: the updates and params
+    of the step before (the update statistics are that step's), or ``None`` at the first step."""
+    g, p = _flat(grads), _flat(params)
+    present = [k for k in members if g[k] is not None]
+    gs, ps = [g[k] for k in present], [p[k] for k in present]
+    gn, pn = _norm(gs), _norm(ps)
+    nan = torch.tensor(math.nan, dtype=torch.float64)
+    un, ratio = nan, nan
+    if prev is not None:
+        u, prev_p = _flat(prev[0]), _flat(prev[1])
+        un = _norm([u[k] for k in present])
+        ratio = un / _norm([prev_p[k] for k in present])
     cat = torch.cat([t.reshape(-1).to(torch.float64) for t in gs]) if gs else torch.zeros(0, dtype=torch.float64)
     return {
         "grad_norm": gn,
-        "update_norm": un,
+        "prev_update_norm": un,
         "param_norm": pn,
-        "update_ratio": un / pn,
+        "prev_update_ratio": ratio,
         "grad_max": cat.abs().max() if cat.numel() else torch.zeros((), dtype=torch.float64),
         "grad_nonfinite": (~torch.isfinite(cat)).sum().to(torch.float64),
     }
+
+
+def _two_steps(tx, params, grads):
+    """Two observed steps (the second's gradients are the first's halved, at the params the first
+    step's updates gave): ``(state after step 1, state after step 2, updates of step 1, the second
+    step's gradients and params)``."""
+    state = tx.init(params)
+    updates, first = tx.update(grads, state, params)
+    params2 = gtx.apply_updates(params, updates)
+    grads2 = gtx.tree.tree_map(lambda g: g * 0.5, grads)
+    _, second = tx.update(grads2, first, params2)
+    return first, second, updates, grads2, params2
 
 
 def _assert_stats(stats, expected, what, rtol=RTOL):
@@ -68,17 +86,29 @@ def _inner():
 def test_groups_by_depth_match_dense_references_and_updates_pass_untouched():
     params, grads = _tree(0), _tree(1)
     tx = gtx.observe(_inner(), groups=2)
-    state = tx.init(params)
-    updates, state = tx.update(grads, state, params)
+    updates, _ = tx.update(grads, tx.init(params), params)
     plain, _ = _inner().update(grads, _inner().init(params), params)
     for a, b in zip(gtx.tree.leaves(updates), gtx.tree.leaves(plain)):
         assert torch.equal(a, b)
+    first, state, updates, grads2, params2 = _two_steps(tx, params, grads)
     paths = gtx.tree.paths(grads)
     assert list(state.groups) == ["embed.weight", "head.weight", "layers.0", "layers.1"]
-    _assert_stats(state.total, _reference(grads, updates, params, paths), "total")
+    _assert_stats(first.total, _reference(grads, params, paths), "first total")
+    _assert_stats(state.total, _reference(grads2, params2, paths, (updates, params)), "total")
     for name in state.groups:
         members = [p for p in paths if p == name or p.startswith(name + ".")]
-        _assert_stats(state.groups[name], _reference(grads, updates, params, members), name)
+        _assert_stats(first.groups[name], _reference(grads, params, members), "first " + name)
+        _assert_stats(state.groups[name], _reference(grads2, params2, members, (updates, params)), name)
+
+
+def test_update_statistics_are_the_step_befores():
+    params, grads = _tree(0), _tree(1)
+    tx = gtx.observe(gtx.sgd(1.0), groups=1)
+    first, second, updates, _, _ = _two_steps(tx, params, grads)
+    assert math.isnan(float(first.total.prev_update_norm)) and math.isnan(float(first.groups["layers"].prev_update_ratio))
+    # sgd(1.0)'s update is -grads: the second step reports the first step's gradient norm
+    torch.testing.assert_close(second.total.prev_update_norm, first.total.grad_norm, rtol=1e-6, atol=0)
+    torch.testing.assert_close(second.groups["layers"].prev_update_ratio, first.groups["layers"].grad_norm / first.groups["layers"].param_norm, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -94,12 +124,12 @@ def test_groups_by_depth_match_dense_references_and_updates_pass_untouched():
 def test_every_kind_of_grouping(groups, expected):
     params, grads = _tree(2), _tree(3)
     tx = gtx.observe(gtx.sgd(0.1), groups=groups)
-    updates, state = tx.update(grads, tx.init(params), params)
+    _, state, updates, grads2, params2 = _two_steps(tx, params, grads)
     paths = gtx.tree.paths(grads)
     for name, members in expected.items():
         if members is None:
             members = [p for p in paths if p.endswith("weight")]
-        _assert_stats(state.groups[name], _reference(grads, updates, params, members), str(name))
+        _assert_stats(state.groups[name], _reference(grads2, params2, members, (updates, params)), str(name))
     if isinstance(groups, list):
         assert list(state.groups) == ["*.attn.*", "mlp"]  # the embedding and head are in no group
 
@@ -124,6 +154,14 @@ def test_clip_coefficient_and_flag_follow_torch():
         assert math.isclose(float(state.clip.norm), float(norm), rel_tol=1e-6)
         assert math.isclose(float(state.clip.coefficient), coef, rel_tol=1e-6)
         assert bool(state.clip.clipped) == (coef < 1.0)
+    # the leading clip of a named_chain, or one made by inject_hyperparams, is found too
+    for inner in (
+        gtx.named_chain(("clip", gtx.clip_by_global_norm(0.5)), ("sgd", gtx.sgd(1.0))),
+        gtx.chain(gtx.inject_hyperparams(gtx.clip_by_global_norm)(max_norm=0.5), gtx.sgd(1.0)),
+    ):
+        tx = gtx.observe(inner)
+        _, state = tx.update(grads, tx.init(params), params)
+        assert math.isclose(float(state.clip.coefficient), 0.5 / (float(norm) + 1e-6), rel_tol=1e-6)
     # a clip alone, not in a chain, is found too; no clip: no clip statistics
     assert gtx.observe(gtx.clip_by_global_norm(1.0)).init(params).clip is not None
     assert gtx.observe(gtx.sgd(0.1)).init(params).clip is None
@@ -145,20 +183,22 @@ def test_none_gradients_are_left_out_and_params_optional():
     params, grads = _tree(0), _tree(1)
     grads["head"]["weight"] = None
     tx = gtx.observe(gtx.sgd(0.1), groups=1)
-    updates, state = tx.update(grads, tx.init(params), params)
+    _, state, updates, grads2, params2 = _two_steps(tx, params, grads)
     members = [p for p in gtx.tree.paths(grads) if p != "head.weight"]
-    _assert_stats(state.total, _reference(grads, updates, params, members), "total")
+    _assert_stats(state.total, _reference(grads2, params2, members, (updates, params)), "total")
     assert float(state.groups["head"].grad_norm) == 0.0
-    _, state = tx.update(grads, state)  # no params: their norm and the ratio are NaN
-    assert math.isnan(float(state.total.param_norm)) and math.isnan(float(state.total.update_ratio))
+    _, state = tx.update(grads, state)  # no params: their norm is NaN, and so is the next ratio
+    assert math.isnan(float(state.total.param_norm))
+    _, state = tx.update(grads, state, params)
+    assert math.isnan(float(state.total.prev_update_ratio)) and not math.isnan(float(state.total.prev_update_norm))
 
 
 def test_float64_trees_are_exact_to_float64_rounding():
     params, grads = _tree(0, torch.float64), _tree(1, torch.float64)
     tx = gtx.observe(gtx.sgd(0.1), groups="module")
-    updates, state = tx.update(grads, tx.init(params), params)
+    _, state, updates, grads2, params2 = _two_steps(tx, params, grads)
     assert state.total.grad_norm.dtype == torch.float64
-    _assert_stats(state.total, _reference(grads, updates, params, gtx.tree.paths(grads)), "total", rtol=1e-12)
+    _assert_stats(state.total, _reference(grads2, params2, gtx.tree.paths(grads), (updates, params)), "total", rtol=1e-12)
 
 
 def test_donated_path_gives_the_same_updates_and_statistics():
@@ -169,7 +209,7 @@ def test_donated_path_gives_the_same_updates_and_statistics():
     donated = gtx.tree.tree_map(torch.clone, grads)
     inplace, inplace_state = tx.update(donated, tx.init(params), params, inplace=True)
     for a, b in zip(gtx.tree.leaves((pure, pure_state)), gtx.tree.leaves((inplace, inplace_state))):
-        assert torch.equal(a, b)
+        assert torch.equal(a, b) or (a.isnan().all() and b.isnan().all())  # NaN: no step before the first
 
 
 def test_observations_is_a_flat_dict_of_floats():
@@ -181,7 +221,8 @@ def test_observations_is_a_flat_dict_of_floats():
     assert all(type(v) is float for v in logged.values())
     observed = state[0]
     assert logged["grad_norm/layers"] == float(observed.groups["layers"].grad_norm)
-    assert logged["update_ratio"] == float(observed.total.update_ratio)
+    assert logged["param_norm"] == float(observed.total.param_norm)
+    assert math.isnan(logged["prev_update_ratio"])  # the first step has no step before
     assert logged["clip/coefficient"] == float(observed.clip.coefficient)
     assert logged["clip/clipped"] in (0.0, 1.0)
     assert set(gtx.observations(state, prefix="opt/")) == {"opt/" + k for k in logged}
@@ -217,6 +258,12 @@ def test_through_wrap():
         expected = _norm([g for k, g in grads.items() if k.startswith(module + ".")])
         assert math.isclose(logged[f"grad_norm/{module}"], float(expected), rel_tol=RTOL)
     assert logged["clip/clipped"] == 1.0
+    # a wrapper holding the optimizer as .optimizer (Lightning's, accelerate's) is seen through
+    outer = torch.optim.Optimizer.__new__(torch.optim.Optimizer)
+    outer.optimizer = opt
+    through = gtx.observations(type("Wrapper", (), {"optimizer": outer})())
+    assert through.keys() == logged.keys()
+    assert all(through[k] == v or (math.isnan(through[k]) and math.isnan(v)) for k, v in logged.items())
 
 
 def test_compiled_step_records_the_same_statistics():
@@ -255,8 +302,8 @@ def test_group_statistics_equal_dense_for_random_trees_and_groupings(drawn):
     params = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
     grads = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
     tx = gtx.observe(gtx.adam(1e-2), groups=lambda path: labels[path])
-    updates, state = tx.update(grads, tx.init(params), params)
+    _, state, updates, grads2, params2 = _two_steps(tx, params, grads)
     for name in set(labels.values()) - {None}:
         members = [k for k, label in labels.items() if label == name]
-        _assert_stats(state.groups[name], _reference(grads, updates, params, members), name)
-    _assert_stats(state.total, _reference(grads, updates, params, list(shapes)), "total")
+        _assert_stats(state.groups[name], _reference(grads2, params2, members, (updates, params)), name)
+    _assert_stats(state.total, _reference(grads2, params2, list(shapes), (updates, params)), "total")

@@ -131,6 +131,40 @@ def returns_new_updates(tx: GradientTransformation) -> bool:
     return bool(getattr(tx.update, _RETURNS_NEW, False))
 
 
+class LeadingClip(NamedTuple):
+    """The ``clip_by_global_norm`` that is the first to see a transformation's updates (the
+    transformation itself, or the first member of a chain), as :func:`leading_clip` finds it.
+
+    ``spec`` and ``norm_type``: the clip's; ``norm_of(state)``: the norm it recorded in the
+    transformation's state; ``coefficient(state, norm)``: the factor it scales by for that norm;
+    ``given(norm)``: the transformation's ``update`` (taking ``inplace`` and extra arguments as
+    :func:`with_inplace` gives it) with that clip taking ``norm`` as its global norm instead of
+    computing it: the same numbers, without the clip's reduction. A caller that has reduced the
+    norm already (``gradtx.observe``, in the all-reduce of its statistics) passes it on this way.
+    """
+
+    spec: Any
+    norm_type: float
+    norm_of: Callable[[Any], Any]
+    coefficient: Callable[[Any, Any], Any]
+    given: Callable[[Any], Callable]
+
+
+_LEADING_CLIP = "leading_clip"
+
+
+def set_leading_clip(update_fn: Callable, clip: Optional[LeadingClip]) -> Callable:
+    """Records ``clip`` on ``update_fn`` (nothing when it is ``None``), and returns ``update_fn``."""
+    if clip is not None:
+        setattr(update_fn, _LEADING_CLIP, clip)
+    return update_fn
+
+
+def leading_clip(tx: GradientTransformation) -> Optional[LeadingClip]:
+    """The global-norm clip that sees ``tx``'s updates first, or ``None`` (see :class:`LeadingClip`)."""
+    return getattr(tx.update, _LEADING_CLIP, None)
+
+
 class EmptyState(NamedTuple):
     """The state of a stateless transformation: a pytree with no leaves."""
 

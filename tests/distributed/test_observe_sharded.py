@@ -42,12 +42,21 @@ def _same_on_every_rank(logged):
             assert a == b or (math.isnan(a) and math.isnan(b)), f"{key}: rank {rank} has {a}, this rank {b}"
 
 
+def _two_steps(tx, grads, params):
+    """Two observed steps (the second at the params the first gave, its gradients halved): the
+    second step's state, whose update statistics are the first step's."""
+    updates, state = tx.update(grads, tx.init(params), params)
+    halved = {k: None if g is None else g * 0.5 for k, g in grads.items()}
+    return tx.update(halved, state, gtx.apply_updates(params, updates))[1]
+
+
 def _check_against_dense(local_grads, local_params, dense_grads, dense_params, spec, groups, duplicates=()):
     tx = gtx.observe(_inner(spec), groups=groups, spec=spec)
-    _, state = tx.update(local_grads, tx.init(local_params), local_params)
+    state = _two_steps(tx, local_grads, local_params)
     dense_tx = gtx.observe(_inner(None), groups=groups)
-    _, dense_state = dense_tx.update(dense_grads, dense_tx.init(dense_params), dense_params)
+    dense_state = _two_steps(dense_tx, dense_grads, dense_params)
     logged, expected = gtx.observations(state), gtx.observations(dense_state)
+    assert not math.isnan(expected["prev_update_norm"])
     for key, value in expected.items():
         both_nan = math.isnan(logged[key]) and math.isnan(value)  # a group of None gradients: ratio 0/0
         assert both_nan or math.isclose(logged[key], value, rel_tol=RTOL, abs_tol=1e-7), f"{key}: sharded {logged[key]}, dense {value}"
@@ -132,6 +141,22 @@ def observe_nan_on_one_rank_counts_everywhere(world):
     _same_on_every_rank(logged)
 
 
+def _fused_clips(spec):
+    """Inner transformations whose clip comes first, however it is wrapped, and the clip alone."""
+    adamw = gtx.adamw(1e-2, weight_decay=0.1)
+    return {
+        "chain": (_inner(spec), lambda state: state[0].norm),
+        "clip alone": (gtx.clip_by_global_norm(1.0, spec), lambda state: state.norm),
+        "named_chain": (gtx.named_chain(("clip", gtx.clip_by_global_norm(1.0, spec)), ("adamw", adamw)), lambda state: state["clip"].norm),
+        "inject_hyperparams": (
+            gtx.chain(gtx.inject_hyperparams(gtx.clip_by_global_norm)(1.0, spec), adamw),
+            lambda state: state[0].inner_state.norm,
+        ),
+        "p=inf": (gtx.chain(gtx.clip_by_global_norm(1.0, spec, norm_type=math.inf), adamw), lambda state: state[0].norm),
+        "p=1": (gtx.chain(gtx.clip_by_global_norm(1.0, spec, norm_type=1.0), adamw), lambda state: state[0].norm),
+    }
+
+
 @case(4)
 def observe_costs_one_collective_per_step(world):
     spec, local, shapes = _pipeline(world)
@@ -139,16 +164,52 @@ def observe_costs_one_collective_per_step(world):
     state = tx.init(local)  # agrees on the groups (and checks the plan) once
     _, state = tx.update(local, state, local)
     assert count_collectives(lambda: tx.update(local, state, local)) == 1
-    # with a sharded clip inside: the clip's all-reduce, and the statistics'
-    tx = gtx.observe(_inner(spec), groups="module", spec=spec)
+    # with a sharded clip first in inner: its norm comes from the statistics' all-reduce, bit for bit
+    # the norm it reduces alone, and so are the updates
+    local = {k: g * 100.0 for k, g in local.items()}  # large gradients: the clip clips
+    for name, (inner, norm_of) in _fused_clips(spec).items():
+        tx = gtx.observe(inner, groups="module", spec=spec)
+        state = tx.init(local)
+        _, state = tx.update(local, state, local)
+        assert count_collectives(lambda: tx.update(local, state, local)) == 1, name
+        updates, observed = tx.update(local, state, local)
+        plain, plain_state = inner.update(local, state.inner_state, local)
+        assert torch.equal(norm_of(observed.inner_state), norm_of(plain_state)), name
+        assert all(torch.equal(a, b) for a, b in zip(gtx.tree.leaves(updates), gtx.tree.leaves(plain))), name
+        assert torch.equal(observed.clip.norm, norm_of(plain_state).to(observed.clip.norm.dtype)), name
+        assert bool(observed.clip.clipped), name
+    # a clip that does not come first keeps its own all-reduce (it clips what inner made of the gradients)
+    tx = gtx.observe(gtx.chain(gtx.scale(2.0), gtx.clip_by_global_norm(1.0, spec)), groups="module", spec=spec)
     state = tx.init(local)
     _, state = tx.update(local, state, local)
     assert count_collectives(lambda: tx.update(local, state, local)) == 2
     # nothing sharded: nothing communicated
     dense = dense_tree(shapes)
-    tx = gtx.observe(gtx.sgd(0.1), groups="module")
+    tx = gtx.observe(_inner(None), groups="module")
     state = tx.init(dense)
     assert count_collectives(lambda: tx.update(dense, state, dense)) == 0
+
+
+@case(2)
+def observe_compiled_with_a_clip_is_one_all_reduce(world):
+    from test_sharding_compile import Recorder, _setup
+
+    spec, params, grads = _setup(world)
+    grads["w"] = grads["w"] * 10.0  # the clip clips
+    tx = gtx.observe(_inner(spec), groups="module", spec=spec)
+    state = tx.init(params)
+    recorder = Recorder()
+    step = gtx.compile_step(tx, backend=recorder)
+    new_params, new_state = step(grads, state, params)
+    assert recorder.collectives().count("_c10d_functional.all_reduce") == 1
+    updates, eager_state = tx.update(grads, state, params)
+    plain_updates, plain_state = _inner(spec).update(grads, _inner(spec).init(params), params)
+    assert torch.equal(new_state.inner_state[0].norm, plain_state[0].norm)  # the clip's own number, bit for bit
+    assert torch.equal(eager_state.inner_state[0].norm, plain_state[0].norm)
+    torch.testing.assert_close(new_params, gtx.apply_updates(params, plain_updates), rtol=0, atol=0)
+    compiled, eager = gtx.observations(new_state), gtx.observations(eager_state)
+    for key, value in compiled.items():
+        assert value == eager[key] or (math.isnan(value) and math.isnan(eager[key])), key
 
 
 @case(4)

@@ -8,8 +8,11 @@ from gradtx.base import (
     DONATE_UPDATES,
     GradientTransformation,
     GradientTransformationExtraArgs,
+    LeadingClip,
     donation,
+    leading_clip,
     returns_new_updates,
+    set_leading_clip,
     supports_donated_updates,
     takes_donated_updates,
     takes_extra_args,
@@ -61,6 +64,30 @@ def _marked(update_fn, members) -> Any:
     return supports_donated_updates(update_fn, returns_new_updates=bool(members) and members[-1][3])
 
 
+def _leading_clip(first: Optional[GradientTransformation], members: tuple, first_state, run) -> Optional[LeadingClip]:
+    """The first member's leading clip seen from the chain: ``first_state(state)`` is that member's
+    state, ``run(members, updates, state, params, inplace, extra_args)`` runs the chain's members."""
+    clip = None if first is None else leading_clip(first)
+    if clip is None:
+        return None
+
+    def given(norm):
+        replaced = ((clip.given(norm),) + members[0][1:],) + members[1:]
+
+        def update_given(updates, state, params=None, *, inplace=False, **extra_args):
+            return run(replaced, updates, state, params, inplace, extra_args)
+
+        return update_given
+
+    return LeadingClip(
+        clip.spec,
+        clip.norm_type,
+        lambda state: clip.norm_of(first_state(state)),
+        lambda state, norm: clip.coefficient(first_state(state), norm),
+        given,
+    )
+
+
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Applies ``transforms`` in order; the state is a tuple with one entry per transformation.
 
@@ -83,7 +110,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init_fn(params: Any) -> tuple:
         return tuple(tx.init(params) for tx in parts)
 
-    def update_fn(updates, state, params: Optional[Any] = None, *, inplace: bool = False, **extra_args):
+    def run(members, updates, state, params, inplace, extra_args):
         if len(state) != len(parts):
             raise ValueError(
                 f"{name}: state is a {type(state).__name__} of {len(state)}, where init makes a tuple of {len(parts)}"
@@ -91,6 +118,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         updates, new_state = _run(members, state, updates, params, inplace, extra_args)
         return updates, tuple(new_state)
 
+    def update_fn(updates, state, params: Optional[Any] = None, *, inplace: bool = False, **extra_args):
+        return run(members, updates, state, params, inplace, extra_args)
+
+    set_leading_clip(update_fn, _leading_clip(parts[0] if parts else None, members, lambda state: state[0], run))
     setattr(init_fn, _PARTS, parts)
     kind = GradientTransformationExtraArgs if any(member[1] for member in members) else GradientTransformation
     gate = step_gates.sequence([step_gates.gate_of(tx) for tx in parts], lambda state: state)
@@ -114,9 +145,15 @@ def named_chain(*named_transforms: tuple[str, GradientTransformation]) -> Gradie
     def init_fn(params: Any) -> dict:
         return {name: tx.init(params) for name, tx in named_transforms}
 
-    def update_fn(updates, state, params: Optional[Any] = None, *, inplace: bool = False, **extra_args):
+    def run(members, updates, state, params, inplace, extra_args):
         updates, new_states = _run(members, [state[name] for name in names], updates, params, inplace, extra_args)
         return updates, dict(zip(names, new_states))
+
+    def update_fn(updates, state, params: Optional[Any] = None, *, inplace: bool = False, **extra_args):
+        return run(members, updates, state, params, inplace, extra_args)
+
+    first = named_transforms[0][1] if named_transforms else None
+    set_leading_clip(update_fn, _leading_clip(first, members, lambda state: state[names[0]], run))
 
     kind = GradientTransformationExtraArgs if any(member[1] for member in members) else GradientTransformation
     gate = step_gates.sequence(

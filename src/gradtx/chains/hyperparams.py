@@ -19,7 +19,15 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace
+from gradtx.base import (
+    GradientTransformation,
+    GradientTransformationExtraArgs,
+    LeadingClip,
+    leading_clip,
+    set_leading_clip,
+    takes_extra_args,
+    with_inplace,
+)
 from gradtx.chains._select import counter, safe_increment
 from gradtx.state_check import named
 
@@ -139,7 +147,7 @@ def inject_hyperparams(
             inner = inner_factory(**other, **hyperparams)
             return InjectHyperparamsState(count=count, hyperparams=hyperparams, inner_state=inner.init(params))
 
-        def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
+        def step(updates, state, params, inplace, extra_args, norm=None):
             missing = set(numeric) - set(state.hyperparams)
             if missing:
                 raise ValueError(f"inject_hyperparams: state.hyperparams lacks {sorted(missing)}")
@@ -154,11 +162,32 @@ def inject_hyperparams(
             inner = inner_factory(**other, **hyperparams)
             if not extra:
                 extra_args = {}
-            if takes_inplace:
+            if norm is not None:  # the inner's leading clip takes a norm reduced by the caller
+                new_updates, inner_state = leading_clip(inner).given(norm)(updates, state.inner_state, params, inplace=inplace, **extra_args)
+            elif takes_inplace:
                 new_updates, inner_state = inner.update(updates, state.inner_state, params, inplace=inplace, **extra_args)
             else:
                 new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
             return new_updates, InjectHyperparamsState(safe_increment(state.count), hyperparams, inner_state)
+
+        def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
+            return step(updates, state, params, inplace, extra_args)
+
+        probe_clip = leading_clip(probe)
+        clip = None
+        if probe_clip is not None:
+
+            def given(norm):
+                def update_given(updates, state, params=None, *, inplace=False, **extra_args):
+                    return step(updates, state, params, inplace, extra_args, norm)
+
+                return update_given
+
+            def coefficient(state, norm):  # the clip built from the values the last update used
+                return leading_clip(inner_factory(**other, **state.hyperparams)).coefficient(state.inner_state, norm)
+
+            clip = LeadingClip(probe_clip.spec, probe_clip.norm_type, lambda state: probe_clip.norm_of(state.inner_state), coefficient, given)
+        set_leading_clip(update_fn, clip)
 
         name = f"inject_hyperparams({getattr(inner_factory, '__name__', 'factory')})"
         return (GradientTransformationExtraArgs if extra else GradientTransformation)(init_fn, named(update_fn, name))

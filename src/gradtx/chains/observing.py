@@ -1,17 +1,22 @@
 """Observing an optimizer: per-group statistics of what it sees and does, exact under sharding.
 
 ``observe(inner, groups="module", spec=spec)`` runs ``inner`` (any transformation or chain) and
-records, for every group of leaves and for all leaves together: the norm of the gradients entering,
-of the updates leaving, of the parameters, the update/parameter norm ratio, the largest ``|g|`` and
-the number of non-finite gradient elements; and, when ``inner`` is or contains a
-``clip_by_global_norm``, its norm, coefficient and whether it clipped. The updates are ``inner``'s,
-untouched. :func:`observations` turns the state into a flat ``{"grad_norm/layers.3": float}`` dict
-for a logger (the only host sync).
+records, for every group of leaves and for all leaves together: the norm of the gradients entering
+and of the parameters, the largest ``|g|``, the number of non-finite gradient elements, and the norm
+of the updates ``inner`` returned at the step before, with its ratio to the parameters of that step;
+and, when ``inner`` is or contains a ``clip_by_global_norm``, its norm, coefficient and whether it
+clipped. The updates are ``inner``'s, untouched. :func:`observations` turns the state into a flat
+``{"grad_norm/layers.3": float}`` dict for a logger (the only host sync).
 
 Under a ``ShardingSpec`` or DTensor leaves every number is that of the logical (unsharded) tensors,
 each element counted once, as :func:`gradtx.global_norm` counts it, and every rank holds the same
-numbers: all statistics of a step travel in one all-reduce, run after ``inner`` (so every number
-belongs to the current step); nothing is communicated when nothing is sharded.
+numbers. All statistics of a step travel in one all-reduce, run *before* ``inner``: so the update
+statistics reported at a step are those of the step before (this rank's share of them waits in the
+state until then), and a ``clip_by_global_norm`` that sees ``inner``'s input first (``inner`` itself,
+or the first member of a ``chain`` / ``named_chain``, inside ``inject_hyperparams`` too: see
+:class:`gradtx.base.LeadingClip`) is handed its global norm from that same all-reduce instead of
+reducing its own: one collective per step, the clip's numbers bit for bit those it computes alone.
+Nothing is communicated when nothing is sharded.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from gradtx import tree as tree_lib
 from gradtx.base import (
     GradientTransformation,
     GradientTransformationExtraArgs,
+    LeadingClip,
+    leading_clip,
     returns_new_updates,
     supports_donated_updates,
     takes_donated_updates,
@@ -42,22 +49,27 @@ PyTree = Any
 Groups = Union[None, str, int, Sequence[Union[str, tuple[str, str]]], Callable[[str], Optional[str]]]
 
 _PARTS = "_gradtx_chain_parts"  # chain's record of its members (see gradtx.chains.chain)
-STATISTICS = ("grad_norm", "update_norm", "param_norm", "update_ratio", "grad_max", "grad_nonfinite")
+STATISTICS = ("grad_norm", "prev_update_norm", "param_norm", "prev_update_ratio", "grad_max", "grad_nonfinite")
 
 
 class ObservedStats(NamedTuple):
-    """One group's statistics for the last step (0-d tensors).
+    """One group's statistics (0-d tensors) at the last step, the updates' of the step before.
 
-    ``grad_norm``: L2 norm of the updates entering ``inner`` (the gradients); ``update_norm``: of the
-    updates it returned; ``param_norm``: of the params passed to ``update`` (NaN when none are);
-    ``update_ratio``: ``update_norm / param_norm``; ``grad_max``: the largest ``|g|`` (NaN when a
-    gradient element is NaN); ``grad_nonfinite``: how many gradient elements are NaN or infinite (int64).
+    ``grad_norm``: L2 norm of the updates entering ``inner`` (the gradients); ``prev_update_norm``:
+    of the updates ``inner`` returned at the step *before* (NaN at the first step); ``param_norm``:
+    of the params passed to ``update`` (NaN when none are); ``prev_update_ratio``: ``prev_update_norm``
+    over the ``param_norm`` of the step before (the params that update was computed for); ``grad_max``:
+    the largest ``|g|`` (NaN when a gradient element is NaN); ``grad_nonfinite``: how many gradient
+    elements are NaN or infinite (int64).
+
+    The update statistics are one step late so that all of a step's statistics, and the norm of a
+    leading clip, reduce in the one all-reduce that runs before ``inner`` (see :func:`observe`).
     """
 
     grad_norm: Tensor
-    update_norm: Tensor
+    prev_update_norm: Tensor
     param_norm: Tensor
-    update_ratio: Tensor
+    prev_update_ratio: Tensor
     grad_max: Tensor
     grad_nonfinite: Tensor
 
@@ -74,12 +86,16 @@ class ObservedClip(NamedTuple):
 class ObserveState(NamedTuple):
     """``inner_state``: ``inner``'s state; ``total``: the statistics of all leaves together;
     ``groups``: group name -> its statistics (every group of every rank, in the same order on every
-    rank); ``clip``: the clip's statistics, or ``None`` when ``inner`` has no global-norm clip."""
+    rank); ``clip``: the clip's statistics, or ``None`` when ``inner`` has no global-norm clip;
+    ``pending_update_sq``: this rank's share (float64 ``[total, group 0, ...]``, not yet reduced) of
+    the squared norms of the updates ``inner`` returned at the last step, reduced with the next
+    step's statistics and reported there as ``prev_update_norm`` (NaN before the first step)."""
 
     inner_state: Any
     total: ObservedStats
     groups: dict[str, ObservedStats]
     clip: Optional[ObservedClip]
+    pending_update_sq: Tensor
 
 
 # --------------------------------------------------------------------------- grouping
@@ -173,41 +189,49 @@ class _Grouping:
 # --------------------------------------------------------------------------- the clip
 
 
-def _find_clip(inner: GradientTransformation) -> Optional[tuple[Optional[int], Callable[[Tensor], Tensor]]]:
-    """Where ``inner``'s first ``clip_by_global_norm`` keeps its state (``None``: ``inner`` is the clip;
-    an int: its index in the chain's state), and its coefficient as a function of the norm."""
-    parts = getattr(inner.init, _PARTS, None)
-    if parts is None:
-        coefficient = getattr(inner.update, "clip_coefficient", None)
-        return None if coefficient is None else (None, coefficient)
-    for index, part in enumerate(parts):
-        coefficient = getattr(part.update, "clip_coefficient", None)
-        if coefficient is not None:
-            return index, coefficient
+def _find_clip(inner: GradientTransformation) -> Optional[tuple[Callable[[Any], Tensor], Callable[[Any, Tensor], Tensor]]]:
+    """``(norm_of(inner_state), coefficient(inner_state, norm))`` of ``inner``'s clip: its leading
+    clip (see :class:`~gradtx.base.LeadingClip`), else the first ``clip_by_global_norm`` among a
+    ``chain``'s members; ``None`` when there is neither."""
+    lead = leading_clip(inner)
+    if lead is not None:
+        return lead.norm_of, lead.coefficient
+    for index, part in enumerate(getattr(inner.init, _PARTS, ())):
+        clip = leading_clip(part)
+        if clip is not None:
+            return (lambda state, i=index, c=clip: c.norm_of(state[i])), (lambda state, norm, i=index, c=clip: c.coefficient(state[i], norm))
     return None
 
 
-def _clip_stats(found: Any, inner_state: Any, dtype: torch.dtype) -> Optional[ObservedClip]:
+def _clip_stats(found: Any, inner_state: Any, dtype: torch.dtype, norm: Optional[Tensor] = None) -> Optional[ObservedClip]:
     if found is None:
         return None
-    index, coefficient = found
-    clip_state = inner_state if index is None else inner_state[index]
-    norm = clip_state.norm
-    coef = coefficient(norm)
+    norm_of, coefficient = found
+    if norm is None:
+        norm = norm_of(inner_state)
+    coef = coefficient(inner_state, norm)
     return ObservedClip(norm.detach().to(dtype), coef.detach().to(dtype), (coef < 1.0).detach())
 
 
 # --------------------------------------------------------------------------- the transformation
 
 
-def _stats_of(sums: Tensor, maxima: Tensor, column: int, dtype: torch.dtype) -> ObservedStats:
+def _stats_of(sums: Tensor, maxima: Tensor, column: int, dtype: torch.dtype, previous: ObservedStats) -> ObservedStats:
     grad, update, param = (sums[k, column].sqrt().to(dtype) for k in range(3))
-    return ObservedStats(grad, update, param, update / param, maxima[column].to(dtype), sums[3, column].to(torch.int64))
+    ratio = update / previous.param_norm.to(dtype)
+    return ObservedStats(grad, update, param, ratio, maxima[column].to(dtype), sums[3, column].to(torch.int64))
 
 
 def _empty_stats(device: torch.device, dtype: torch.dtype) -> ObservedStats:
     zero = torch.zeros((), dtype=dtype, device=device)
-    return ObservedStats(zero, zero, zero, zero, zero, torch.zeros((), dtype=torch.int64, device=device))
+    nan = torch.full((), float("nan"), dtype=dtype, device=device)
+    return ObservedStats(zero, nan, nan, nan, zero, torch.zeros((), dtype=torch.int64, device=device))
+
+
+def _fusable(lead: Optional[LeadingClip], layout: stats_lib.GroupLayout, spec: Any) -> bool:
+    """Whether the leading clip's norm can come from the statistics' all-reduce: the statistics
+    reduce over a group (something is sharded) and the clip lays the gradients out as they do."""
+    return lead is not None and layout.plan is not None and layout.plan.global_group() is not None and lead.spec is spec
 
 
 def observe(
@@ -225,10 +249,14 @@ def observe(
         leaf, on any rank, is a ``ValueError``); or a callable ``path -> group name or None``.
         Leaves in no group still count in the total.
       spec: how the gradients are sharded (DTensors need none): every statistic is then that of the
-        logical tensors, identical on every rank, with one all-reduce per step.
+        logical tensors, identical on every rank, with one all-reduce per step, a leading clip's
+        included when it has the same ``spec``.
 
-    The state is an :class:`ObserveState`; read it with :func:`observations`. Every number belongs
-    to the step that produced the state. Leaves whose gradient is ``None`` are left out.
+    The state is an :class:`ObserveState`; read it with :func:`observations`. The gradient and
+    param statistics belong to the step that produced the state; ``prev_update_norm`` and
+    ``prev_update_ratio`` to the step before (NaN after the first step): the statistics reduce
+    before ``inner`` runs, in the all-reduce that also gives a leading ``clip_by_global_norm`` its
+    norm. Leaves whose gradient is ``None`` are left out.
     """
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"observe: inner must be a GradientTransformation, got {type(inner).__name__}")
@@ -238,6 +266,7 @@ def observe(
     inner_update = with_inplace(inner)
     extra = takes_extra_args(inner)
     clip = _find_clip(inner)
+    lead = leading_clip(inner)
     layouts: dict[Any, stats_lib.GroupLayout] = {}
 
     def layout_of(tree: PyTree) -> stats_lib.GroupLayout:
@@ -265,7 +294,8 @@ def observe(
         if clip is not None:
             false = torch.zeros((), dtype=torch.bool, device=device)
             clip_stats = ObservedClip(empty.grad_norm, empty.grad_norm, false)
-        return ObserveState(inner_state, empty, {name: empty for name in layout.names}, clip_stats)
+        pending = torch.full((len(layout.names) + 1,), float("nan"), dtype=torch.float64, device=device)
+        return ObserveState(inner_state, empty, {name: empty for name in layout.names}, clip_stats, pending)
 
     def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
         layout = layout_of(updates)
@@ -278,15 +308,33 @@ def observe(
         else:
             param_leaves = tree_lib.flatten_like(params, tree_lib.structure(updates), updates, what="observe: params", like="updates")
             param_sq = stats_lib.squared_sums(layout, [p if g is not None else None for p, g in zip(param_leaves, grads)], device)
+        pending = state.pending_update_sq
+        if pending.shape != grad_sq.shape:  # a new tree structure: no update of its own before
+            pending = torch.full_like(grad_sq, float("nan"))
+        fused = _fusable(lead, layout, spec)
+        p = lead.norm_type if fused else 2.0  # type: ignore[union-attr]
+        share = stats_lib.norm_share(layout, grads, p) if fused else None
+        rows = torch.stack([grad_sq, pending.to(device), param_sq, nonfinite]).reshape(-1)
+        buffer = rows if share is None else torch.cat([rows, share.reshape(1)])
+        buffer, maxima = stats_lib.reduce_statistics(layout, buffer, grad_max, what="observe")
+        sums = buffer[: rows.numel()].reshape(4, -1)
         forwarded = extra_args if extra else {}
-        new_updates, inner_state = inner_update(updates, state.inner_state, params, inplace=inplace, **forwarded)
-        update_leaves = tree_lib.leaves(new_updates)
-        update_sq = stats_lib.squared_sums(layout, update_leaves, device)
-        sums = torch.stack([grad_sq, update_sq, param_sq, nonfinite])
-        sums, maxima = stats_lib.reduce_statistics(layout, sums, grad_max, what="observe")
-        total = _stats_of(sums, maxima, 0, dtype)
-        per_group = {name: _stats_of(sums, maxima, i + 1, dtype) for i, name in enumerate(layout.names)}
-        return new_updates, ObserveState(inner_state, total, per_group, _clip_stats(clip, inner_state, dtype))
+        clip_norm = None
+        if fused:
+            reduced_share = None if share is None else buffer[rows.numel():]
+            clip_norm = stats_lib.global_norm_from(layout, grads, p, sums, maxima, reduced_share)
+            run = lead.given(clip_norm)  # type: ignore[union-attr]
+        else:
+            run = inner_update
+        new_updates, inner_state = run(updates, state.inner_state, params, inplace=inplace, **forwarded)
+        pending_update_sq = stats_lib.squared_sums(layout, tree_lib.leaves(new_updates), device)
+        total = _stats_of(sums, maxima, 0, dtype, state.total)
+        per_group = {
+            name: _stats_of(sums, maxima, i + 1, dtype, state.groups.get(name, _empty_stats(device, dtype)))
+            for i, name in enumerate(layout.names)
+        }
+        clip_stats = _clip_stats(clip, inner_state, dtype, clip_norm)
+        return new_updates, ObserveState(inner_state, total, per_group, clip_stats, pending_update_sq)
 
     update_fn.sharding_spec = spec  # lets gradtx.wrap(..., spec=) catch an observe given none
     if takes_donated_updates(inner):
@@ -314,13 +362,19 @@ def observations(state: Any, *, prefix: str = "") -> dict[str, float]:
     """The statistics an :func:`observe` recorded, anywhere in ``state``, as a flat dict of floats.
 
     ``state`` is a chain's state, or an optimizer made by :func:`gradtx.wrap` (its ``tx_state`` is
-    read). Keys: ``"grad_norm"``, ``"update_norm"``, ``"param_norm"``, ``"update_ratio"``,
+    read), or a wrapper of one that holds it as ``.optimizer`` (Lightning's, accelerate's). Keys: ``"grad_norm"``, ``"prev_update_norm"``, ``"param_norm"``, ``"prev_update_ratio"``
+    (the update statistics are those of the step before, NaN after the first step),
     ``"grad_max"``, ``"grad_nonfinite"`` for all leaves; the same with ``"/<group>"`` appended per group
     (``"grad_norm/layers.3"``); ``"clip/norm"``, ``"clip/coefficient"``, ``"clip/clipped"`` (1.0 or
     0.0) when the observed transformation has a global-norm clip; each key after ``prefix``. This is
     where the values reach the host: one transfer for all of them. Raises ``KeyError`` when no
     ``observe`` state is found; with several, the first (in flattening order) is read.
     """
+    for _ in range(8):  # an optimizer's wrappers (Lightning's, accelerate's) hold it as .optimizer
+        inner_optimizer = getattr(state, "optimizer", None)
+        if hasattr(state, "tx_state") or not isinstance(inner_optimizer, torch.optim.Optimizer):
+            break
+        state = inner_optimizer
     if hasattr(state, "tx_state") and not isinstance(state, tuple):
         state = state.tx_state
     found = _find_states(state)

@@ -18,6 +18,7 @@ propagates; gloo's MAX would drop it). Without a group (nothing sharded) nothing
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -29,7 +30,7 @@ from gradtx import tree as tree_lib
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding import waiting
 from gradtx.sharding.plan import Plan, plan_for
-from gradtx.sharding.reductions import _local_norms, is_sharded
+from gradtx.sharding.reductions import _finish_norm, _local_norms, _norm_buffer, is_sharded
 from gradtx.sharding.spec import ShardingSpec
 
 _DTYPE = torch.float64
@@ -191,6 +192,32 @@ def reduce_statistics(layout: GroupLayout, sums: Tensor, maxima: Tensor, *, what
             raise RuntimeError(f"gradtx.sharding: {what} waited for the other ranks of its group, which did not join ({failure})") from failure
     n = sums.numel()
     return buffer[:n].reshape(sums.shape), buffer[n:].reshape(layout.slots, -1).amax(0)
+
+
+def norm_share(layout: GroupLayout, tree_leaves: Sequence[Any], p: float) -> Optional[Tensor]:
+    """This rank's ``[sum |g|^p]`` exactly as :func:`gradtx.sharding.global_norm` computes it, for
+    a ``p`` other than 2 and ``inf`` (whose shares are the statistics' own sums of squares and maxima:
+    ``None``). Summed over the group, :func:`global_norm_from` finishes it."""
+    if p in (2.0, math.inf) or layout.plan is None:
+        return None
+    return _norm_buffer(layout.plan, tree_leaves, p, False)[0]
+
+
+def global_norm_from(layout: GroupLayout, tree_leaves: Sequence[Any], p: float, sums: Tensor, maxima: Tensor, share: Optional[Tensor]) -> Tensor:
+    """The global ``p``-norm of ``tree_leaves``, bit for bit what :func:`gradtx.sharding.global_norm`
+    returns, from the reduced statistics of :func:`gradient_partials` (``sums[0]``: the sums of
+    squares, ``maxima``: the ``|g|`` maxima) or the reduced :func:`norm_share`."""
+    assert layout.plan is not None
+    dtype = tree_lib.accumulation_dtype([t.dtype for t in layout.plan.pieces(tree_leaves)])
+    if p == 2.0:
+        reduced = sums[0, 0].reshape(1)
+    elif p == math.inf:
+        largest = maxima[0]
+        reduced = torch.stack([torch.where(torch.isnan(largest), 0.0, largest), torch.isnan(largest).to(largest.dtype)])
+    else:
+        assert share is not None
+        reduced = share.reshape(1)
+    return _finish_norm(reduced, p, dtype)
 
 
 def local_device(tree_leaves: Sequence[Any], plan: Optional[Plan]) -> torch.device:

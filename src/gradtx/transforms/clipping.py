@@ -20,9 +20,11 @@ from gradtx import tree as tree_lib
 from gradtx.base import (
     EmptyState,
     GradientTransformation,
+    LeadingClip,
     donation,
     init_empty_state,
     real_empty_state,
+    set_leading_clip,
     supports_donated_updates,
 )
 from gradtx.transforms import _foreach as fe
@@ -105,8 +107,10 @@ def clip_by_global_norm(
             return torch.clamp(torch.reciprocal(norm + _EPS) * max_norm.to(norm.device, norm.dtype), max=1.0)
         return torch.clamp(max_norm / (norm + _EPS), max=1.0)
 
-    def coefficient(updates, grads, groups=None) -> tuple[Tensor, Tensor]:
-        if groups is None and sharding.is_sharded(grads, spec):
+    def coefficient(updates, grads, groups=None, given=None) -> tuple[Tensor, Tensor]:
+        if given is not None:
+            norm = given
+        elif groups is None and sharding.is_sharded(grads, spec):
             norm = sharding.global_norm(updates, spec, norm_type=norm_type)
         else:
             norm = tree_lib.total_norm(grads, norm_type, groups=groups)
@@ -128,22 +132,35 @@ def clip_by_global_norm(
             sharding.global_norm(updates, spec, norm_type=norm_type)
             raise
 
-    def update_fn(updates, state, params=None, *, inplace=False):
-        del params, state
+    def clipped_by(updates, inplace, given: Optional[Tensor] = None):
         own_updates, _ = donation(inplace)  # the state is new either way
         tree_leaves, treedef, present = leaves_of(updates)
         grads = tree_leaves if len(present) == len(tree_leaves) else [tree_leaves[i] for i in present]
         if grads and not sharding.is_sharded(grads, spec):
             # plain tensors: one grouping serves the norm and the scaling
             groups = tree_lib.torch_groups(grads)
-            coef, norm = coefficient(updates, grads, groups)
+            coef, norm = coefficient(updates, grads, groups, given)
             clipped = tree_lib.scale_(grads, coef, inplace=own_updates, groups=groups)
         else:
-            coef, norm = coefficient(updates, grads)
+            coef, norm = coefficient(updates, grads, given=given)
             local_grads, rewrap = sharding.locals_of(grads)
             clipped = rewrap(tree_lib.scale_(local_grads, coef, inplace=own_updates))
         new_updates = tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, clipped))
         return new_updates, ClipByGlobalNormState(norm=norm)
+
+    def update_fn(updates, state, params=None, *, inplace=False):
+        del params, state
+        return clipped_by(updates, inplace)
+
+    def given(norm: Tensor):
+        """``update`` with ``norm`` (reduced by the caller, as :func:`gradtx.sharding.global_norm`
+        would reduce it) taken as the global norm: no reduction of its own."""
+
+        def update_given(updates, state, params=None, *, inplace=False, **extra_args):
+            del params, state, extra_args
+            return clipped_by(updates, inplace, norm)
+
+        return update_given
 
     def scalar_factor(updates, state, params=None):
         """``(coef, new_state)`` without touching ``updates``: ``update`` is ``updates * coef``.
@@ -159,6 +176,9 @@ def clip_by_global_norm(
     update_fn.scalar_factor = scalar_factor
     update_fn.clip_coefficient = clip_coefficient  # lets gradtx.observe report the factor from the state's norm
     update_fn.sharding_spec = spec  # lets gradtx.wrap(..., spec=) catch a clip that was given none
+    set_leading_clip(
+        update_fn, LeadingClip(spec, norm_type, lambda state: state.norm, lambda state, norm: clip_coefficient(norm), given)
+    )
     return GradientTransformation(init_fn, supports_donated_updates(update_fn))
 
 

@@ -1,0 +1,129 @@
+"""What ``gtx.observe`` costs: step time with statistics on and off, and collectives per step.
+
+1. Step time: the 41.7M-parameter GPT tree (``common.GPT_41M``, 52 float32 leaves), one step =
+   ``chain(clip_by_global_norm(1.0), adamw(1e-4, weight_decay=0.01)).update(grads, state, params)``,
+   against the same chain inside ``observe(..., groups=2)`` (one group per layer and per top-level
+   leaf: 7 groups). Both the pure path (new updates and state) and the donated one
+   (``inplace=True``, as ``wrap`` runs it). Interleaved rounds (``common.interleaved``), medians, and
+   the median of per-round ratios; with 1 and 2 torch threads (target: ratio <= 1.05).
+2. Collectives per step in a world of 2 (gloo, one process per rank, ZeRO-style: every leaf split
+   over ``dp`` along dim 0, declared by a ``ShardingSpec``): the sharded clip alone in the chain,
+   against the chain with statistics (target: 1 and 1), counted from the gloo events of a
+   ``torch.profiler`` trace, and the sharded step time ratio.
+
+Run from the repository root::
+
+    python benchmarks/observe.py [--rounds N] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import sys
+import tempfile
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(_ROOT, "src"), _ROOT]  # runs from a checkout
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import gradtx as gtx  # noqa: E402
+from benchmarks.common import GPT_41M, interleaved, make_tree, n_elements, report  # noqa: E402
+
+SMALL = dict(n_layer=4, d_model=256, vocab=8192, n_ctx=512)
+WORLD = 2
+BASELINE = "chain(clip, adamw)"
+
+
+def chain(spec=None) -> gtx.GradientTransformation:
+    return gtx.chain(gtx.clip_by_global_norm(1.0, spec), gtx.adamw(1e-4, weight_decay=0.01))
+
+
+def candidates(grads, params, spec=None) -> dict:
+    """Pure and donated steps, statistics off and on."""
+    plain, observed = chain(spec), gtx.observe(chain(spec), groups=2, spec=spec)
+    plain_state, observed_state = plain.init(params), observed.init(params)
+    donated_plain, donated_observed = plain.init(params), observed.init(params)
+    observed.update(grads, observed_state, params)  # agrees on the groups once
+    grads_a = {k: g.clone() for k, g in grads.items()}
+    grads_b = {k: g.clone() for k, g in grads.items()}
+    return {
+        BASELINE: lambda: plain.update(grads, plain_state, params),
+        "observe(chain(clip, adamw), groups=2)": lambda: observed.update(grads, observed_state, params),
+        "chain(clip, adamw), inplace=True": lambda: plain.update(grads_a, donated_plain, params, inplace=True),
+        "observe(...), inplace=True": lambda: observed.update(grads_b, donated_observed, params, inplace=True),
+    }
+
+
+def ratios_text(ratios: dict[str, float]) -> str:
+    pure = ratios["observe(chain(clip, adamw), groups=2)"]
+    donated = ratios["observe(...), inplace=True"] / ratios["chain(clip, adamw), inplace=True"]
+    return f"statistics on / off: pure {pure:.3f}, inplace {donated:.3f} (target <= 1.05)"
+
+
+def local_timing(config: dict, rounds: int) -> None:
+    grads, params = make_tree(config, seed=1, scale=1e-2), make_tree(config, seed=2)
+    print(f"{len(grads)} leaves, {n_elements(grads) / 1e6:.1f}M float32 elements, 7 groups")
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        times = interleaved(candidates(grads, params), rounds=rounds)
+        ratios = report(f"one step, {threads} thread(s) (unsharded)", times, BASELINE)
+        print("  " + ratios_text(ratios))
+
+
+def count_collectives(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for event in prof.events() if event.name.startswith("gloo:"))
+
+
+def worker(rank: int, store_path: str, config: dict, rounds: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120)
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    spec = gtx.sharding.ShardingSpec(mesh, [("*", gtx.sharding.Shard("dp", dim=0))])
+    dense_grads, dense_params = make_tree(config, seed=1, scale=1e-2), make_tree(config, seed=2)
+    grads = {k: g.chunk(WORLD)[rank].clone() for k, g in dense_grads.items()}
+    params = {k: p.chunk(WORLD)[rank].clone() for k, p in dense_params.items()}
+    steps = candidates(grads, params, spec)
+    for fn in steps.values():
+        fn()  # plans, groups, checks: once
+    counts = {name: count_collectives(fn) for name, fn in steps.items()}
+    times = interleaved(steps, rounds=rounds)
+    if rank == 0:
+        print(f"\nworld {WORLD} (gloo), every leaf split over dp along dim 0, {n_elements(dense_grads) / 1e6:.1f}M elements")
+        ratios = report("one sharded step (rank 0, 1 thread)", times, BASELINE)
+        print("  " + ratios_text(ratios))
+        print("\ncollectives per step (gloo events in a torch.profiler trace)")
+        for name, count in counts.items():
+            print(f"  {name:45s} {count}")
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, a smaller tree in the world of 2")
+    args = parser.parse_args()
+    rounds = 5 if args.quick else args.rounds
+    local_timing(GPT_41M, rounds)
+    store = tempfile.mktemp(prefix="gradtx_bench_")
+    mp.spawn(worker, args=(store, SMALL if args.quick else GPT_41M, rounds), nprocs=WORLD)
+
+
+if __name__ == "__main__":
+    main()
