@@ -192,3 +192,40 @@ def hsdp_replicate_shard0_on_a_2x2_mesh_equals_dense(world):
 @pytest.mark.parametrize("size,name", _world.params_for(__name__))
 def test_sharding_quantization(size, name):
     _world.check(size, name)
+
+
+@case(2, 4)
+def checkpoint_of_fsdp2_state_reloads_dense_and_shard1_is_a_clear_error(world):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from test_checkpoint_reshard import everyone_raises, remove_dir, shared_dir
+
+    mesh = world.mesh((world.size,), ("dp",))
+    for bits in (8, 4):
+        params, grads = _trees({"w": (5, 20)})
+        _, dense, _ = _run(_tx(bits), params, grads)
+
+        def distribute(tree, placements):
+            return {k: distribute_tensor(v, mesh, placements, src_data_rank=None) for k, v in tree.items()}
+
+        # rows split (uneven Shard(0)): codes and scales are pieces of the dense ones; save, load dense
+        sharded = distribute(params, [Shard(0)])
+        _, state, _ = _run(_tx(bits), sharded, [distribute(g, [Shard(0)]) for g in grads])
+        root = shared_dir(world)
+        try:
+            dcp.save(gtx.checkpoint.state_dict(state, sharded), checkpoint_id=root)
+            template = _tx(bits).init(params)
+            sd = gtx.checkpoint.state_dict(template, params, copy=True)
+            dcp.load(sd, checkpoint_id=root)
+            loaded = gtx.checkpoint.load_state_dict(template, sd, params)
+        finally:
+            remove_dir(world, root)
+        for part in range(2):
+            assert torch.equal(loaded.codes[part]["w"], dense.codes[part]["w"]), (bits, part)
+            assert _same_bits(loaded.scales[part]["w"], dense.scales[part]["w"]), (bits, part)
+
+        # columns split at an offset inside a block: the edge blocks' scales are on two ranks
+        sharded = distribute(params, [Shard(1)])
+        state = _tx(bits).init(sharded)
+        everyone_raises(world, lambda: gtx.checkpoint.state_dict(state, sharded), r"state leaf '(codes|scales)\.0\.w'.*split across ranks\), but has another shape")

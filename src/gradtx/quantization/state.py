@@ -54,7 +54,9 @@ def _placeholder_dims(leaf: ParamLeaf) -> Optional[Dims]:
 
 def _block_dims(leaf: ParamLeaf) -> Optional[Dims]:
     """Codes and scales follow the param along its leading dims; along the last dim (blocks,
-    packed pairs) only while the param is whole along it. Otherwise: no declaration here."""
+    packed pairs) only while the param is whole along it. Otherwise no declaration here, and the
+    checkpoint refuses the leaf: pieces split along the last dim may hold parts of the same block
+    (its scale on two ranks, overlapping chunks) and the rule cannot see the block size to tell."""
     if leaf.leaf_shape == leaf.local_shape:
         return same(leaf)
     if not leaf.shape:  # a 0-d param: one block
@@ -240,8 +242,18 @@ def quantize_state(
       block_size: the block length (default 256; 128 for 4 bits). Not taken with bfloat16.
       min_size: leaves whose param has fewer elements are kept as ``inner`` keeps them
         (quantizing a bias saves little and costs accuracy).
-      spec: the params' :class:`~gradtx.sharding.ShardingSpec`. Quantized state of sharded
-        params (a spec, or DTensor params) is refused for now with ``NotImplementedError``.
+      spec: how plain params are sharded (a :class:`~gradtx.sharding.ShardingSpec`; DTensor
+        params describe themselves). Each rank's codes and scales are its pieces of the dense
+        run's, bit for bit: blocks are found from the piece's place in the logical tensor. A piece
+        split along leading dims holds whole blocks (FSDP2's ``Shard(0)``, HSDP, TP row splits):
+        no communication. A piece split along the last dim at a column inside a block (TP
+        ``Shard(1)``, a flat ZeRO piece: a 1-D leaf, whose logical tensor is the flat vector)
+        shares that block with its neighbour: the blocks so shared get their absmax and sign by
+        one all-reduce per step per distinct group, for all leaves at once. A plain split must name
+        its dim unless the leaf is 1-D (``Shard("tp", dim=1)``), and plain pieces must be equal.
+        Checkpoints (:mod:`gradtx.checkpoint`, DCP) hold such state when the params are whole
+        along their last dim; a param split along it is a ``ValueError`` naming the leaf (its
+        scales, and 4-bit codes, are no partition of the dense ones).
 
     Returns:
       A transformation with ``inner``'s updates, whose state is a :class:`QuantizedState`. It

@@ -47,7 +47,7 @@ the projector, the small shares summed, instead of gathering ``G``.
 Layouts. A DTensor's pieces follow its placements (``Shard(d)`` in mesh-dim order, chunked as
 ``torch.chunk`` does, which is how DTensor and FSDP2 split); ``_StridedShard`` is not supported. A
 plain tensor under a :class:`~gradtx.sharding.ShardingSpec` must name its split dims
-(``Shard("tp", dim=0)``); its pieces are equal, and several axes over one dim split it in mesh order
+(``Shard("tp", dim=0)``; a 1-D leaf with none is a flat piece split along dim 0); its pieces are equal, and several axes over one dim split it in mesh order
 (the first axis outermost). Plain shards of unequal size are not supported (use DTensors): the
 logical shapes each rank infers enter the cross-rank check (per pipeline stage), so ranks that
 differ get an error naming the leaf and both pieces instead of a wrong gather. The strategy, and
