@@ -17,6 +17,7 @@ whatever the layout, and needs no knowledge of which state field it belongs to.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -42,7 +43,7 @@ class Geometry:
 
     @property
     def lead(self) -> int:
-        return self.offset % self.block_size
+        return self.offset % self.block_size if self.columns else 0  # an empty piece touches no block
 
     @property
     def first_block(self) -> int:
@@ -66,9 +67,14 @@ def geometry(shape: torch.Size | tuple[int, ...], block_size: int, offset: int =
     return Geometry(shape[-1] if len(shape) else 1, offset, block_size)
 
 
+def row_count(shape: torch.Size | tuple[int, ...]) -> int:
+    """How many rows (runs along the last dim) a tensor of ``shape`` has: 1 for a 0-d or 1-D one."""
+    return math.prod(shape[:-1])
+
+
 def blocked(x: Tensor, geo: Geometry) -> Tensor:
     """``x`` (``(..., columns)``) as ``(rows, blocks, block_size)``, zero-padded at both edges."""
-    rows = x.reshape(-1, geo.columns)
+    rows = x.reshape(row_count(x.shape), geo.columns)
     if geo.lead or geo.trail:
         rows = torch.nn.functional.pad(rows, (geo.lead, geo.trail))
     return rows.reshape(rows.shape[0], geo.blocks, geo.block_size)
@@ -121,13 +127,13 @@ def pack_nibbles(codes: Tensor, offset: int = 0) -> Tensor:
     odd ``offset`` starts with a high nibble and a piece of odd extent ends with a low one; the
     missing halves are zero. Result: ``(..., ceil((offset % 2 + columns) / 2))`` ``uint8``.
     """
-    lead = offset % 2
     columns = codes.shape[-1] if codes.ndim else 1
-    rows = codes.reshape(-1, columns)
+    lead = offset % 2 if columns else 0
+    rows = codes.reshape(row_count(codes.shape), columns)
     trail = (lead + columns) % 2
     if lead or trail:
         rows = torch.nn.functional.pad(rows, (lead, trail))
-    pairs = rows.reshape(rows.shape[0], -1, 2)
+    pairs = rows.reshape(rows.shape[0], rows.shape[1] // 2, 2)
     packed = pairs[..., 0] | (pairs[..., 1] << 4)
     return packed.reshape(*codes.shape[:-1], packed.shape[-1])
 
@@ -135,8 +141,8 @@ def pack_nibbles(codes: Tensor, offset: int = 0) -> Tensor:
 def unpack_nibbles(packed: Tensor, columns: int, offset: int = 0) -> Tensor:
     """The inverse of :func:`pack_nibbles`: ``(..., columns)`` ``uint8`` codes."""
     lead = offset % 2
-    rows = packed.reshape(-1, packed.shape[-1])
-    both = torch.stack((rows & 0x0F, rows >> 4), dim=-1).reshape(rows.shape[0], -1)
+    rows = packed.reshape(row_count(packed.shape), packed.shape[-1] if packed.ndim else 1)
+    both = torch.stack((rows & 0x0F, rows >> 4), dim=-1).reshape(rows.shape[0], 2 * rows.shape[1])
     return both[:, lead : lead + columns].reshape(*packed.shape[:-1], columns)
 
 

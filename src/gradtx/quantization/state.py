@@ -8,8 +8,9 @@ dequantizes the stored moments, runs the inner transformation on them, and quant
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -26,7 +27,11 @@ from gradtx.base import (
 )
 from gradtx.quantization import blocks
 from gradtx.quantization.maps import Codec, codec
+from gradtx.quantization.placement import WHOLE, Place, place_of, scales_of
 from gradtx.sharding import dtensor as dtensor_lib
+from gradtx.sharding.edges import row_cuts
+from gradtx.sharding.mesh import MeshAxes
+from gradtx.sharding.reductions import is_sharded
 from gradtx.sharding.spec import ShardingSpec
 from gradtx.state_check import name_of, named
 from gradtx.state_dims import Dims, ParamLeaf, same, state_dims
@@ -49,7 +54,9 @@ def _placeholder_dims(leaf: ParamLeaf) -> Optional[Dims]:
 
 def _block_dims(leaf: ParamLeaf) -> Optional[Dims]:
     """Codes and scales follow the param along its leading dims; along the last dim (blocks,
-    packed pairs) only while the param is whole along it. Otherwise: no declaration here."""
+    packed pairs) only while the param is whole along it. Otherwise no declaration here, and the
+    checkpoint refuses the leaf: pieces split along the last dim may hold parts of the same block
+    (its scale on two ranks, overlapping chunks) and the rule cannot see the block size to tell."""
     if leaf.leaf_shape == leaf.local_shape:
         return same(leaf)
     if not leaf.shape:  # a 0-d param: one block
@@ -112,28 +119,37 @@ def storage_format(bits: Any, block_size: Any, *, owner: str = "quantize_state")
     return StorageFormat(bits, block_size, codec(bits), bits == 4)
 
 
-def encode(leaf: Tensor, fmt: StorageFormat) -> tuple[Tensor, Optional[Tensor]]:
-    """``leaf`` as stored: ``(codes, scales)`` (``scales`` ``None`` for a plain cast)."""
+def encode_all(
+    leaves: Sequence[Tensor], fmt: StorageFormat, places: Sequence[Place], mesh: Optional[MeshAxes]
+) -> list[tuple[Tensor, Optional[Tensor]]]:
+    """Each (local) leaf as stored, ``(codes, scales)`` (``scales`` ``None`` for a plain cast): its
+    blocks as ``places`` say, the blocks pieces share combined across ranks (one all-reduce per group)."""
     if fmt.codec is None:
-        return leaf.to(fmt.storage), None  # type: ignore[arg-type]
-    geo = blocks.geometry(leaf.shape, fmt.block_size)
-    scales = blocks.block_scales(blocks.block_absmax(leaf, geo), blocks.block_signed(leaf, geo))
-    codes = blocks.quantize(leaf, scales, geo, fmt.codec)
-    if fmt.packed:
-        codes = blocks.pack_nibbles(codes)
-    return codes, scales.reshape(*leaf.shape[:-1], geo.blocks)
+        return [(leaf.to(fmt.storage), None) for leaf in leaves]  # type: ignore[arg-type]
+    out = []
+    for leaf, place, scales in zip(leaves, places, scales_of(leaves, places, fmt.block_size, mesh)):
+        geo = blocks.geometry(leaf.shape, fmt.block_size, place.column)
+        codes = blocks.quantize(leaf, scales, geo, fmt.codec)
+        if fmt.packed:
+            codes = blocks.pack_nibbles(codes, place.column)
+        out.append((codes, scales.reshape(*leaf.shape[:-1], geo.blocks)))
+    return out
 
 
-def decode(codes: Tensor, scales: Optional[Tensor], placeholder: Tensor, fmt: StorageFormat) -> Tensor:
-    """The stored leaf read back, with the shape, dtype and device ``placeholder`` records."""
-    shape = placeholder.shape[:-1]
+def decode(codes: Tensor, scales: Optional[Tensor], placeholder: Tensor, fmt: StorageFormat, place: Place = WHOLE) -> Tensor:
+    """The stored leaf read back, with the shape, dtype, device (and DTensor layout) ``placeholder``
+    records; ``place``: where its local piece lies among the logical tensor's blocks."""
+    local = dtensor_lib.local(placeholder)
+    shape = local.shape[:-1]
     if fmt.codec is None:
-        return codes.to(placeholder.dtype)
-    geo = blocks.geometry(shape, fmt.block_size)
-    if fmt.packed:
-        codes = blocks.unpack_nibbles(codes, geo.columns)
-    codes = codes.reshape(shape)
-    return blocks.dequantize(codes, scales.reshape(-1, geo.blocks), geo, fmt.codec, placeholder.dtype)  # type: ignore[union-attr]
+        values = codes.to(local.dtype)
+    else:
+        geo = blocks.geometry(shape, fmt.block_size, place.column)
+        if fmt.packed:
+            codes = blocks.unpack_nibbles(codes, geo.columns, place.column)
+        codes = codes.reshape(shape)
+        values = blocks.dequantize(codes, scales.reshape(blocks.row_count(shape), geo.blocks), geo, fmt.codec, local.dtype)  # type: ignore[union-attr]
+    return dtensor_lib.without_empty_dim(values, placeholder)
 
 
 # --------------------------------------------------------------------------- which leaves are stored
@@ -168,15 +184,16 @@ def find_params_parts(state_def: Any, params_def: Any) -> tuple[int, ...]:
 _remembered_parts = functools.lru_cache(maxsize=256)(find_params_parts)
 
 
-def _stored(leaf: Any, param: Any, min_size: int) -> bool:
+def _stored(leaf: Any, param: Any, numel: int, min_size: int) -> bool:
     """Whether a state leaf made from ``param`` is stored quantized: a real floating tensor of the
-    param's shape, whose param has at least ``min_size`` elements (and has some)."""
+    param's shape, whose param has at least ``min_size`` elements (and has some) as a whole
+    logical tensor (``numel`` of them)."""
     return (
         isinstance(leaf, Tensor)
         and isinstance(param, Tensor)
         and leaf.is_floating_point()
         and leaf.shape == param.shape
-        and param.numel() >= max(min_size, 1)
+        and numel >= max(min_size, 1)
     )
 
 
@@ -225,8 +242,18 @@ def quantize_state(
       block_size: the block length (default 256; 128 for 4 bits). Not taken with bfloat16.
       min_size: leaves whose param has fewer elements are kept as ``inner`` keeps them
         (quantizing a bias saves little and costs accuracy).
-      spec: the params' :class:`~gradtx.sharding.ShardingSpec`. Quantized state of sharded
-        params (a spec, or DTensor params) is refused for now with ``NotImplementedError``.
+      spec: how plain params are sharded (a :class:`~gradtx.sharding.ShardingSpec`; DTensor
+        params describe themselves). Each rank's codes and scales are its pieces of the dense
+        run's, bit for bit: blocks are found from the piece's place in the logical tensor. A piece
+        split along leading dims holds whole blocks (FSDP2's ``Shard(0)``, HSDP, TP row splits):
+        no communication. A piece split along the last dim at a column inside a block (TP
+        ``Shard(1)``, a flat ZeRO piece: a 1-D leaf, whose logical tensor is the flat vector)
+        shares that block with its neighbour: the blocks so shared get their absmax and sign by
+        one all-reduce per step per distinct group, for all leaves at once. A plain split must name
+        its dim unless the leaf is 1-D (``Shard("tp", dim=1)``), and plain pieces must be equal.
+        Checkpoints (:mod:`gradtx.checkpoint`, DCP) hold such state when the params are whole
+        along their last dim; a param split along it is a ``ValueError`` naming the leaf (its
+        scales, and 4-bit codes, are no partition of the dense ones).
 
     Returns:
       A transformation with ``inner``'s updates, whose state is a :class:`QuantizedState`. It
@@ -268,35 +295,46 @@ def quantize_state(
         raise TypeError(f"{owner}: min_size must be an int, got {type(min_size).__name__}")
     if min_size < 0:
         raise ValueError(f"{owner}: min_size must be >= 0, got {min_size}")
-    if spec is not None:
-        if not isinstance(spec, ShardingSpec):
-            raise TypeError(f"{owner}: spec must be a gradtx.sharding.ShardingSpec or None, got {type(spec).__name__}")
-        raise NotImplementedError(f"{owner}: quantized state under a ShardingSpec is not supported")
+    if spec is not None and not isinstance(spec, ShardingSpec):
+        raise TypeError(f"{owner}: spec must be a gradtx.sharding.ShardingSpec or None, got {type(spec).__name__}")
     inner_update = with_inplace(inner)
     extra = takes_extra_args(inner)
 
+    def layout_of(tree: PyTree) -> tuple[Optional[MeshAxes], list[Any]]:
+        """The mesh and every leaf's :class:`~gradtx.sharding.edges.RowCuts` (``None``: unsharded)."""
+        tree_leaves = tree_lib.leaves(tree)
+        if not is_sharded(tree_leaves, spec):
+            return None, [None] * len(tree_leaves)
+        return row_cuts(tree, spec, what=owner)
+
     def init_fn(params: PyTree) -> QuantizedState:
         param_leaves, params_def, _ = tree_lib.tensor_leaves(params, what="params")
+        mesh, cuts = layout_of(params)
         inner_state = inner.init(params)
         leaves, state_def = tree_lib.flatten(inner_state)
-        codes, scales = [], []
-        for start in params_parts(state_def, params_def):
-            part_codes: list[Any] = [None] * len(param_leaves)
-            part_scales: list[Any] = [None] * len(param_leaves)
+        found = []
+        for part, start in enumerate(params_parts(state_def, params_def)):
             for i, param in enumerate(param_leaves):
-                leaf = leaves[start + i]
-                if not _stored(leaf, param, min_size):
-                    continue
-                if dtensor_lib.is_dtensor(leaf) or dtensor_lib.is_dtensor(param):
-                    raise NotImplementedError(
-                        f"{owner}: param {tree_lib.path_at(params, i)!r} is a DTensor; quantized state of "
-                        "DTensor params is not supported"
-                    )
-                part_codes[i], part_scales[i] = encode(leaf, fmt)
-                leaves[start + i] = leaf.new_empty((*leaf.shape, 0))
-            codes.append(tree_lib.unflatten(params_def, part_codes))
-            scales.append(tree_lib.unflatten(params_def, part_scales))
-        return QuantizedState(tree_lib.unflatten(state_def, leaves), tuple(codes), tuple(scales))
+                numel = math.prod(cuts[i].piece.shape) if cuts[i] is not None else dtensor_lib.local(param).numel() if isinstance(param, Tensor) else 0
+                if _stored(leaves[start + i], param, numel, min_size):
+                    found.append((start + i, part, i))
+        codes, scales = store(leaves, found, len(params_parts(state_def, params_def)), len(param_leaves), mesh, cuts)
+        return QuantizedState(
+            tree_lib.unflatten(state_def, leaves),
+            tuple(tree_lib.unflatten(params_def, c) for c in codes),
+            tuple(tree_lib.unflatten(params_def, s) for s in scales),
+        )
+
+    def store(leaves: list[Any], found: list[tuple[int, int, int]], parts: int, count: int, mesh: Optional[MeshAxes], cuts: list[Any]) -> tuple[list[list[Any]], list[list[Any]]]:
+        """Codes and scales (per part, per param) of the ``found`` leaves, which become placeholders."""
+        codes = [[None] * count for _ in range(parts)]
+        scales = [[None] * count for _ in range(parts)]
+        places = [place_of(cuts[i], fmt.block_size) for _, _, i in found]
+        stored = encode_all([dtensor_lib.local(leaves[index]) for index, _, _ in found], fmt, places, mesh)
+        for (index, part, i), (c, s) in zip(found, stored):
+            codes[part][i], scales[part][i] = c, s
+            leaves[index] = dtensor_lib.with_empty_dim(leaves[index])
+        return codes, scales
 
     def stored_leaves(state: QuantizedState) -> tuple[list[Any], Any, list[tuple[int, int, int]]]:
         """The inner state's leaves, its structure, and ``(leaf index, part, param index)`` of each stored leaf."""
@@ -321,8 +359,15 @@ def quantize_state(
         leaves, state_def, found = stored_leaves(state)
         code_leaves = [tree_lib.leaves(tree) for tree in state.codes]
         scale_leaves = [tree_lib.leaves(tree) for tree in state.scales]
+        mesh, cuts = layout_of(params if params is not None else updates) if found else (None, [])
         for index, part, i in found:
-            leaves[index] = decode(code_leaves[part][i], scale_leaves[part][i], leaves[index], fmt)
+            if mesh is not None and cuts[i] is None:
+                raise ValueError(
+                    f"{owner}: the gradient of param {tree_lib.path_at(updates, i)!r} is None, so where its sharded "
+                    "state lies is unknown; pass params to update"
+                )
+            place = place_of(cuts[i], fmt.block_size)
+            leaves[index] = decode(code_leaves[part][i], scale_leaves[part][i], leaves[index], fmt, place)
         inner_state = tree_lib.unflatten(state_def, leaves)
         if not extra:
             extra_args = {}
@@ -330,12 +375,7 @@ def quantize_state(
         new_leaves, new_def = tree_lib.flatten(new_inner)
         if new_def != state_def:
             raise ValueError(f"{owner}: {name_of(inner.update)} returned a state of another structure than it was given")
-        new_codes = [list(c) for c in code_leaves]
-        new_scales = [list(s) for s in scale_leaves]
-        for index, part, i in found:
-            leaf = new_leaves[index]
-            new_codes[part][i], new_scales[part][i] = encode(leaf, fmt)
-            new_leaves[index] = leaf.new_empty((*leaf.shape, 0))
+        new_codes, new_scales = store(new_leaves, found, len(code_leaves), len(code_leaves[0]) if code_leaves else 0, mesh, cuts)
         codes = tuple(tree_lib.unflatten(tree_lib.structure(t), c) for t, c in zip(state.codes, new_codes))
         scales = tuple(tree_lib.unflatten(tree_lib.structure(t), s) for t, s in zip(state.scales, new_scales))
         return new_updates, QuantizedState(tree_lib.unflatten(new_def, new_leaves), codes, scales)

@@ -249,3 +249,31 @@ def relayout(value: Tensor, template: Tensor) -> Tensor:
             f"the local piece would be {tuple(local(value).shape)} where the new layout has {tuple(local(template).shape)}"
         )
     return value
+
+
+def with_empty_dim(tensor: Tensor) -> Tensor:
+    """An empty tensor of shape ``(*tensor.shape, 0)`` (no memory) with ``tensor``'s dtype and device,
+    laid out as ``tensor`` (a DTensor: the same mesh and placements); see :func:`without_empty_dim`."""
+    piece = local(tensor)
+    empty = piece.new_empty((*piece.shape, 0))
+    if not is_dtensor(tensor):
+        return empty
+    shape = torch.Size((*tensor.shape, 0))
+    return type(tensor).from_local(  # type: ignore[attr-defined]
+        empty, tensor.device_mesh, tensor.placements, run_check=False, shape=shape, stride=_contiguous(shape)  # type: ignore[attr-defined]
+    )
+
+
+def without_empty_dim(piece: Tensor, template: Tensor) -> Tensor:
+    """``piece`` (this rank's) as the tensor that ``template`` (made by :func:`with_empty_dim`)
+    stands for: plain, or a DTensor of ``template``'s layout and shape without its last dim."""
+    if not is_dtensor(template):
+        return piece
+    shape = torch.Size(template.shape[:-1])
+    return type(template).from_local(  # type: ignore[attr-defined]
+        piece, template.device_mesh, template.placements, run_check=False, shape=shape, stride=_contiguous(shape)  # type: ignore[attr-defined]
+    )
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()

@@ -47,7 +47,7 @@ the projector, the small shares summed, instead of gathering ``G``.
 Layouts. A DTensor's pieces follow its placements (``Shard(d)`` in mesh-dim order, chunked as
 ``torch.chunk`` does, which is how DTensor and FSDP2 split); ``_StridedShard`` is not supported. A
 plain tensor under a :class:`~gradtx.sharding.ShardingSpec` must name its split dims
-(``Shard("tp", dim=0)``); its pieces are equal, and several axes over one dim split it in mesh order
+(``Shard("tp", dim=0)``; a 1-D leaf with none is a flat piece split along dim 0); its pieces are equal, and several axes over one dim split it in mesh order
 (the first axis outermost). Plain shards of unequal size are not supported (use DTensors): the
 logical shapes each rank infers enter the cross-rank check (per pipeline stage), so ranks that
 differ get an error naming the leaf and both pieces instead of a wrong gather. The strategy, and
@@ -134,6 +134,8 @@ def _dims_of(plan: Plan, index: int, leaf: Any) -> tuple[int, ...]:
     for axis, dim in zip(layout.axes, layout.dims):  # type: ignore[union-attr]
         if plan.mesh.sizes[axis] == 1:
             continue
+        if dim is None and leaf.ndim == 1:
+            dim = 0  # a flat (ZeRO) piece: a 1-D leaf has one dim to split
         if dim is None:
             raise ValueError(
                 f"leaf {layout.path!r} is sharded over axis {axis!r} along an unknown tensor dim; the whole "
@@ -155,7 +157,8 @@ def _plain_splits(plan: Plan, index: int, leaf: Tensor, rank: int) -> list[tuple
     splits = []
     for axis, dim in zip(layout.axes, layout.dims):  # type: ignore[union-attr]
         if mesh.sizes[axis] > 1:
-            splits.append((dim % leaf.ndim, mesh.sizes[axis], coordinate[mesh.names.index(axis)]))  # type: ignore[operator]
+            dim = 0 if dim is None else dim  # a flat piece (checked by _dims_of)
+            splits.append((dim % leaf.ndim, mesh.sizes[axis], coordinate[mesh.names.index(axis)]))
     return splits
 
 
@@ -457,8 +460,10 @@ class LocalPieces:
     """Where each leaf's local piece lies in its logical tensor (``pieces``, ``None`` for ``None``
     leaves), and :meth:`sum`, which adds per-leaf tensors over each leaf's shard group."""
 
-    def __init__(self, plan: Optional[Plan], pieces: list[Optional[Piece]]):
+    def __init__(self, plan: Optional[Plan], pieces: list[Optional[Piece]], boxes: Optional[list[Optional[list[Box]]]] = None):
         self.plan, self.pieces = plan, pieces
+        self.boxes: list[Optional[list[Box]]] = boxes if boxes is not None else [None] * len(pieces)
+        """Per leaf, every piece of its shard group (``None`` where this rank's piece is whole)."""
 
     def sum(self, values: dict[int, Tensor]) -> dict[int, Tensor]:
         """``{leaf index: tensor}`` -> each tensor summed over the ranks of that leaf's shard group
@@ -527,4 +532,4 @@ def local_pieces(
         else:
             size, offset = job.boxes[job.me]
             pieces.append(Piece(job.shape, tuple(size), tuple(offset), job.axes))
-    return LocalPieces(plan, pieces)
+    return LocalPieces(plan, pieces, [None if job is None else job.boxes for job in found[0][1]])

@@ -1,0 +1,83 @@
+"""Where the pieces of a leaf's shard group cut its last dim, and maxima over the ranks that share a cut.
+
+Statistics of runs of ``block`` elements along the last dim of a logical tensor (the absmax of
+each block of quantized optimizer state) are local to a rank's piece, except in the blocks that a
+cut between two pieces falls strictly inside: pieces split along leading dims only hold whole
+blocks, pieces split along the last dim at a column that is no multiple of ``block`` (a TP
+``Shard(1)`` at a misaligned offset, a flat ZeRO piece) share their edge blocks with their
+neighbours. :func:`row_cuts` finds the cuts from the layout alone; :func:`max_grouped` takes the
+maximum of such blocks' statistics over the axes that split the last dim, one collective per
+distinct group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch.distributed as dist
+from torch import Tensor
+
+from gradtx.sharding.matrices import Piece, local_pieces
+from gradtx.sharding.mesh import MeshAxes
+from gradtx.sharding.spec import ShardingSpec
+
+
+@dataclass(frozen=True)
+class RowCuts:
+    """This rank's ``piece`` of one leaf; the mesh ``axes`` (of size > 1) that split its last dim
+    (ranks along them hold the same rows, other columns); and the ``cuts``: the columns strictly
+    inside the last dim where a piece of the group begins or ends (ascending, the same on every
+    rank of the group)."""
+
+    piece: Piece
+    axes: tuple[str, ...]
+    cuts: tuple[int, ...]
+
+    @property
+    def column(self) -> int:
+        """The logical column of the piece's first column (0 for a 0-d leaf)."""
+        return self.piece.offset[-1] if self.piece.offset else 0
+
+    def shared_blocks(self, block: int) -> tuple[int, ...]:
+        """The blocks (runs of ``block`` columns of a row, numbered from 0) that a cut falls
+        strictly inside: those whose statistics pieces of several ranks hold parts of."""
+        return tuple(sorted({c // block for c in self.cuts if c % block}))
+
+
+def row_cuts(tree: Any, spec: Optional[ShardingSpec], *, what: str) -> tuple[Optional[MeshAxes], list[Optional[RowCuts]]]:
+    """The mesh the ranks talk over (``None`` when nothing is sharded) and every leaf's
+    :class:`RowCuts` (``None`` for ``None`` leaves), from :func:`~gradtx.sharding.matrices.local_pieces`
+    (checked across ranks on a new plan; a 1-D plain leaf split with no ``dim`` is a flat piece).
+    No communication once the plan is checked."""
+    found = local_pieces(tree, spec, what=what)
+    mesh = found.plan.mesh if found.plan is not None else None
+    out: list[Optional[RowCuts]] = []
+    for index, piece in enumerate(found.pieces):
+        if piece is None:
+            out.append(None)
+            continue
+        boxes = found.boxes[index]
+        if boxes is None or not piece.shape or mesh is None:
+            out.append(RowCuts(piece, (), ()))
+            continue
+        last = len(piece.shape) - 1
+        layout = found.plan.layouts[index]  # type: ignore[union-attr]
+        axes = tuple(
+            axis
+            for axis, dim in zip(layout.axes, layout.dims)  # type: ignore[union-attr]
+            if mesh.sizes[axis] > 1 and (0 if dim is None else dim) % len(piece.shape) == last
+        )
+        edges = {o[last] + s[last] for s, o in boxes} | {o[last] for _, o in boxes}
+        cuts = tuple(sorted(c for c in edges if 0 < c < piece.shape[last])) if axes else ()
+        out.append(RowCuts(piece, axes, cuts))
+    return mesh, out
+
+
+def max_grouped(mesh: MeshAxes, items: Sequence[tuple[tuple[str, ...], Tensor]]) -> list[Tensor]:
+    """Each tensor of ``items`` replaced by its elementwise maximum over the ranks of its axes: one
+    all-reduce per distinct group, in float64 (integers below ``2**53`` are exact; gloo's MAX
+    drops a NaN, so pass NaN-free encodings, e.g. a float32's bit pattern as an integer)."""
+    from gradtx.sharding.reductions import reduce_grouped
+
+    return reduce_grouped(mesh, items, dist.ReduceOp.MAX)
