@@ -30,6 +30,7 @@ from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding.spec import ShardingSpec
 from gradtx.state_check import name_of, named
 from gradtx.state_dims import Dims, ParamLeaf, same, state_dims
+from gradtx.state_signs import nonnegative_fields
 
 PyTree = Any
 
@@ -72,7 +73,8 @@ class QuantizedState(NamedTuple):
         along the last dim, or the storage dtype), ``None`` elsewhere.
       scales: trees like ``codes``: each stored leaf's float32 block scales, shaped
         ``(*leaf.shape[:-1], blocks)`` (the block's absmax; its sign bit set where the signed map
-        was used), ``None`` where there are none (``torch.bfloat16`` storage).
+        is used: every block of a field not declared non-negative), ``None`` where there are none
+        (``torch.bfloat16`` storage).
     """
 
     inner: Any
@@ -112,12 +114,15 @@ def storage_format(bits: Any, block_size: Any, *, owner: str = "quantize_state")
     return StorageFormat(bits, block_size, codec(bits), bits == 4)
 
 
-def encode(leaf: Tensor, fmt: StorageFormat) -> tuple[Tensor, Optional[Tensor]]:
-    """``leaf`` as stored: ``(codes, scales)`` (``scales`` ``None`` for a plain cast)."""
+def encode(leaf: Tensor, fmt: StorageFormat, signed: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+    """``leaf`` as stored: ``(codes, scales)`` (``scales`` ``None`` for a plain cast). ``signed``:
+    read with the codec's signed map (else the unsigned one, for a field declared non-negative);
+    recorded in the sign bit of every scale."""
     if fmt.codec is None:
         return leaf.to(fmt.storage), None  # type: ignore[arg-type]
     geo = blocks.geometry(leaf.shape, fmt.block_size)
-    scales = blocks.block_scales(blocks.block_absmax(leaf, geo), blocks.block_signed(leaf, geo))
+    absmax = blocks.block_absmax(leaf, geo)
+    scales = -absmax if signed else absmax  # -0.0 for an all-zero signed block: its sign bit still says signed
     codes = blocks.quantize(leaf, scales, geo, fmt.codec)
     if fmt.packed:
         codes = blocks.pack_nibbles(codes)
@@ -149,23 +154,45 @@ def params_parts(state_def: Any, params_def: Any) -> tuple[int, ...]:
 def find_params_parts(state_def: Any, params_def: Any) -> tuple[int, ...]:
     """Where each params-shaped part of a state begins among its leaves (outermost parts; as
     :mod:`gradtx.checkpoint` finds them): the state's moments, momentum buffers, accumulators."""
-    starts: list[int] = []
+    return tuple(start for start, _ in _walk_parts(state_def, params_def))
 
-    def walk(spec: Any, start: int) -> None:
+
+def find_nonnegative_parts(state_def: Any, params_def: Any) -> tuple[bool, ...]:
+    """For each part :func:`find_params_parts` finds, whether it lies in a field its state type
+    declares non-negative (:func:`gradtx.state_signs.nonnegative`: a second moment, a sum of squares)."""
+    return tuple(nonnegative for _, nonnegative in _walk_parts(state_def, params_def))
+
+
+def _walk_parts(state_def: Any, params_def: Any) -> list[tuple[int, bool]]:
+    """``(start, non-negative)`` of each params-shaped part of a state, in the order of its leaves."""
+    found: list[tuple[int, bool]] = []
+
+    def walk(spec: Any, start: int, nonnegative: bool) -> None:
         if spec == params_def:
-            starts.append(start)
+            found.append((start, nonnegative))
             return
         if spec.is_leaf():
             return
-        for child in spec.children():
-            walk(child, start)
+        fields = getattr(spec.type, "_fields", None)
+        declared = nonnegative_fields(spec.type)
+        for i, child in enumerate(spec.children()):
+            inside = nonnegative or (fields is not None and i < len(fields) and fields[i] in declared)
+            walk(child, start, inside)
             start += child.num_leaves
 
-    walk(state_def, 0)
-    return tuple(starts)
+    walk(state_def, 0, False)
+    return found
 
 
 _remembered_parts = functools.lru_cache(maxsize=256)(find_params_parts)
+_remembered_nonnegative = functools.lru_cache(maxsize=256)(find_nonnegative_parts)
+
+
+def nonnegative_parts(state_def: Any, params_def: Any) -> tuple[bool, ...]:
+    """:func:`find_nonnegative_parts`, remembered per pair of structures (found anew while compiling)."""
+    if torch.compiler.is_compiling():
+        return find_nonnegative_parts(state_def, params_def)
+    return _remembered_nonnegative(state_def, params_def)
 
 
 def _stored(leaf: Any, param: Any, min_size: int) -> bool:
@@ -203,11 +230,14 @@ def quantize_state(
     Blocks follow the logical tensor: a block is a run of ``block_size`` elements along the last
     dim, within one row (a 1-D leaf: along its only dim). A block is divided by its absolute
     maximum (its scale, kept in float32) and each value is stored as the nearest value of a
-    non-linear map (the same inputs give the same codes, always). Which map a block uses is
-    decided by the block's own values, not by the field it belongs to: a block holding a
-    negative value (a first moment, a momentum) uses the signed map, any other block (a second
-    moment) the unsigned one, and the choice is recorded in the sign bit of the block's scale.
-    So nothing depends on how the state is laid out, and any inner transformation works.
+    non-linear map (the same inputs give the same codes, always). Which map a leaf uses is
+    decided by the state field it belongs to, never by its values: a field its state type
+    declares non-negative (:func:`gradtx.state_signs.nonnegative`: Adam's ``nu``, AMSGrad's
+    ``nu_max``, RMSProp's and AdaGrad's accumulators) uses the unsigned map, every other field
+    (a first moment, a momentum, an undeclared field) the signed one, with its zero: a momentum
+    block that happens to be all positive keeps its small entries small. The choice is recorded
+    in the sign bit of every scale. So nothing depends on the data or on how the state is laid
+    out, and any inner transformation works.
 
     - ``bits=8``: Dettmers et al.'s dynamic tree maps, signed and unsigned; blocks of 256.
     - ``bits=4``: Li et al.'s dynamic exponent map (signed) and linear map without zero
@@ -280,7 +310,7 @@ def quantize_state(
         inner_state = inner.init(params)
         leaves, state_def = tree_lib.flatten(inner_state)
         codes, scales = [], []
-        for start in params_parts(state_def, params_def):
+        for start, nonnegative in zip(params_parts(state_def, params_def), nonnegative_parts(state_def, params_def)):
             part_codes: list[Any] = [None] * len(param_leaves)
             part_scales: list[Any] = [None] * len(param_leaves)
             for i, param in enumerate(param_leaves):
@@ -292,7 +322,7 @@ def quantize_state(
                         f"{owner}: param {tree_lib.path_at(params, i)!r} is a DTensor; quantized state of "
                         "DTensor params is not supported"
                     )
-                part_codes[i], part_scales[i] = encode(leaf, fmt)
+                part_codes[i], part_scales[i] = encode(leaf, fmt, signed=not nonnegative)
                 leaves[start + i] = leaf.new_empty((*leaf.shape, 0))
             codes.append(tree_lib.unflatten(params_def, part_codes))
             scales.append(tree_lib.unflatten(params_def, part_scales))
@@ -332,9 +362,10 @@ def quantize_state(
             raise ValueError(f"{owner}: {name_of(inner.update)} returned a state of another structure than it was given")
         new_codes = [list(c) for c in code_leaves]
         new_scales = [list(s) for s in scale_leaves]
+        nonnegative = nonnegative_parts(state_def, tree_lib.structure(state.codes[0])) if found else ()
         for index, part, i in found:
             leaf = new_leaves[index]
-            new_codes[part][i], new_scales[part][i] = encode(leaf, fmt)
+            new_codes[part][i], new_scales[part][i] = encode(leaf, fmt, signed=not nonnegative[part])
             new_leaves[index] = leaf.new_empty((*leaf.shape, 0))
         codes = tuple(tree_lib.unflatten(tree_lib.structure(t), c) for t, c in zip(state.codes, new_codes))
         scales = tuple(tree_lib.unflatten(tree_lib.structure(t), s) for t, s in zip(state.scales, new_scales))
