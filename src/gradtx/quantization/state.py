@@ -286,9 +286,9 @@ def quantize_state(
       ...     print(f"{f(params):.1f}")
       1993.9
       1406.1
-      956.0
-      624.3
-      391.3
+      955.8
+      623.9
+      390.6
     """
     owner = "quantize_state"
     if not isinstance(inner, GradientTransformation):
