@@ -357,6 +357,91 @@ def test_dtype_of_a_stored_leaf_is_kept():
     assert mu.dtype == torch.float32 and torch.allclose(mu, torch.full((64, 64), 0.1), rtol=1e-6)
 
 
+# --------------------------------------------------------------------------- which map each field gets
+
+
+def _stored_signs(tx, grads):
+    """Per params-shaped part of ``tx``'s state after one step on ``grads``: whether the stored
+    leaf's scales all say "signed map", or all say "unsigned map"."""
+    params = {"w": torch.zeros(64, 64)}
+    _, state = tx.update(grads, tx.init(params), params)
+    signs = []
+    for scales in state.scales:
+        signbits = torch.signbit(scales["w"])
+        assert signbits.all() or not signbits.any()
+        signs.append("signed" if signbits.all() else "unsigned")
+    return tuple(signs)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda: gtx.adamw(1e-2), ("signed", "unsigned")),
+        (lambda: gtx.amsgrad(1e-2), ("signed", "unsigned", "unsigned")),
+        (lambda: gtx.adabelief(1e-2), ("signed", "unsigned")),
+        (lambda: gtx.contrib.ademamix(1e-2), ("signed", "signed", "unsigned")),
+        (lambda: gtx.inject_hyperparams(gtx.adamw)(learning_rate=1e-2), ("signed", "unsigned")),
+        (lambda: gtx.lion(1e-3), ("signed",)),
+        (lambda: gtx.sgd(1e-1, momentum=0.9), ("signed",)),
+        (lambda: gtx.rmsprop(1e-2), ("unsigned",)),
+    ],
+    ids=["adamw", "amsgrad", "adabelief", "ademamix", "injected-adamw", "lion", "sgd-momentum", "rmsprop"],
+)
+def test_the_map_is_chosen_per_state_field_not_per_block(make, expected, bits):
+    """Second moments (fields their state type declares non-negative) get the unsigned map, every
+    other field the signed one, whatever the values: here every gradient is positive, so every
+    first-moment block is non-negative too, and still read with the signed map."""
+    grads = {"w": torch.logspace(0, -3, 4096).reshape(64, 64)}
+    assert _stored_signs(gtx.quantize_state(make(), bits, min_size=1000), grads) == expected
+
+
+def test_a_non_negative_first_moment_block_keeps_its_small_entries_at_4_bits():
+    """An all-positive block of Adam's ``mu`` whose entries span 4 decades: entries under 1% of
+    the block's largest read back within 1% of it (the signed map has a zero and a code at
+    1%), not as the zero-free map's smallest value, 1/16 of the largest."""
+    grads = {"w": torch.logspace(0, -4, 64).repeat(64, 1)}  # each row: one block of 64
+    tx = gtx.quantize_state(gtx.adam(1e-2), 4)
+    params = {"w": torch.zeros(64, 64)}
+    _, state = tx.update(grads, tx.init(params), params)
+    mu = decode(state.codes[0]["w"], state.scales[0]["w"], state.inner[0].mu["w"], storage_format(4, None))
+    exact = 0.1 * grads["w"]
+    absmax = exact.amax(dim=1, keepdim=True)
+    small = exact < absmax / 100
+    assert small.sum() > 1000
+    assert ((mu - exact).abs()[small] <= (absmax / 100).expand_as(exact)[small]).all()
+    assert ((mu - exact).abs() <= 0.12 * absmax).all()  # half the widest gap of the map, 0.225
+
+
+def test_a_second_moment_never_reads_back_as_zero_at_4_bits():
+    """Adam's ``nu`` uses the zero-free linear map: entries down to 1e-8 of their block's largest reads
+    back as 1/16 of it, so ``1 / sqrt(nu)`` stays bounded (the zero-point problem of Li et al.)."""
+    grads = {"w": torch.logspace(0, -4, 64).repeat(64, 1)}  # each row: one block of 64
+    tx = gtx.quantize_state(gtx.adam(1e-2), 4)
+    params = {"w": torch.zeros(64, 64)}
+    _, state = tx.update(grads, tx.init(params), params)
+    nu = decode(state.codes[1]["w"], state.scales[1]["w"], state.inner[0].nu["w"], storage_format(4, None))
+    absmax = (1e-3 * grads["w"] ** 2).amax(dim=1, keepdim=True)
+    assert (nu >= absmax / 16 * (1 - 1e-6)).all()
+
+
+def test_nonnegative_declarations_are_checked():
+    from typing import NamedTuple
+
+    from gradtx.state_signs import nonnegative, nonnegative_fields
+
+    class State(NamedTuple):
+        mu: torch.Tensor
+        nu: torch.Tensor
+
+    assert nonnegative_fields(nonnegative("nu")(State)) == {"nu"}
+    assert nonnegative_fields(gtx.ScaleByAdamState) == {"nu"} and nonnegative_fields(tuple) == set()
+    with pytest.raises(TypeError, match="nonnegative: State has no field 'sigma'"):
+        nonnegative("sigma")(State)
+    with pytest.raises(TypeError, match="nonnegative: dict is not a NamedTuple"):
+        nonnegative("nu")(dict)
+
+
 # --------------------------------------------------------------------------- checkpoints, wrap, compile, hyperparams
 
 

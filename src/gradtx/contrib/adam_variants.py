@@ -18,6 +18,7 @@ from gradtx.base import GradientTransformation
 from gradtx.chains import chain
 from gradtx.numerics import ScalarOrSchedule
 from gradtx.optimizers._common import check_learning_rate
+from gradtx.state_signs import nonnegative
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.adam import ScaleByAdamState, ScaleByBeliefState
 from gradtx.transforms.scaling import scale_by_learning_rate
@@ -207,6 +208,7 @@ def adopt(
 # --------------------------------------------------------------------------- AdEMAMix
 
 
+@nonnegative("nu")
 class ScaleByAdemamixState(NamedTuple):
     """``count``: steps (0-d int32) for the fast EMA and the second moment; ``count_m2``: steps for
     the slow EMA and the schedules of ``b3`` and ``alpha``; ``m1``, ``m2``: fast and slow EMAs of
@@ -350,6 +352,7 @@ def ademamix(
     )
 
 
+@nonnegative("n")
 class ScaleBySimplifiedAdEMAMixState(NamedTuple):
     """``t``: steps so far (0-d int32); ``m``: the (undamped) sum ``b1 * m + g``; ``n``: the EMA of
     the squared gradients."""

@@ -28,6 +28,7 @@ from gradtx.chains import chain
 from gradtx.contrib import _scalars as sc
 from gradtx.numerics import ScalarOrSchedule
 from gradtx.optimizers._common import check_learning_rate
+from gradtx.state_signs import nonnegative
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms import add_decayed_weights, scale_by_learning_rate
 
@@ -35,6 +36,7 @@ from gradtx.transforms import add_decayed_weights, scale_by_learning_rate
 # --------------------------------------------------------------------------- Prodigy
 
 
+@nonnegative("exp_avg_sq")
 class ProdigyState(NamedTuple):
     """``exp_avg``/``exp_avg_sq``: Adam's moments of ``estim_lr * g``; ``grad_sum``: the weighted sum
     of gradients estimating ``D``; ``params0``: the initial point; ``estim_lr``: the current ``D``
@@ -193,6 +195,7 @@ def prodigy(
 # --------------------------------------------------------------------------- D-Adaptation AdamW
 
 
+@nonnegative("exp_avg_sq")
 class DAdaptAdamWState(NamedTuple):
     """``exp_avg``: the first moment of ``D * lr * g``; ``exp_avg_sq``: the second moment of ``g``;
     ``grad_sum``: the weighted sum of steps; ``estim_lr``: the current ``D``; ``numerator_weighted``:
@@ -605,6 +608,7 @@ def dowg(
 # --------------------------------------------------------------------------- COCOB
 
 
+@nonnegative("scale", "subgradients")
 class COCOBState(NamedTuple):
     """``init_particles``: the initial point; ``cumulative_gradients``: minus the sum of gradients;
     ``scale``: the largest ``|g|`` seen (from ``eps``); ``subgradients``: the sum of ``|g|``;

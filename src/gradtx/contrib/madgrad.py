@@ -12,10 +12,12 @@ from gradtx.base import GradientTransformation
 from gradtx.chains import chain
 from gradtx.numerics import ScalarOrSchedule
 from gradtx.optimizers._common import check_learning_rate
+from gradtx.state_signs import nonnegative
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.weight_decay import add_decayed_weights
 
 
+@nonnegative("grad_sum_sq")
 class MadgradState(NamedTuple):
     """``count``: steps so far (0-d int32); ``grad_sum_sq``: the weighted sum of squared gradients;
     ``s``: the weighted sum of gradients; ``x0``: the parameters at ``init``."""

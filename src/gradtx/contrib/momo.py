@@ -20,6 +20,7 @@ from gradtx.base import GradientTransformationExtraArgs
 from gradtx.contrib import _scalars as sc
 from gradtx.numerics import ScalarOrSchedule
 from gradtx.optimizers._common import check_learning_rate
+from gradtx.state_signs import nonnegative
 from gradtx.transforms import _foreach as fe
 
 
@@ -168,6 +169,7 @@ def momo(
     return GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+@nonnegative("exp_avg_sq")
 class MomoAdamState(NamedTuple):
     """As :class:`MomoState`, plus ``exp_avg_sq``: the squared gradients' moving average (Adam's)."""
 

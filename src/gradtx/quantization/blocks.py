@@ -9,10 +9,10 @@ and a piece split along the last dim starts and ends inside blocks it shares wit
 into such pieces by :func:`flat_segments`. Everything is vectorized over a ``(rows, blocks,
 block_size)`` zero-padded view: no loop over blocks or elements.
 
-A block's *scale* is its absolute maximum (float32), negated (sign bit set) when the block holds
-a value with its sign bit set: such a block is read with the codec's signed map, any other with
-its unsigned map. So which map a block gets is decided by the block's own values, the same
-whatever the layout, and needs no knowledge of which state field it belongs to.
+A block's *scale* is its absolute maximum (float32), negated (sign bit set) when the block is read
+with the codec's signed map, else read with its unsigned map. :func:`gradtx.quantize_state`
+chooses the map per state field (see :mod:`gradtx.state_signs`); :func:`block_signed` gives the
+per-block choice from the block's own values, for callers that know nothing of fields.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ A block of ``block_size`` state values is divided by its absolute maximum, so ev
 - :class:`FloatCodec`: a scaled cast to a float8 dtype (the absmax lands on the dtype's largest
   finite value), rounding to nearest as torch's cast does.
 
-Each codec holds a *signed* map (for blocks with a negative value) and an *unsigned* one (for
-blocks without: more resolution on ``[0, 1]``, and for 4 bits no zero, which keeps a second moment
-from collapsing to zero and its update from blowing up, the failure Li et al. identify). The
+Each codec holds a *signed* map (first moments, momenta: any sign, and a zero) and an *unsigned*
+one (second moments: more resolution on ``[0, 1]``, and for 4 bits no zero, which keeps a second
+moment from collapsing to zero and its update from blowing up, the failure Li et al. identify). The
 signed tables also hold ``-0.0`` beside ``0.0``: a negative value too small for any negative code
 reads back as ``-0.0``, so the sign bit of every value survives and the block stays signed when
 it is quantized again (quantizing a dequantized block gives the same codes).

@@ -4,7 +4,7 @@ scales of a batch of pieces, the same as the whole tensor's under any sharding.
 A piece split along leading dims only holds whole blocks: its scales are its own. A piece split
 along the last dim holds parts of the blocks that a cut between pieces falls inside (the group's
 *shared* blocks, found from the layout alone, the same on every rank of the group): their absmax
-and signed flag are the maxima over the ranks holding parts, taken in one all-reduce per distinct
+is the maximum over the ranks holding parts, taken in one all-reduce per distinct
 group for all leaves at once (none when no piece straddles a block). The absmax travels as its
 float32 bit pattern, an integer (a non-negative float's patterns order as its values, and a NaN's
 lies above infinity's): so a block holding a NaN on one rank is NaN on all, although gloo's MAX
@@ -44,29 +44,33 @@ def place_of(cuts: Optional[RowCuts], block_size: int) -> Place:
     return Place(cuts.column, cuts.axes, cuts.shared_blocks(block_size))
 
 
-def scales_of(pieces: Sequence[Tensor], places: Sequence[Place], block_size: int, mesh: Optional[MeshAxes]) -> list[Tensor]:
-    """Every piece's block scales, ``(rows, blocks)`` float32 (see :mod:`gradtx.quantization.blocks`),
-    its shared blocks' absmax and signed flag combined over their groups (one all-reduce per group)."""
-    stats: list[tuple[Tensor, Tensor]] = []
+def scales_of(
+    pieces: Sequence[Tensor], places: Sequence[Place], block_size: int, mesh: Optional[MeshAxes], signed: Sequence[bool]
+) -> list[Tensor]:
+    """Every piece's block scales, ``(rows, blocks)`` float32 (see :mod:`gradtx.quantization.blocks`):
+    its blocks' absmax, the shared blocks' combined over their groups (one all-reduce per group),
+    negated where the piece's field is ``signed`` (the sign bit records the map; an all-zero
+    signed block's scale is ``-0.0``)."""
+    maxima: list[Tensor] = []
     items: list[tuple[tuple[str, ...], Tensor]] = []
     held: list[tuple[int, list[int], Tensor]] = []  # (piece, positions among its shared blocks, local blocks)
     for index, (x, place) in enumerate(zip(pieces, places)):
         geo = blocks.geometry(x.shape, block_size, place.column)
-        absmax, signed = blocks.block_absmax(x, geo), blocks.block_signed(x, geo)
-        stats.append((absmax, signed))
+        absmax = blocks.block_absmax(x, geo)
+        maxima.append(absmax)
         if not place.shared:
             continue
         positions = [j for j, b in enumerate(place.shared) if geo.first_block <= b < geo.first_block + geo.blocks]
         local = torch.tensor([place.shared[j] - geo.first_block for j in positions], dtype=torch.int64, device=x.device)
-        buffer = torch.zeros(absmax.shape[0], len(place.shared), 2, dtype=torch.float64, device=x.device)
-        buffer[:, positions, 0] = absmax[:, local].view(torch.int32).to(torch.float64)
-        buffer[:, positions, 1] = signed[:, local].to(torch.float64)
+        # the absmax as its float32 bit pattern (exact in float64): a NaN's pattern is above every
+        # other, so a NaN block stays NaN through gloo's MAX, which drops NaN values
+        buffer = torch.zeros(absmax.shape[0], len(place.shared), dtype=torch.float64, device=x.device)
+        buffer[:, positions] = absmax[:, local].view(torch.int32).to(torch.float64)
         items.append((place.axes, buffer.reshape(-1)))
         held.append((index, positions, local))
     if items:
         for (index, positions, local), reduced in zip(held, max_grouped(mesh, items)):  # type: ignore[arg-type]
-            absmax, signed = stats[index]
-            reduced = reduced.reshape(absmax.shape[0], -1, 2)[:, positions]
-            absmax[:, local] = reduced[..., 0].to(torch.int64).to(torch.int32).view(torch.float32)
-            signed[:, local] = reduced[..., 1] > 0
-    return [blocks.block_scales(absmax, signed) for absmax, signed in stats]
+            absmax = maxima[index]
+            reduced = reduced.reshape(absmax.shape[0], -1)[:, positions]
+            absmax[:, local] = reduced.to(torch.int64).to(torch.int32).view(torch.float32)
+    return [-absmax if sign else absmax for absmax, sign in zip(maxima, signed)]

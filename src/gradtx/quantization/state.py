@@ -35,6 +35,7 @@ from gradtx.sharding.reductions import is_sharded
 from gradtx.sharding.spec import ShardingSpec
 from gradtx.state_check import name_of, named
 from gradtx.state_dims import Dims, ParamLeaf, same, state_dims
+from gradtx.state_signs import nonnegative_fields
 
 PyTree = Any
 
@@ -79,7 +80,8 @@ class QuantizedState(NamedTuple):
         along the last dim, or the storage dtype), ``None`` elsewhere.
       scales: trees like ``codes``: each stored leaf's float32 block scales, shaped
         ``(*leaf.shape[:-1], blocks)`` (the block's absmax; its sign bit set where the signed map
-        was used), ``None`` where there are none (``torch.bfloat16`` storage).
+        is used: every block of a field not declared non-negative), ``None`` where there are none
+        (``torch.bfloat16`` storage).
     """
 
     inner: Any
@@ -120,14 +122,20 @@ def storage_format(bits: Any, block_size: Any, *, owner: str = "quantize_state")
 
 
 def encode_all(
-    leaves: Sequence[Tensor], fmt: StorageFormat, places: Sequence[Place], mesh: Optional[MeshAxes]
+    leaves: Sequence[Tensor],
+    fmt: StorageFormat,
+    places: Sequence[Place],
+    mesh: Optional[MeshAxes],
+    signed: Sequence[bool],
 ) -> list[tuple[Tensor, Optional[Tensor]]]:
     """Each (local) leaf as stored, ``(codes, scales)`` (``scales`` ``None`` for a plain cast): its
-    blocks as ``places`` say, the blocks pieces share combined across ranks (one all-reduce per group)."""
+    blocks as ``places`` say, the blocks pieces share combined across ranks (one all-reduce per group).
+    ``signed``: per leaf, whether it is read with the codec's signed map (else the unsigned one, for
+    a field declared non-negative); recorded in the sign bit of every scale."""
     if fmt.codec is None:
         return [(leaf.to(fmt.storage), None) for leaf in leaves]  # type: ignore[arg-type]
     out = []
-    for leaf, place, scales in zip(leaves, places, scales_of(leaves, places, fmt.block_size, mesh)):
+    for leaf, place, scales in zip(leaves, places, scales_of(leaves, places, fmt.block_size, mesh, signed)):
         geo = blocks.geometry(leaf.shape, fmt.block_size, place.column)
         codes = blocks.quantize(leaf, scales, geo, fmt.codec)
         if fmt.packed:
@@ -165,23 +173,45 @@ def params_parts(state_def: Any, params_def: Any) -> tuple[int, ...]:
 def find_params_parts(state_def: Any, params_def: Any) -> tuple[int, ...]:
     """Where each params-shaped part of a state begins among its leaves (outermost parts; as
     :mod:`gradtx.checkpoint` finds them): the state's moments, momentum buffers, accumulators."""
-    starts: list[int] = []
+    return tuple(start for start, _ in _walk_parts(state_def, params_def))
 
-    def walk(spec: Any, start: int) -> None:
+
+def find_nonnegative_parts(state_def: Any, params_def: Any) -> tuple[bool, ...]:
+    """For each part :func:`find_params_parts` finds, whether it lies in a field its state type
+    declares non-negative (:func:`gradtx.state_signs.nonnegative`: a second moment, a sum of squares)."""
+    return tuple(nonnegative for _, nonnegative in _walk_parts(state_def, params_def))
+
+
+def _walk_parts(state_def: Any, params_def: Any) -> list[tuple[int, bool]]:
+    """``(start, non-negative)`` of each params-shaped part of a state, in the order of its leaves."""
+    found: list[tuple[int, bool]] = []
+
+    def walk(spec: Any, start: int, nonnegative: bool) -> None:
         if spec == params_def:
-            starts.append(start)
+            found.append((start, nonnegative))
             return
         if spec.is_leaf():
             return
-        for child in spec.children():
-            walk(child, start)
+        fields = getattr(spec.type, "_fields", None)
+        declared = nonnegative_fields(spec.type)
+        for i, child in enumerate(spec.children()):
+            inside = nonnegative or (fields is not None and i < len(fields) and fields[i] in declared)
+            walk(child, start, inside)
             start += child.num_leaves
 
-    walk(state_def, 0)
-    return tuple(starts)
+    walk(state_def, 0, False)
+    return found
 
 
 _remembered_parts = functools.lru_cache(maxsize=256)(find_params_parts)
+_remembered_nonnegative = functools.lru_cache(maxsize=256)(find_nonnegative_parts)
+
+
+def nonnegative_parts(state_def: Any, params_def: Any) -> tuple[bool, ...]:
+    """:func:`find_nonnegative_parts`, remembered per pair of structures (found anew while compiling)."""
+    if torch.compiler.is_compiling():
+        return find_nonnegative_parts(state_def, params_def)
+    return _remembered_nonnegative(state_def, params_def)
 
 
 def _stored(leaf: Any, param: Any, numel: int, min_size: int) -> bool:
@@ -220,11 +250,14 @@ def quantize_state(
     Blocks follow the logical tensor: a block is a run of ``block_size`` elements along the last
     dim, within one row (a 1-D leaf: along its only dim). A block is divided by its absolute
     maximum (its scale, kept in float32) and each value is stored as the nearest value of a
-    non-linear map (the same inputs give the same codes, always). Which map a block uses is
-    decided by the block's own values, not by the field it belongs to: a block holding a
-    negative value (a first moment, a momentum) uses the signed map, any other block (a second
-    moment) the unsigned one, and the choice is recorded in the sign bit of the block's scale.
-    So nothing depends on how the state is laid out, and any inner transformation works.
+    non-linear map (the same inputs give the same codes, always). Which map a leaf uses is
+    decided by the state field it belongs to, never by its values: a field its state type
+    declares non-negative (:func:`gradtx.state_signs.nonnegative`: Adam's ``nu``, AMSGrad's
+    ``nu_max``, RMSProp's and AdaGrad's accumulators) uses the unsigned map, every other field
+    (a first moment, a momentum, an undeclared field) the signed one, with its zero: a momentum
+    block that happens to be all positive keeps its small entries small. The choice is recorded
+    in the sign bit of every scale. So nothing depends on the data or on how the state is laid
+    out, and any inner transformation works.
 
     - ``bits=8``: Dettmers et al.'s dynamic tree maps, signed and unsigned; blocks of 256.
     - ``bits=4``: Li et al.'s dynamic exponent map (signed) and linear map without zero
@@ -283,9 +316,9 @@ def quantize_state(
       ...     print(f"{f(params):.1f}")
       1993.9
       1406.1
-      956.0
-      624.3
-      391.3
+      955.8
+      623.9
+      390.6
     """
     owner = "quantize_state"
     if not isinstance(inner, GradientTransformation):
@@ -313,24 +346,34 @@ def quantize_state(
         inner_state = inner.init(params)
         leaves, state_def = tree_lib.flatten(inner_state)
         found = []
+        nonnegative = nonnegative_parts(state_def, params_def)
         for part, start in enumerate(params_parts(state_def, params_def)):
             for i, param in enumerate(param_leaves):
                 numel = math.prod(cuts[i].piece.shape) if cuts[i] is not None else dtensor_lib.local(param).numel() if isinstance(param, Tensor) else 0
                 if _stored(leaves[start + i], param, numel, min_size):
                     found.append((start + i, part, i))
-        codes, scales = store(leaves, found, len(params_parts(state_def, params_def)), len(param_leaves), mesh, cuts)
+        codes, scales = store(leaves, found, nonnegative, len(param_leaves), mesh, cuts)
         return QuantizedState(
             tree_lib.unflatten(state_def, leaves),
             tuple(tree_lib.unflatten(params_def, c) for c in codes),
             tuple(tree_lib.unflatten(params_def, s) for s in scales),
         )
 
-    def store(leaves: list[Any], found: list[tuple[int, int, int]], parts: int, count: int, mesh: Optional[MeshAxes], cuts: list[Any]) -> tuple[list[list[Any]], list[list[Any]]]:
-        """Codes and scales (per part, per param) of the ``found`` leaves, which become placeholders."""
-        codes = [[None] * count for _ in range(parts)]
-        scales = [[None] * count for _ in range(parts)]
+    def store(
+        leaves: list[Any],
+        found: list[tuple[int, int, int]],
+        nonnegative: Sequence[bool],
+        count: int,
+        mesh: Optional[MeshAxes],
+        cuts: list[Any],
+    ) -> tuple[list[list[Any]], list[list[Any]]]:
+        """Codes and scales (per part, per param) of the ``found`` leaves, which become placeholders;
+        ``nonnegative``: per part, whether its field is declared non-negative (the unsigned map)."""
+        codes = [[None] * count for _ in nonnegative]
+        scales = [[None] * count for _ in nonnegative]
         places = [place_of(cuts[i], fmt.block_size) for _, _, i in found]
-        stored = encode_all([dtensor_lib.local(leaves[index]) for index, _, _ in found], fmt, places, mesh)
+        signed = [not nonnegative[part] for _, part, _ in found]
+        stored = encode_all([dtensor_lib.local(leaves[index]) for index, _, _ in found], fmt, places, mesh, signed)
         for (index, part, i), (c, s) in zip(found, stored):
             codes[part][i], scales[part][i] = c, s
             leaves[index] = dtensor_lib.with_empty_dim(leaves[index])
@@ -375,7 +418,8 @@ def quantize_state(
         new_leaves, new_def = tree_lib.flatten(new_inner)
         if new_def != state_def:
             raise ValueError(f"{owner}: {name_of(inner.update)} returned a state of another structure than it was given")
-        new_codes, new_scales = store(new_leaves, found, len(code_leaves), len(code_leaves[0]) if code_leaves else 0, mesh, cuts)
+        nonnegative = nonnegative_parts(state_def, tree_lib.structure(state.codes[0])) if state.codes else ()
+        new_codes, new_scales = store(new_leaves, found, nonnegative, len(code_leaves[0]) if code_leaves else 0, mesh, cuts)
         codes = tuple(tree_lib.unflatten(tree_lib.structure(t), c) for t, c in zip(state.codes, new_codes))
         scales = tuple(tree_lib.unflatten(tree_lib.structure(t), s) for t, s in zip(state.scales, new_scales))
         return new_updates, QuantizedState(tree_lib.unflatten(new_def, new_leaves), codes, scales)

@@ -6,10 +6,12 @@ from typing import Any, NamedTuple
 
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation
+from gradtx.state_signs import nonnegative
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.adam import ScaleByAdamState, _check_decay, _correction, first_moment, second_moment
 
 
+@nonnegative("e_g", "e_x")
 class ScaleByAdaDeltaState(NamedTuple):
     """``e_g``: moving average of squared gradients; ``e_x``: of squared updates, like the params."""
 

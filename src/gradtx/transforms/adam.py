@@ -22,11 +22,13 @@ from gradtx import tree as tree_lib
 from gradtx.base import EmptyState, GradientTransformation, donation, supports_donated_updates
 from gradtx.numerics import ScalarOrSchedule
 from gradtx.state_check import named
+from gradtx.state_signs import nonnegative
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.scaling import ScaleByScheduleState
 from gradtx.transforms.weight_decay import WeightDecaySchedule
 
 
+@nonnegative("nu")
 class ScaleByAdamState(NamedTuple):
     """``count``: steps so far (0-d int32); ``mu``, ``nu``: first and second moments, like the params."""
 
@@ -35,6 +37,7 @@ class ScaleByAdamState(NamedTuple):
     nu: Any
 
 
+@nonnegative("nu", "nu_max")
 class ScaleByAmsgradState(NamedTuple):
     """As :class:`ScaleByAdamState`, plus ``nu_max``: the running maximum of the corrected ``nu``."""
 
@@ -44,6 +47,7 @@ class ScaleByAmsgradState(NamedTuple):
     nu_max: Any
 
 
+@nonnegative("nu")
 class ScaleByBeliefState(NamedTuple):
     """``nu`` holds the moving average of the squared prediction error ``(g - mu)^2``."""
 

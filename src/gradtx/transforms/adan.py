@@ -8,10 +8,12 @@ import torch
 from torch import Tensor
 
 from gradtx.base import GradientTransformation
+from gradtx.state_signs import nonnegative
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.adam import _check_decay, _correction, first_moment, second_moment
 
 
+@nonnegative("n")
 class ScaleByAdanState(NamedTuple):
     """``m``, ``v``, ``n``: moving averages of the gradient, of its change and of the squared
     corrected gradient; ``g``: the last gradient; ``t``: steps so far (0-d int32), as optax names them."""

@@ -15,20 +15,24 @@ import torch
 from torch import Tensor
 
 from gradtx.base import GradientTransformation
+from gradtx.state_signs import nonnegative
 from gradtx.transforms import _foreach as fe
 
 
+@nonnegative("nu")
 class ScaleByRmsState(NamedTuple):
     """``nu``: the moving average of squared updates."""
 
     nu: Any
 
 
+@nonnegative("nu")
 class ScaleByRmsWithCountState(NamedTuple):
     count: Tensor
     nu: Any
 
 
+@nonnegative("nu")
 class ScaleByRStdDevState(NamedTuple):
     """``mu``, ``nu``: moving averages of the updates and of their squares."""
 
@@ -36,12 +40,14 @@ class ScaleByRStdDevState(NamedTuple):
     nu: Any
 
 
+@nonnegative("nu")
 class ScaleByRStdDevWithCountState(NamedTuple):
     count: Tensor
     mu: Any
     nu: Any
 
 
+@nonnegative("sum_of_squares")
 class ScaleByRssState(NamedTuple):
     """``sum_of_squares``: the running sum of squared updates (plus its initial value)."""
 

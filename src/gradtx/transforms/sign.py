@@ -8,6 +8,7 @@ import torch
 
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, init_empty_state
+from gradtx.state_signs import nonnegative
 from gradtx.transforms import _foreach as fe
 
 
@@ -23,6 +24,7 @@ def scale_by_sign() -> GradientTransformation:
     return GradientTransformation(init_empty_state, update_fn)
 
 
+@nonnegative("step_sizes")
 class ScaleByRpropState(NamedTuple):
     """``step_sizes``: the per-element step sizes; ``prev_updates``: ``step_size * sign(g)`` of the
     last step (zero where the gradient changed sign), like the params."""
