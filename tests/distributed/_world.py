@@ -46,6 +46,7 @@ CASE_MODULES = (
     "test_private_apis_dtensor",
     "test_observe_sharded",
     "test_sharding_low_precision",
+    "test_sharding_elements",
 )
 
 # What the cases import on first use, imported once in the parent before the fork instead of on
