@@ -171,6 +171,75 @@ def test_compiled_stochastic_rounding_equals_eager_bit_for_bit():
     torch._dynamo.reset()
 
 
+def _mixed_tree(seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "k": torch.randn(8, 4, generator=gen).to(torch.bfloat16),
+        "m": torch.randn(6, generator=gen).to(torch.float16),
+        "f": torch.randn(5, generator=gen),  # float32: no compensation, no master (None state leaves)
+    }
+
+
+LOW_PRECISION_TXS = {
+    "stochastic_rounding": lambda: gtx.chain(gtx.scale(-1e-3), gtx.stochastic_rounding(7)),
+    "kahan_summation": lambda: gtx.chain(gtx.scale(-1e-3), gtx.kahan_summation()),
+    "master_weights": lambda: gtx.master_weights(gtx.adamw(1e-2, weight_decay=0.1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOW_PRECISION_TXS))
+def test_low_precision_state_saves_loads_and_resumes_as_an_uninterrupted_run(name):
+    """gtx.checkpoint.state_dict -> torch.save -> torch.load(weights_only=True) -> load_state_dict
+    into a fresh state of other values: the next steps are the uninterrupted run's, bit for bit
+    (stochastic rounding draws the same random bits)."""
+    tx = LOW_PRECISION_TXS[name]()
+    params = _mixed_tree(0)
+    gen = torch.Generator().manual_seed(1)
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(4)]
+
+    def run(p, state, steps):
+        for g in steps:
+            u, state = tx.update(g, state, p)
+            p = gtx.apply_updates(p, u)
+        return p, state
+
+    whole, whole_state = run(params, tx.init(params), grads)
+    middle, middle_state = run(params, tx.init(params), grads[:2])
+    buffer = io.BytesIO()
+    torch.save(gtx.checkpoint.state_dict(middle_state, middle), buffer)
+    buffer.seek(0)
+    template = tx.init(_mixed_tree(5))
+    loaded = gtx.checkpoint.load_state_dict(template, torch.load(buffer, weights_only=True), middle)
+    resumed, resumed_state = run(middle, loaded, grads[2:])
+    for key in params:
+        assert torch.equal(resumed[key], whole[key]), key
+    for path, a, b in zip(gtx.tree.paths(whole_state), gtx.tree.leaves(resumed_state), gtx.tree.leaves(whole_state)):
+        assert (a is None and b is None) or torch.equal(a, b), path
+    assert not torch.equal(whole["k"], middle["k"])
+
+
+def test_compiled_kahan_summation_and_master_weights_equal_eager_bit_for_bit():
+    torch._dynamo.reset()
+    params = _mixed_tree(3)
+    gen = torch.Generator().manual_seed(4)
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(3)]
+    for name in ("kahan_summation", "master_weights"):
+        tx = LOW_PRECISION_TXS[name]()
+        step = gtx.compile_step(tx, backend="eager")  # dynamo's trace is what is checked; eager kernels keep it cheap
+        compiled_state, eager_state = tx.init(params), tx.init(params)
+        compiled, eager = params, params
+        for g in grads:
+            compiled, compiled_state = step(g, compiled_state, compiled)
+            u, eager_state = tx.update(g, eager_state, eager)
+            eager = gtx.apply_updates(eager, u)
+            for key in params:
+                assert torch.equal(compiled[key], eager[key]), (name, key)
+        for path, a, b in zip(gtx.tree.paths(eager_state), gtx.tree.leaves(compiled_state), gtx.tree.leaves(eager_state)):
+            assert (a is None and b is None) or torch.equal(a, b), (name, path)
+        assert not torch.equal(eager["k"], params["k"]), name
+    torch._dynamo.reset()
+
+
 # --------------------------------------------------------------------------- Kahan summation
 
 
