@@ -171,6 +171,29 @@ def test_compiled_stochastic_rounding_equals_eager_bit_for_bit():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("bucket", [1 << 22, 40, 1])
+def test_stochastic_rounding_of_many_leaves_together_equals_each_leaf_alone(bucket, monkeypatch):
+    """Leaves of one dtype are hashed and rounded together, in buckets of a bounded size: every
+    element rounds as it does alone, with the draws of its (seed, step, leaf path, index)."""
+    from gradtx.transforms import low_precision as lp
+
+    monkeypatch.setattr(lp, "BUCKET_ELEMENTS", bucket)
+    gen = torch.Generator().manual_seed(8)
+    shapes = {"a": (3, 5), "b": (7,), "c": (2, 2, 3), "d": (50,), "e": (1,)}
+    params = {k: torch.randn(s, generator=gen).to(torch.bfloat16 if k != "c" else torch.float16) for k, s in shapes.items()}
+    updates = {k: torch.randn(s, generator=gen) * 1e-3 for k, s in shapes.items()}
+    updates["b"] = updates["b"].to(torch.float64)  # a float64 update: its own bucket, summed in float64
+    tx = gtx.stochastic_rounding(21)
+    state = tx.init(params)
+    _, state = tx.update(updates, state, params)  # the second step's draws
+    got, _ = tx.update(updates, state, params)
+    for key, p in params.items():
+        index = torch.arange(p.numel()).view(p.shape)
+        draws = lp.random_draws(state.seed, state.count + 1, key, index)
+        want = lp.round_stochastic(lp.exact_sum(p, updates[key]), p.dtype, draws)
+        assert torch.equal(gtx.apply_updates(params, got)[key], want), key
+
+
 def _mixed_tree(seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     return {

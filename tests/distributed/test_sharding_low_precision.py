@@ -129,6 +129,26 @@ def every_transformation_on_uneven_fsdp_dtensors_equals_dense(world):
             assert torch.equal(value.to_local(), distribute({key: theirs[key]})[key].to_local()), (name, key)
 
 
+@case(2)
+def compiled_stochastic_rounding_on_flat_pieces_equals_dense(world):
+    # the places of the pieces are found by compile_step's eager call and read from the plan in the graph
+    mesh, pieces = _uneven_layouts(world)["flat"]
+    spec = ShardingSpec(mesh, [(key, piece.spec()) for key, piece in pieces.items()])
+    gen = torch.Generator().manual_seed(6)
+    params = {k: torch.randn(s, generator=gen).to(torch.bfloat16) for k, s in UNEVEN_SHAPES.items()}
+    grads = [{k: torch.randn(s, generator=gen) for k, s in UNEVEN_SHAPES.items()} for _ in range(2)]
+    make = lambda spec: gtx.chain(gtx.scale(-1e-3), gtx.stochastic_rounding(3, spec=spec))  # noqa: E731
+    dense, _ = _run_with_state(make(None), params, grads)
+    tx = make(spec)
+    step = gtx.compile_step(tx, backend="eager")
+    local = {k: cut(v, pieces[k], mesh) for k, v in params.items()}
+    state = tx.init(local)
+    for g in grads:
+        local, state = step({k: cut(v, pieces[k], mesh) for k, v in g.items()}, state, local)
+    for key in UNEVEN_SHAPES:
+        assert torch.equal(local[key], cut(dense[key], pieces[key], mesh)), key
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("size,name", _world.params_for(__name__))
 def test_sharding_low_precision(size, name):

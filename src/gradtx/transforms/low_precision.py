@@ -207,6 +207,28 @@ def random_draws(seed: Tensor, count: Tensor, path: str, index: Tensor) -> Tenso
 # --------------------------------------------------------------------------- stochastic rounding
 
 
+BUCKET_ELEMENTS = 1 << 22
+"""Stochastic rounding hashes and rounds the leaves of one dtype together in buckets of at most so
+many elements (a larger leaf alone): the kernels run once per bucket rather than once per leaf, and
+its int64 temporaries stay within a few times 32 MiB whatever the model's size."""
+
+
+def _buckets(groups: dict[tuple[Any, ...], list[int]], sizes: Sequence[int]) -> list[tuple[tuple[Any, ...], list[int]]]:
+    """Each group's members (in order) cut into runs of at most :data:`BUCKET_ELEMENTS` elements."""
+    out: list[tuple[tuple[Any, ...], list[int]]] = []
+    for key, members in groups.items():
+        bucket: list[int] = []
+        total = 0
+        for k in members:
+            if bucket and total + sizes[k] > BUCKET_ELEMENTS:
+                out.append((key, bucket))
+                bucket, total = [], 0
+            bucket.append(k)
+            total += sizes[k]
+        out.append((key, bucket))
+    return out
+
+
 def _rewrapped(param: Tensor, local_update: Tensor) -> Tensor:
     """A local update laid out as its param (a DTensor param's update is a DTensor like it)."""
     if not dtensor_lib.is_dtensor(param):
@@ -279,10 +301,10 @@ def stochastic_rounding(
             pieces = elements.element_pieces(params, spec, what="stochastic_rounding")
         stream = stream_key(state.seed, count)
         groups: dict[tuple[Any, ...], list[int]] = {}
-        for k in rounded:  # one hash and one rounding per (param dtype, sum dtype, device)
+        for k in rounded:  # one hash and one rounding per (param dtype, sum dtype, device) bucket
             p, u = param_values[k], leaves.tensors[k]
             groups.setdefault((p.dtype, _wide(u), p.device), []).append(k)
-        for (param_dtype, wide, device), members in groups.items():
+        for (param_dtype, wide, device), members in _buckets(groups, [dtensor_lib.local(p).numel() for p in param_values]):
             p_locals = [dtensor_lib.local(param_values[k]) for k in members]
             u_locals = [dtensor_lib.local(leaves.tensors[k]) for k in members]
             sizes = [p.numel() for p in p_locals]
