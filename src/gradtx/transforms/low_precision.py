@@ -313,12 +313,11 @@ def stochastic_rounding(
             flat_u = torch.cat([u.reshape(-1).to(wide) for u in u_locals])
             x = (flat_p.to(wide) + flat_u).to(torch.float32)
             keys = leaf_keys(stream, [paths[leaves.present[k]] for k in members])
+            counts = torch.tensor(sizes, dtype=torch.int64, device=device)
             if all(pieces[leaves.present[k]] is None for k in members):  # whole leaves: aranges restarting per leaf
                 starts = torch.tensor([0] + sizes[:-1], dtype=torch.int64, device=device).cumsum(0)
-                counts = torch.tensor(sizes, dtype=torch.int64, device=device)
                 index = torch.arange(total, dtype=torch.int64, device=device) - starts.repeat_interleave(counts, output_size=total)
             else:
-                counts = torch.tensor(sizes, dtype=torch.int64, device=device)
                 index = torch.cat(
                     [elements.logical_indices(pieces[leaves.present[k]], p.shape, device).reshape(-1) for k, p in zip(members, p_locals)]
                 )
