@@ -152,13 +152,9 @@ def test_stochastic_rounding_is_deterministic_and_resumes_from_a_saved_state():
     assert torch.equal(resumed["w"], a["w"])
 
 
-def test_compiled_stochastic_rounding_equals_eager_bit_for_bit():
-    torch._dynamo.reset()
-    gen = torch.Generator().manual_seed(2)
-    params = {"w": torch.randn(32, 8, generator=gen).to(torch.bfloat16), "h": torch.randn(9, generator=gen).to(torch.float16)}
-    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(3)]
-    tx = gtx.chain(gtx.scale(-1e-3), gtx.stochastic_rounding(5))
-    step = gtx.compile_step(tx)
+def compiled_equals_eager(tx, params: dict, grads: list, moved: str, **options) -> None:
+    """``compile_step(tx)`` gives the eager step's params and state at every step, bit for bit."""
+    step = gtx.compile_step(tx, **options)
     compiled_state, eager_state = tx.init(params), tx.init(params)
     compiled, eager = params, params
     for g in grads:
@@ -167,7 +163,17 @@ def test_compiled_stochastic_rounding_equals_eager_bit_for_bit():
         eager = gtx.apply_updates(eager, u)
         for key in params:
             assert torch.equal(compiled[key], eager[key]), key
-        assert not torch.equal(eager["w"], params["w"])
+        assert not torch.equal(eager[moved], params[moved])
+    for path, a, b in zip(gtx.tree.paths(eager_state), gtx.tree.leaves(compiled_state), gtx.tree.leaves(eager_state)):
+        assert (a is None and b is None) or torch.equal(a, b), path
+
+
+def test_compiled_stochastic_rounding_equals_eager_bit_for_bit():
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(2)
+    params = {"w": torch.randn(32, 8, generator=gen).to(torch.bfloat16), "h": torch.randn(9, generator=gen).to(torch.float16)}
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(3)]
+    compiled_equals_eager(gtx.chain(gtx.scale(-1e-3), gtx.stochastic_rounding(5)), params, grads, "w")
     torch._dynamo.reset()
 
 
@@ -247,19 +253,8 @@ def test_compiled_kahan_summation_and_master_weights_equal_eager_bit_for_bit():
     gen = torch.Generator().manual_seed(4)
     grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(3)]
     for name in ("kahan_summation", "master_weights"):
-        tx = LOW_PRECISION_TXS[name]()
-        step = gtx.compile_step(tx, backend="eager")  # dynamo's trace is what is checked; eager kernels keep it cheap
-        compiled_state, eager_state = tx.init(params), tx.init(params)
-        compiled, eager = params, params
-        for g in grads:
-            compiled, compiled_state = step(g, compiled_state, compiled)
-            u, eager_state = tx.update(g, eager_state, eager)
-            eager = gtx.apply_updates(eager, u)
-            for key in params:
-                assert torch.equal(compiled[key], eager[key]), (name, key)
-        for path, a, b in zip(gtx.tree.paths(eager_state), gtx.tree.leaves(compiled_state), gtx.tree.leaves(eager_state)):
-            assert (a is None and b is None) or torch.equal(a, b), (name, path)
-        assert not torch.equal(eager["k"], params["k"]), name
+        # dynamo's trace is what is checked; eager kernels keep it cheap
+        compiled_equals_eager(LOW_PRECISION_TXS[name](), params, grads, "k", backend="eager")
     torch._dynamo.reset()
 
 
