@@ -152,13 +152,9 @@ def test_stochastic_rounding_is_deterministic_and_resumes_from_a_saved_state():
     assert torch.equal(resumed["w"], a["w"])
 
 
-def test_compiled_stochastic_rounding_equals_eager_bit_for_bit():
-    torch._dynamo.reset()
-    gen = torch.Generator().manual_seed(2)
-    params = {"w": torch.randn(32, 8, generator=gen).to(torch.bfloat16), "h": torch.randn(9, generator=gen).to(torch.float16)}
-    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(3)]
-    tx = gtx.chain(gtx.scale(-1e-3), gtx.stochastic_rounding(5))
-    step = gtx.compile_step(tx)
+def compiled_equals_eager(tx, params: dict, grads: list, moved: str, **options) -> None:
+    """``compile_step(tx)`` gives the eager step's params and state at every step, bit for bit."""
+    step = gtx.compile_step(tx, **options)
     compiled_state, eager_state = tx.init(params), tx.init(params)
     compiled, eager = params, params
     for g in grads:
@@ -167,7 +163,98 @@ def test_compiled_stochastic_rounding_equals_eager_bit_for_bit():
         eager = gtx.apply_updates(eager, u)
         for key in params:
             assert torch.equal(compiled[key], eager[key]), key
-        assert not torch.equal(eager["w"], params["w"])
+        assert not torch.equal(eager[moved], params[moved])
+    for path, a, b in zip(gtx.tree.paths(eager_state), gtx.tree.leaves(compiled_state), gtx.tree.leaves(eager_state)):
+        assert (a is None and b is None) or torch.equal(a, b), path
+
+
+def test_compiled_stochastic_rounding_equals_eager_bit_for_bit():
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(2)
+    params = {"w": torch.randn(32, 8, generator=gen).to(torch.bfloat16), "h": torch.randn(9, generator=gen).to(torch.float16)}
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(3)]
+    compiled_equals_eager(gtx.chain(gtx.scale(-1e-3), gtx.stochastic_rounding(5)), params, grads, "w")
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("bucket", [1 << 22, 40, 1])
+def test_stochastic_rounding_of_many_leaves_together_equals_each_leaf_alone(bucket, monkeypatch):
+    """Leaves of one dtype are hashed and rounded together, in buckets of a bounded size: every
+    element rounds as it does alone, with the draws of its (seed, step, leaf path, index)."""
+    from gradtx.transforms import low_precision as lp
+
+    monkeypatch.setattr(lp, "BUCKET_ELEMENTS", bucket)
+    gen = torch.Generator().manual_seed(8)
+    shapes = {"a": (3, 5), "b": (7,), "c": (2, 2, 3), "d": (50,), "e": (1,)}
+    params = {k: torch.randn(s, generator=gen).to(torch.bfloat16 if k != "c" else torch.float16) for k, s in shapes.items()}
+    updates = {k: torch.randn(s, generator=gen) * 1e-3 for k, s in shapes.items()}
+    updates["b"] = updates["b"].to(torch.float64)  # a float64 update: its own bucket, summed in float64
+    tx = gtx.stochastic_rounding(21)
+    state = tx.init(params)
+    _, state = tx.update(updates, state, params)  # the second step's draws
+    got, _ = tx.update(updates, state, params)
+    for key, p in params.items():
+        index = torch.arange(p.numel()).view(p.shape)
+        draws = lp.random_draws(state.seed, state.count + 1, key, index)
+        want = lp.round_stochastic(lp.exact_sum(p, updates[key]), p.dtype, draws)
+        assert torch.equal(gtx.apply_updates(params, got)[key], want), key
+
+
+def _mixed_tree(seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "k": torch.randn(8, 4, generator=gen).to(torch.bfloat16),
+        "m": torch.randn(6, generator=gen).to(torch.float16),
+        "f": torch.randn(5, generator=gen),  # float32: no compensation, no master (None state leaves)
+    }
+
+
+LOW_PRECISION_TXS = {
+    "stochastic_rounding": lambda: gtx.chain(gtx.scale(-1e-3), gtx.stochastic_rounding(7)),
+    "kahan_summation": lambda: gtx.chain(gtx.scale(-1e-3), gtx.kahan_summation()),
+    "master_weights": lambda: gtx.master_weights(gtx.adamw(1e-2, weight_decay=0.1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOW_PRECISION_TXS))
+def test_low_precision_state_saves_loads_and_resumes_as_an_uninterrupted_run(name):
+    """gtx.checkpoint.state_dict -> torch.save -> torch.load(weights_only=True) -> load_state_dict
+    into a fresh state of other values: the next steps are the uninterrupted run's, bit for bit
+    (stochastic rounding draws the same random bits)."""
+    tx = LOW_PRECISION_TXS[name]()
+    params = _mixed_tree(0)
+    gen = torch.Generator().manual_seed(1)
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(4)]
+
+    def run(p, state, steps):
+        for g in steps:
+            u, state = tx.update(g, state, p)
+            p = gtx.apply_updates(p, u)
+        return p, state
+
+    whole, whole_state = run(params, tx.init(params), grads)
+    middle, middle_state = run(params, tx.init(params), grads[:2])
+    buffer = io.BytesIO()
+    torch.save(gtx.checkpoint.state_dict(middle_state, middle), buffer)
+    buffer.seek(0)
+    template = tx.init(_mixed_tree(5))
+    loaded = gtx.checkpoint.load_state_dict(template, torch.load(buffer, weights_only=True), middle)
+    resumed, resumed_state = run(middle, loaded, grads[2:])
+    for key in params:
+        assert torch.equal(resumed[key], whole[key]), key
+    for path, a, b in zip(gtx.tree.paths(whole_state), gtx.tree.leaves(resumed_state), gtx.tree.leaves(whole_state)):
+        assert (a is None and b is None) or torch.equal(a, b), path
+    assert not torch.equal(whole["k"], middle["k"])
+
+
+def test_compiled_kahan_summation_and_master_weights_equal_eager_bit_for_bit():
+    torch._dynamo.reset()
+    params = _mixed_tree(3)
+    gen = torch.Generator().manual_seed(4)
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(3)]
+    for name in ("kahan_summation", "master_weights"):
+        # dynamo's trace is what is checked; eager kernels keep it cheap
+        compiled_equals_eager(LOW_PRECISION_TXS[name](), params, grads, "k", backend="eager")
     torch._dynamo.reset()
 
 

@@ -47,6 +47,7 @@ CASE_MODULES = (
     "test_observe_sharded",
     "test_sharding_low_precision",
     "test_sharding_quantization",
+    "test_sharding_elements",
 )
 
 # What the cases import on first use, imported once in the parent before the fork instead of on

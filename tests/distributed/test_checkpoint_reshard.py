@@ -1,5 +1,6 @@
 """gradtx.checkpoint under real gloo worlds: a run saved with DCP on one layout and resumed on
-another equals an uninterrupted dense run (float32, 1e-6 relative), for every optimizer family.
+another equals an uninterrupted dense run (float32, 1e-6 relative), for every optimizer family
+(bfloat16 params with stochastic rounding, Kahan summation or master weights: exactly).
 
 Layouts (each case emulates the next layout on the same ranks with another mesh or spec):
 TP 2 x PP 2 -> TP 1 x PP 2 -> dense; ZeRO flat over dp 4 -> dp 2 (uneven flat pieces); TP 2 x
@@ -92,6 +93,7 @@ class Family:
     extra: Callable[[int], dict] = lambda step: {}
     lookahead: bool = False
     per_example: int = 0  # the gradients of so many examples, stacked on a new dim 0 (DP-SGD's input)
+    dtype: torch.dtype = torch.float32  # the params'
 
 
 FAMILIES: dict[str, Family] = {
@@ -123,6 +125,15 @@ GENERATORS = {
 EXACT_ON_PIECES = list(FAMILIES)
 FAMILIES.update(GENERATORS)
 
+# bfloat16 params: every step lands exactly where the dense run's does (stochastic rounding's random
+# bits hash the logical element index and the step count in the state)
+LOW_PRECISION = {
+    "stochastic_rounding": Family(lambda spec: gtx.chain(gtx.sgd(1e-2), gtx.stochastic_rounding(5, spec=spec)), dtype=torch.bfloat16),
+    "kahan_summation": Family(lambda spec: gtx.chain(gtx.sgd(1e-2), gtx.kahan_summation()), dtype=torch.bfloat16),
+    "master_weights": Family(lambda spec: gtx.master_weights(gtx.adamw(1e-2, weight_decay=0.1)), dtype=torch.bfloat16),
+}
+FAMILIES.update(LOW_PRECISION)
+
 
 def grads_at(shapes, step, per_example: int = 0):
     if per_example:
@@ -149,7 +160,7 @@ def run_steps(tx, family: Family, layout: Layout, shapes, params, state, steps):
 def dense_runs(family: Family, shapes, total: int) -> list:
     """The dense run's params after 0, 1, ..., ``total`` steps (one run, kept at every step)."""
     tx = family.make(None)
-    params = params_of(family, dense_tree(shapes, seed=7))
+    params = params_of(family, dense_tree(shapes, seed=7, dtype=family.dtype))
     state = tx.init(params)
     runs = [params]
     for step in range(total):
@@ -169,7 +180,7 @@ def to_save(params, state, layout: Layout) -> dict:
 
 def template(tx, family: Family, layout: Layout, shapes) -> tuple:
     """The new layout's params and state (of other values) and the dict DCP loads them into."""
-    params = params_of(family, layout.local(dense_tree(shapes, seed=99)))
+    params = params_of(family, layout.local(dense_tree(shapes, seed=99, dtype=family.dtype)))
     state = tx.init(params)
     return params, state, to_save(params, state, layout)
 
@@ -200,7 +211,7 @@ def resume_chain(world, family_names, shapes, layouts: list[Layout], steps: list
             txs = {name: family.make(layout.spec) for name, family in families.items()}
             if i == 0:
                 for name, family in families.items():
-                    params = params_of(family, layout.local(dense_tree(shapes, seed=7)))
+                    params = params_of(family, layout.local(dense_tree(shapes, seed=7, dtype=family.dtype)))
                     runs[name] = (params, txs[name].init(params))
             else:
                 templates = {name: template(txs[name], family, layout, shapes) for name, family in families.items()}
@@ -284,7 +295,8 @@ def zero_flat_dp4_to_dp2_to_dp1(world):
         Layout(world.mesh((2, 2), ("rep", "dp")), flat_pieces()),
         Layout(world.mesh((4, 1), ("rep", "dp")), flat_pieces()),
     ]
-    resume_chain(world, ["adamw", "multi_steps", "lookahead"], FLAT_SHAPES, layouts, [N_STEPS, M_STEPS, K_STEPS], saved=_flat_saved)
+    families = ["adamw", "multi_steps", "lookahead", *LOW_PRECISION]
+    resume_chain(world, families, FLAT_SHAPES, layouts, [N_STEPS, M_STEPS, K_STEPS], saved=_flat_saved)
 
 
 def _flat_saved(name, index, sd):
@@ -355,7 +367,8 @@ def uneven_plain_tp_to_uneven_fsdp_dtensor(world):
         Layout(world.mesh((4,), ("dp",)), placements={name: (Shard(0),) for name in UNEVEN_SHAPES}),
         Layout(),
     ]
-    resume_chain(world, ["adamw", "inject_hyperparams"], UNEVEN_SHAPES, layouts, [N_STEPS, M_STEPS, K_STEPS], saved=_uneven_saved)
+    families = ["adamw", "inject_hyperparams", *LOW_PRECISION]
+    resume_chain(world, families, UNEVEN_SHAPES, layouts, [N_STEPS, M_STEPS, K_STEPS], saved=_uneven_saved)
 
 
 def _uneven_saved(name, index, sd):

@@ -286,19 +286,22 @@ def exchange(mesh: Optional[MeshAxes], payload: Any) -> list[tuple[int, Any]]:
     return sorted(zip(ranks, gathered), key=lambda item: item[0])
 
 
-def tile(mesh: MeshAxes, holders: dict[int, tuple[Splits, tuple[int, ...]]], *, path: str) -> tuple[tuple[int, ...], dict[int, tuple[int, ...]], bool]:
+def tile(
+    mesh: MeshAxes, holders: dict[int, tuple[Splits, tuple[int, ...]]], *, path: str, kind: str = "state leaf"
+) -> tuple[tuple[int, ...], dict[int, tuple[int, ...]], bool]:
     """The logical shape of a split leaf, every holder's offsets in it, and whether DTensor's
     chunking gives exactly these pieces, from each holder's ``(splits, local shape)``.
 
     The pieces along a split dim follow the combined coordinate of the axes splitting it (the
     first axis outermost); their sizes may differ, but pieces at the same coordinate must have the
     same size, every coordinate must be held, and dims no axis splits must be alike everywhere.
-    Otherwise a ``ValueError`` naming ``path``. Pure: every rank computes the same answer."""
+    Otherwise a ``ValueError`` naming ``path`` (a ``kind``: "state leaf", "leaf"). Pure: every rank
+    computes the same answer."""
     (first_rank, (splits, first_shape)), *_ = sorted(holders.items())
     for rank, (other, shape) in holders.items():
         if other != splits or len(shape) != len(first_shape):
             raise ValueError(
-                f"state leaf {path!r} is split as {other} with shape {shape} on rank {rank}, but as {splits} with shape "
+                f"{kind} {path!r} is split as {other} with shape {shape} on rank {rank}, but as {splits} with shape "
                 f"{first_shape} on rank {first_rank}"
             )
     coordinate = {rank: dict(zip(mesh.names, mesh._rank_coordinate[rank])) for rank in holders}
@@ -314,13 +317,13 @@ def tile(mesh: MeshAxes, holders: dict[int, tuple[Splits, tuple[int, ...]]], *, 
             if sizes.setdefault(index, local[dim]) != local[dim]:
                 where = f"at the same coordinate of {tuple(axes)}" if axes else "along a dim no axis splits"
                 raise ValueError(
-                    f"state leaf {path!r}: the pieces do not form a grid: dim {dim} has {sizes[index]} elements on one rank "
+                    f"{kind} {path!r}: the pieces do not form a grid: dim {dim} has {sizes[index]} elements on one rank "
                     f"and {local[dim]} on rank {rank}, {where}"
                 )
         total = math.prod(counts)
         missing = [i for i in range(total) if i not in sizes]
         if missing:
-            raise ValueError(f"state leaf {path!r}: no rank holds piece {missing[0]} of the {total} along dim {dim}")
+            raise ValueError(f"{kind} {path!r}: no rank holds piece {missing[0]} of the {total} along dim {dim}")
         starts = [sum(sizes[i] for i in range(j)) for j in range(total)]
         shape.append(sum(sizes.values()))
         for rank in holders:

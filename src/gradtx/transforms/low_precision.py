@@ -19,14 +19,15 @@ every update smaller than half its parameter. Params of float32 or wider pass th
 Stochastic rounding is layout-free: the random bits of an element are a counter-based hash of the
 seed, the step count kept in the state, the leaf's path and the element's index in the *logical*
 tensor (its row-major position in the whole leaf, found from this rank's piece under a
-``ShardingSpec`` or DTensor), so a sharded run rounds every element as the dense run does, and a
-state saved and loaded rounds the next step as an uninterrupted run would. Kahan summation is
+``ShardingSpec`` or DTensor by :mod:`gradtx.sharding.elements`; a flat ZeRO piece's logical tensor
+is the flattened leaf), so a sharded run rounds every element as the dense run does, and a state
+saved and loaded rounds the next step as an uninterrupted run would. Kahan summation is
 elementwise and so layout-free as it is.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -35,6 +36,7 @@ from gradtx import sharding
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation
 from gradtx.sharding import dtensor as dtensor_lib
+from gradtx.sharding import elements
 from gradtx.transforms import _foreach as fe
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -172,39 +174,66 @@ def path_key(path: str) -> tuple[int, int]:
     return value & _MASK, value >> 32
 
 
-def logical_index(piece: Optional[sharding.matrices.Piece], shape: tuple[int, ...], device: torch.device) -> Tensor:
-    """The row-major index of every element of a local piece in its whole logical tensor (int64,
-    the piece's shape). ``piece`` ``None``: the piece is the whole tensor."""
-    if piece is None:
-        return torch.arange(int(torch.Size(shape).numel()), dtype=torch.int64, device=device).view(shape)
-    index = torch.zeros(piece.size, dtype=torch.int64, device=device)
-    stride = 1
-    for dim in range(len(piece.shape) - 1, -1, -1):
-        view = [1] * len(piece.size)
-        view[dim] = piece.size[dim]
-        positions = torch.arange(piece.offset[dim], piece.offset[dim] + piece.size[dim], dtype=torch.int64, device=device)
-        index = index + positions.view(view) * stride
-        stride *= piece.shape[dim]
-    return index
-
-
-def random_draws(seed: Tensor, count: Tensor, path: str, index: Tensor) -> Tensor:
-    """Integers uniform in ``[0, 2**24)`` (int64), one per element of ``index``: a hash of (seed, step
-    count, leaf path, logical element index), so they do not depend on how the leaf is laid out
-    across ranks."""
-    low, high = path_key(path)
+def stream_key(seed: Tensor, count: Tensor) -> Tensor:
+    """The hash of (seed, step count) every leaf's draws of one step start from (0-d int64)."""
     key = _mix((seed & _MASK) ^ 0x243F6A88)
     key = _mix(key ^ ((seed >> 32) & _MASK))
-    key = _mix(key ^ (count.to(torch.int64) & _MASK))
-    key = _mix(key ^ low)
-    key = _mix(key ^ high)
+    return _mix(key ^ (count.to(torch.int64) & _MASK))
+
+
+def leaf_keys(stream: Tensor, paths: Sequence[str]) -> Tensor:
+    """Per leaf path, its key of one step: the stream key mixed with the path's hash (int64, one
+    per path)."""
+    words = torch.tensor([path_key(path) for path in paths], dtype=torch.int64, device=stream.device).view(-1, 2)
+    return _mix(_mix(stream ^ words[:, 0]) ^ words[:, 1])
+
+
+def element_draws(key: Tensor, index: Tensor) -> Tensor:
+    """Integers uniform in ``[0, 2**24)`` (int64), one per element: a hash of its leaf's key and
+    its logical index (``key`` broadcasts against ``index``)."""
     bits = _mix(key.to(index.device) ^ (index & _MASK))
     bits = _mix(bits ^ (index >> 32))
     bits = _mix((bits + 0x9E3779B9) & _MASK)
     return bits >> 8
 
 
+def random_draws(seed: Tensor, count: Tensor, path: str, index: Tensor) -> Tensor:
+    """Integers uniform in ``[0, 2**24)`` (int64), one per element of ``index``: a hash of (seed, step
+    count, leaf path, logical element index), so they do not depend on how the leaf is laid out
+    across ranks."""
+    return element_draws(leaf_keys(stream_key(seed, count), [path])[0], index)
+
+
 # --------------------------------------------------------------------------- stochastic rounding
+
+
+BUCKET_ELEMENTS = 1 << 22
+"""Stochastic rounding hashes and rounds the leaves of one dtype together in buckets of at most so
+many elements (a larger leaf alone): the kernels run once per bucket rather than once per leaf, and
+its int64 temporaries stay within a few times 32 MiB whatever the model's size."""
+
+
+def _buckets(groups: dict[tuple[Any, ...], list[int]], sizes: Sequence[int]) -> list[tuple[tuple[Any, ...], list[int]]]:
+    """Each group's members (in order) cut into runs of at most :data:`BUCKET_ELEMENTS` elements."""
+    out: list[tuple[tuple[Any, ...], list[int]]] = []
+    for key, members in groups.items():
+        bucket: list[int] = []
+        total = 0
+        for k in members:
+            if bucket and total + sizes[k] > BUCKET_ELEMENTS:
+                out.append((key, bucket))
+                bucket, total = [], 0
+            bucket.append(k)
+            total += sizes[k]
+        out.append((key, bucket))
+    return out
+
+
+def _rewrapped(param: Tensor, local_update: Tensor) -> Tensor:
+    """A local update laid out as its param (a DTensor param's update is a DTensor like it)."""
+    if not dtensor_lib.is_dtensor(param):
+        return local_update
+    return dtensor_lib.locals_of([param])[1]([local_update])[0]
 
 
 class StochasticRoundingState(NamedTuple):
@@ -233,8 +262,13 @@ def stochastic_rounding(
         optimizer takes gradients in its params' dtype (exact whenever ``SR(p + u)`` is within a
         factor of two of ``p``).
       spec: how plain params are sharded (a :class:`~gradtx.sharding.ShardingSpec`), to find each
-        piece's place in its logical tensor; DTensor params describe themselves. A plain split
-        must name its dim (``Shard("tp", dim=1)``; a flat ZeRO piece ``dim=0``).
+        piece's place in its logical tensor (:mod:`gradtx.sharding.elements`); DTensor params
+        describe themselves. A plain piece split along a dim names it (``Shard("tp", dim=1)``),
+        and may be uneven; a flat ZeRO piece (``Shard("dp")``, no dim) is a 1-D run of the
+        flattened leaf. The pieces' sizes are exchanged once per layout (one ``all_gather_object``).
+
+    Leaves of one param dtype are hashed and rounded together (one concatenated tensor), so a
+    step costs a few kernels per dtype rather than per leaf.
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"stochastic_rounding: seed must be an int, got {type(seed).__name__} {seed!r}")
@@ -255,22 +289,43 @@ def stochastic_rounding(
             return updates, StochasticRoundingState(count=count, seed=seed)
         param_values = fe.params_of(leaves, params, owner="stochastic_rounding")
         flags = low_precision_flags(params, owner="stochastic_rounding")
-        rounded = [i for i, p in zip(leaves.present, param_values) if flags[i]]
+        out = list(leaves.tensors)
+        rounded = [k for k, i in enumerate(leaves.present) if flags[i]]
+        if not rounded:
+            return updates, StochasticRoundingState(count=count, seed=seed)
+        paths = tree_lib.paths(params)
+        for k in rounded:
+            _check_update(leaves.tensors[k], param_values[k], owner="stochastic_rounding", path=paths[leaves.present[k]])
         pieces: list[Any] = [None] * len(flags)
-        if rounded and sharding.is_sharded(tree_lib.leaves(params), spec):
-            pieces = sharding.matrices.local_pieces(params, spec, what="stochastic_rounding").pieces
-        out = []
-        for i, p, u in zip(leaves.present, param_values, leaves.tensors):
-            if not flags[i]:
-                out.append(u)
-                continue
-            path = tree_lib.path_at(params, i)
-            _check_update(u, p, owner="stochastic_rounding", path=path)
-            (p_local, u_local), rewrap = dtensor_lib.locals_of([p, u])
-            index = logical_index(pieces[i], tuple(p_local.shape), p_local.device)
-            draws = random_draws(state.seed, count, path, index)
-            new = round_stochastic(exact_sum(p_local, u_local), p.dtype, draws)
-            out.append(rewrap([p_local, updates_to(new, p_local, dtype)])[1])
+        if sharding.is_sharded(tree_lib.leaves(params), spec):
+            pieces = elements.element_pieces(params, spec, what="stochastic_rounding")
+        stream = stream_key(state.seed, count)
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for k in rounded:  # one hash and one rounding per (param dtype, sum dtype, device) bucket
+            p, u = param_values[k], leaves.tensors[k]
+            groups.setdefault((p.dtype, _wide(u), p.device), []).append(k)
+        for (param_dtype, wide, device), members in _buckets(groups, [dtensor_lib.local(p).numel() for p in param_values]):
+            p_locals = [dtensor_lib.local(param_values[k]) for k in members]
+            u_locals = [dtensor_lib.local(leaves.tensors[k]) for k in members]
+            sizes = [p.numel() for p in p_locals]
+            total = sum(sizes)
+            flat_p = torch.cat([p.reshape(-1) for p in p_locals])
+            flat_u = torch.cat([u.reshape(-1).to(wide) for u in u_locals])
+            x = (flat_p.to(wide) + flat_u).to(torch.float32)
+            keys = leaf_keys(stream, [paths[leaves.present[k]] for k in members])
+            counts = torch.tensor(sizes, dtype=torch.int64, device=device)
+            if all(pieces[leaves.present[k]] is None for k in members):  # whole leaves: aranges restarting per leaf
+                starts = torch.tensor([0] + sizes[:-1], dtype=torch.int64, device=device).cumsum(0)
+                index = torch.arange(total, dtype=torch.int64, device=device) - starts.repeat_interleave(counts, output_size=total)
+            else:
+                index = torch.cat(
+                    [elements.logical_indices(pieces[leaves.present[k]], p.shape, device).reshape(-1) for k, p in zip(members, p_locals)]
+                )
+            draws = element_draws(keys.repeat_interleave(counts, output_size=total), index)
+            new = round_stochastic(x, param_dtype, draws)
+            emitted = updates_to(new, flat_p, dtype)
+            for k, p, piece in zip(members, p_locals, emitted.split(sizes)):
+                out[k] = _rewrapped(param_values[k], piece.view(p.shape))
         return leaves.rebuild(out), StochasticRoundingState(count=count, seed=seed)
 
     update_fn.sharding_spec = spec  # type: ignore[attr-defined]
