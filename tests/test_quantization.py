@@ -336,6 +336,21 @@ def test_small_leaves_stay_as_the_inner_optimizer_keeps_them_bit_for_bit():
         assert state.codes[0]["w"] is not None
 
 
+def test_a_partition_per_leaf_gives_the_whole_trees_numbers():
+    # Adam acts leaf by leaf, so running one quantized AdamW per leaf (each step then holds one
+    # leaf's moments in float32 at a time: the peak the docstring describes) changes no number.
+    params, loss = _problem(64, 80)
+    make = lambda: gtx.quantize_state(gtx.adamw(1e-2), 4, min_size=64)  # noqa: E731
+    whole_params, whole_state = _run(make(), params, loss, 3)
+    per_leaf = gtx.partition({name: make() for name in params}, {name: name for name in params})
+    leaf_params, leaf_state = _run(per_leaf, params, loss, 3)
+    for name in params:
+        assert torch.equal(whole_params[name], leaf_params[name])
+        inner = leaf_state.inner_states[name].inner_state
+        assert torch.equal(whole_state.codes[0][name], inner.codes[0][name])
+        assert torch.equal(whole_state.scales[1][name], inner.scales[1][name])
+
+
 @pytest.mark.parametrize(("bits", "low", "high"), [(8, 2.0, 2.04), (4, 1.0, 1.07), (torch.float8_e4m3fn, 2.0, 2.04), (torch.bfloat16, 4.0, 4.0)])
 def test_bytes_per_parameter_of_adamw_state(bits, low, high):
     params = {"w": torch.zeros(1024, 1024)}

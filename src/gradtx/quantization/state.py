@@ -269,6 +269,17 @@ def quantize_state(
 
     A non-finite value makes its whole block read back non-finite (never silently finite).
 
+    Memory: between steps the stored leaves take their codes and scales only (about 2 bytes per
+    param for AdamW at 8 bits, 1 at 4 bits). During ``update`` the stored leaves are read back to
+    float32 together, as ``inner`` needs its whole state at once, so a step's peak still holds
+    them all in float32 for a moment. Where ``inner`` acts leaf by leaf (Adam, Lion, momentum;
+    not a global clip, which belongs outside), a :func:`~gradtx.partition` with one quantized
+    ``inner`` per leaf (or per group of leaves) gives the same numbers and holds one group's
+    float32 moments at a time::
+
+        tx = gtx.partition({name: gtx.quantize_state(gtx.adamw(1e-3)) for name in params},
+                           {name: name for name in params})
+
     Args:
       inner: the transformation whose state is stored quantized (``adamw(...)``, a chain, ...).
       bits: the storage: ``8``, ``4``, ``torch.bfloat16`` or ``torch.float8_e4m3fn``.
