@@ -291,6 +291,7 @@ REFUSED: dict[str, Callable[[Any], Any]] = {
 # complex behaviour tested on its own, in the test named
 ELSEWHERE = {
     "quantize_state": "test_quantize_state_keeps_complex_moments_as_its_inner_transformation_does",
+    "observe": "test_observe_keeps_the_inner_numbers_and_measures_complex_leaves_by_moduli",
     "scale_by_backtracking_linesearch": "test_complex_least_squares_converges_like_its_real_equivalent (optax's slope there is not the conjugated one its zoom search takes)",
     "value_and_grad_from_state": "test_complex_least_squares_converges_like_its_real_equivalent",
     "from_torch": "test_from_torch_keeps_torch_numbers_on_complex_params",

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import inspect
 
 import pytest
@@ -29,7 +31,7 @@ NOT_TRANSFORMATIONS = {
     "apply_updates", "bias_correction", "compile_step", "constant_schedule", "cosine_decay_schedule",
     "cosine_onecycle_schedule", "exponential_decay", "get_measurement", "global_norm", "incremental_update",
     "init_empty_state", "join_schedules", "linear_onecycle_schedule", "linear_schedule", "matrix_inverse_pth_root",
-    "microbatch", "multi_normal", "periodic_update", "piecewise_constant_schedule", "piecewise_interpolate_schedule",
+    "microbatch", "multi_normal", "observations", "periodic_update", "piecewise_constant_schedule", "piecewise_interpolate_schedule",
     "polynomial_schedule", "power_iteration", "safe_increment", "safe_int32_increment", "safe_norm",
     "safe_root_mean_squares", "scale_gradient", "schedule_free_eval_params", "sgdr_schedule", "tree_map_params",
     "update_infinity_moment", "update_moment", "update_moment_per_elem_norm", "warmup_constant_schedule",
@@ -123,6 +125,20 @@ def test_quantize_state_keeps_complex_moments_as_its_inner_transformation_does()
         plain_updates, plain_state = plain.update(grads, plain_state, params)
         assert all(torch.equal(updates[k], plain_updates[k]) for k in params)
     assert all(c is None for tree in state.codes for c in gtx.tree.leaves(tree))
+
+
+def test_observe_keeps_the_inner_numbers_and_measures_complex_leaves_by_moduli():
+    params = _params()
+    tx, plain = gtx.observe(gtx.adam(0.1), groups=1), gtx.adam(0.1)
+    state, plain_state = tx.init(params), plain.init(params)
+    grads = {k: v * (1 - 2j) for k, v in params.items()}
+    updates, state = tx.update(grads, state, params)
+    plain_updates, plain_state = plain.update(grads, plain_state, params)
+    assert all(torch.equal(updates[k], plain_updates[k]) for k in params)
+    logged = gtx.observations(state)
+    for name, g in grads.items():  # the 2-norm of a complex tensor: sqrt(sum |g|^2)
+        assert math.isclose(logged[f"grad_norm/{name}"], torch.linalg.vector_norm(g).item(), rel_tol=1e-12)
+        assert math.isclose(logged[f"grad_max/{name}"], g.abs().max().item(), rel_tol=1e-12)
 
 
 def test_adam_first_update_on_complex_gradients_matches_optax():
