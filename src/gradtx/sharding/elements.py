@@ -86,15 +86,12 @@ def _grid(mesh: Optional[MeshAxes], found: Sequence[Optional[Entry]]) -> Grid:
     return Grid(mesh, *(tuple(column) for column in zip(*parts))) if parts else Grid(mesh, (), (), ())
 
 
-def _dtensor_entry(plan: Plan, layout: Optional[LeafLayout], leaf: Any) -> Entry:
-    """A DTensor's piece, splits and grid, from its placements alone."""
+def _dtensor_entry(plan: Plan, layout: LeafLayout, leaf: Any) -> Entry:
+    """A DTensor's piece, splits and grid, from its placements alone (every rank's box by DTensor's chunking)."""
     shape = tuple(leaf.shape)
     size, offset = ckpt_lib.dtensor_box(ckpt_lib.layout_of_dtensor(leaf))
-    splits = ()
-    if layout is not None:
-        splits = tuple((a, d % len(shape)) for a, d in zip(layout.axes, layout.dims) if plan.mesh.sizes[a] > 1 and d is not None)
-    path = layout.path if layout is not None else "?"
-    boxes = _dtensor_boxes(leaf, leaf.device_mesh.mesh.reshape(-1).tolist(), path) if splits else ()
+    splits = tuple((a, d % len(shape)) for a, d in zip(layout.axes, layout.dims) if plan.mesh.sizes[a] > 1 and d is not None)
+    boxes = _dtensor_boxes(leaf, leaf.device_mesh.mesh.reshape(-1).tolist(), layout.path) if splits else ()
     return Piece(shape, size, offset, tuple(a for a, _ in splits)), splits, _bounds(shape, boxes)
 
 
@@ -106,7 +103,7 @@ def _local(plan: Plan, tree_leaves: Sequence[Any]) -> tuple[list[Optional[Entry]
         if leaf is None:
             continue
         if dtensor_lib.is_dtensor(leaf):
-            found[index] = _dtensor_entry(plan, layout, leaf)
+            found[index] = _dtensor_entry(plan, layout, leaf)  # type: ignore[arg-type]
             continue
         splits = plain_splits(plan, layout, leaf, hint=" for a piece split along a dim, or pass the flat piece") if layout is not None else ()
         if not splits:
