@@ -1,8 +1,9 @@
 """Quantized state under sharding: each rank's codes, scales and params are its pieces of the dense
 run's, bit for bit, over several AdamW steps, for 8 and 4 bits: plain pieces of a ShardingSpec
-split over dim 0, dim 1 (misaligned with the blocks) and flat (ZeRO), FSDP2-style uneven Shard(0)
-DTensors, TP Shard(1) DTensors at misaligned (odd) offsets, HSDP (Replicate, Shard(0)) on a 2x2
-mesh. Collectives per step: none when no piece straddles a block, one per group otherwise."""
+split over dim 0, dim 1 (misaligned with the blocks) and flat (ZeRO), even and uneven (numpy's
+array_split), FSDP2-style uneven Shard(0) DTensors, TP Shard(1) DTensors at misaligned (odd) offsets, HSDP (Replicate, Shard(0)) on a 2x2
+mesh. Collectives per step: none when no piece straddles a block, one per group otherwise. A
+compiled sharded step equals the eager one."""
 
 from __future__ import annotations
 
@@ -117,6 +118,50 @@ def plain_pieces_over_dim_0_dim_1_and_flat_equal_dense(world):
         # split along leading dims only, or at block boundaries: no communication
         aligned = {"rows": pieces["rows"], "cols": Piece("cols", ((("dp",), 1),)), "bias": pieces["bias"]}
         assert _plain(world, aligned, {"rows": (8, 20), "cols": (3, 32), "bias": (6,)}, bits) == 0, bits
+
+
+@case(2, 4)
+def uneven_plain_pieces_along_dim_1_and_flat_equal_dense(world):
+    # array_split, not DTensor's chunking: 37 columns as 19 + 18 or 10 + 9 + 9 + 9 (cuts inside
+    # blocks of 8, at odd columns too), 85 flat elements as 43 + 42 or 22 + 21 + 21 + 21, 7 rows
+    shapes = {"cols": (3, 37), "flat": (85,), "rows": (7, 20)}
+    pieces = {
+        "cols": Piece("cols", ((("dp",), 1),)),
+        "flat": Piece("flat", ((("dp",), None),)),
+        "rows": Piece("rows", ((("dp",), 0),)),
+    }
+    for bits in (8, 4):
+        assert _plain(world, pieces, shapes, bits, seed=1) == 1, bits  # one edge exchange for the "dp" group
+
+
+@case(2)
+def compiled_sharded_steps_equal_eager(world):
+    # where the pieces lie is found by compile_step's eager call; the graph holds the edge exchange
+    mesh = world.mesh((world.size,), ("dp",))
+    shapes = {"cols": (3, 37), "flat": (85,), "rows": (7, 20)}
+    pieces = {
+        "cols": Piece("cols", ((("dp",), 1),)),
+        "flat": Piece("flat", ((("dp",), None),)),
+        "rows": Piece("rows", ((("dp",), 0),)),
+    }
+    spec = ShardingSpec(mesh, [(name, piece.spec()) for name, piece in pieces.items()])
+    params, grads = _trees(shapes, seed=2)
+    local = {k: cut(v, pieces[k], mesh) for k, v in params.items()}
+    local_grads = [{k: cut(v, pieces[k], mesh) for k, v in g.items()} for g in grads]
+    for bits in (8, 4):
+        eager_params, eager_state, _ = _run(_tx(bits, spec), local, local_grads)
+        tx = _tx(bits, spec)
+        step = gtx.compile_step(tx, backend="aot_eager")
+        got, state = {k: v.clone() for k, v in local.items()}, tx.init(local)
+        for g in local_grads:
+            got, state = step(g, state, got)
+        for key in shapes:
+            assert torch.equal(got[key], eager_params[key]), (bits, key)
+        for part in range(len(state.codes)):
+            for key in shapes:
+                assert torch.equal(state.codes[part][key], eager_state.codes[part][key]), (bits, part, key)
+                assert _same_bits(state.scales[part][key], eager_state.scales[part][key]), (bits, part, key)
+        assert torch.equal(state.inner[0].count, eager_state.inner[0].count), bits
 
 
 @case(2)

@@ -294,7 +294,9 @@ def quantize_state(
         ``Shard(1)``, a flat ZeRO piece: a 1-D leaf, whose logical tensor is the flat vector)
         shares that block with its neighbour: the blocks so shared get their absmax and sign by
         one all-reduce per step per distinct group, for all leaves at once. A plain split must name
-        its dim unless the leaf is 1-D (``Shard("tp", dim=1)``), and plain pieces must be equal.
+        its dim unless the leaf is 1-D (``Shard("tp", dim=1)``); plain pieces may be uneven (any
+        sizes that form a grid, numpy's ``array_split`` say): their sizes are exchanged once
+        (:mod:`gradtx.sharding.elements`), on the first step of a new layout.
         Checkpoints (:mod:`gradtx.checkpoint`, DCP) hold such state when the params are whole
         along their last dim; a param split along it is a ``ValueError`` naming the leaf (its
         scales, and 4-bit codes, are no partition of the dense ones).

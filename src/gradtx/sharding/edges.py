@@ -5,9 +5,10 @@ each block of quantized optimizer state) are local to a rank's piece, except in 
 cut between two pieces falls strictly inside: pieces split along leading dims only hold whole
 blocks, pieces split along the last dim at a column that is no multiple of ``block`` (a TP
 ``Shard(1)`` at a misaligned offset, a flat ZeRO piece) share their edge blocks with their
-neighbours. :func:`row_cuts` finds the cuts from the layout alone; :func:`max_grouped` takes the
-maximum of such blocks' statistics over the axes that split the last dim, one collective per
-distinct group.
+neighbours. :func:`row_cuts` finds the cuts from :func:`~gradtx.sharding.elements.element_grid`
+(any layout: DTensors, plain pieces even or uneven, flat ZeRO pieces even or uneven);
+:func:`max_grouped` takes the maximum of such blocks' statistics over the axes that split the last
+dim, one collective per distinct group.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any, Optional, Sequence
 import torch.distributed as dist
 from torch import Tensor
 
-from gradtx.sharding.matrices import Piece, local_pieces
+from gradtx.sharding.elements import element_grid
+from gradtx.sharding.matrices import Piece
 from gradtx.sharding.mesh import MeshAxes
 from gradtx.sharding.spec import ShardingSpec
 
@@ -47,31 +49,20 @@ class RowCuts:
 
 def row_cuts(tree: Any, spec: Optional[ShardingSpec], *, what: str) -> tuple[Optional[MeshAxes], list[Optional[RowCuts]]]:
     """The mesh the ranks talk over (``None`` when nothing is sharded) and every leaf's
-    :class:`RowCuts` (``None`` for ``None`` leaves), from :func:`~gradtx.sharding.matrices.local_pieces`
-    (checked across ranks on a new plan; a 1-D plain leaf split with no ``dim`` is a flat piece).
-    No communication once the plan is checked."""
-    found = local_pieces(tree, spec, what=what)
-    mesh = found.plan.mesh if found.plan is not None else None
+    :class:`RowCuts` (``None`` for ``None`` leaves), from :func:`~gradtx.sharding.elements.element_grid`
+    (plain pieces' sizes exchanged once per plan; a 1-D plain leaf split with no ``dim`` is a flat
+    piece). No communication once found."""
+    grid = element_grid(tree, spec, what=what)
     out: list[Optional[RowCuts]] = []
-    for index, piece in enumerate(found.pieces):
-        if piece is None:
-            out.append(None)
-            continue
-        boxes = found.boxes[index]
-        if boxes is None or not piece.shape or mesh is None:
-            out.append(RowCuts(piece, (), ()))
+    for piece, splits, bounds in zip(grid.pieces, grid.splits, grid.bounds):
+        if piece is None or not piece.shape:
+            out.append(None if piece is None else RowCuts(piece, (), ()))
             continue
         last = len(piece.shape) - 1
-        layout = found.plan.layouts[index]  # type: ignore[union-attr]
-        axes = tuple(
-            axis
-            for axis, dim in zip(layout.axes, layout.dims)  # type: ignore[union-attr]
-            if mesh.sizes[axis] > 1 and (0 if dim is None else dim) % len(piece.shape) == last
-        )
-        edges = {o[last] + s[last] for s, o in boxes} | {o[last] for _, o in boxes}
-        cuts = tuple(sorted(c for c in edges if 0 < c < piece.shape[last])) if axes else ()
+        axes = tuple(axis for axis, dim in splits if dim == last)  # type: ignore[union-attr]
+        cuts = tuple(c for c in bounds[last] if 0 < c < piece.shape[last]) if axes else ()  # type: ignore[index]
         out.append(RowCuts(piece, axes, cuts))
-    return mesh, out
+    return grid.mesh, out
 
 
 def max_grouped(mesh: MeshAxes, items: Sequence[tuple[tuple[str, ...], Tensor]]) -> list[Tensor]:

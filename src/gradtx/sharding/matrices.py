@@ -66,7 +66,7 @@ from torch import Tensor
 
 from gradtx import tree as tree_lib
 from gradtx.sharding import dtensor as dtensor_lib
-from gradtx.sharding.plan import Plan, plan_for
+from gradtx.sharding.plan import LeafLayout, Plan, plan_for
 from gradtx.sharding.spec import ShardingSpec
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (shape, offset) of one rank's piece
@@ -125,41 +125,47 @@ def _dtensor_boxes(leaf: Any, ranks: Sequence[int], path: str) -> list[Box]:
     return boxes
 
 
-def _dims_of(plan: Plan, index: int, leaf: Any) -> tuple[int, ...]:
-    """The tensor dims a leaf is split along (on axes of size > 1)."""
-    layout = plan.layouts[index]
-    if dtensor_lib.is_dtensor(leaf):
-        return tuple(sorted({p.dim % leaf.ndim for p in leaf.placements if p.is_shard()}))
-    dims = []
-    for axis, dim in zip(layout.axes, layout.dims):  # type: ignore[union-attr]
-        if plan.mesh.sizes[axis] == 1:
+def plain_splits(plan: Plan, layout: LeafLayout, leaf: Tensor, *, hint: str = "") -> tuple[tuple[str, int], ...]:
+    """``(mesh axis, tensor dim)`` for every axis of size > 1 splitting a plain leaf, in the
+    layout's order; a split with no dim is a flat (ZeRO) piece of a 1-D leaf, along dim 0. A
+    ``ValueError`` names the leaf when a dim is unknown (``hint`` says why it is needed) or out of range."""
+    splits = []
+    for axis, dim in zip(layout.axes, layout.dims):
+        if plan.mesh.sizes[axis] <= 1:
             continue
-        if dim is None and leaf.ndim == 1:
-            dim = 0  # a flat (ZeRO) piece: a 1-D leaf has one dim to split
         if dim is None:
-            raise ValueError(
-                f"leaf {layout.path!r} is sharded over axis {axis!r} along an unknown tensor dim; the whole "
-                f"matrix is rebuilt from its pieces, so give Shard({axis!r}, dim=...) (0 for column-parallel "
-                "weights, 1 for row-parallel ones)"
-            )
+            if leaf.ndim != 1:
+                raise ValueError(
+                    f"leaf {layout.path!r} is sharded over axis {axis!r} along an unknown tensor dim (with none, it is a "
+                    f"flat (ZeRO) piece, but this rank's piece is {tuple(leaf.shape)}, not 1-D); give "
+                    f"Shard({axis!r}, dim=...){hint}"
+                )
+            dim = 0
         if leaf.ndim == 0:
             raise ValueError(f"leaf {layout.path!r} is a 0-d tensor sharded over axis {axis!r}")
         if not -leaf.ndim <= dim < leaf.ndim:
             raise ValueError(f"leaf {layout.path!r} is split along dim {dim}, but it has {leaf.ndim} dims")
-        dims.append(dim % leaf.ndim)
-    return tuple(sorted(set(dims)))
+        splits.append((axis, dim % leaf.ndim))
+    return tuple(splits)
+
+
+_WHOLE_MATRIX = ": the whole matrix is rebuilt from its pieces (0 for column-parallel weights, 1 for row-parallel ones)"
+
+
+def _dims_of(plan: Plan, index: int, leaf: Any) -> tuple[int, ...]:
+    """The tensor dims a leaf is split along (on axes of size > 1)."""
+    if dtensor_lib.is_dtensor(leaf):
+        return tuple(sorted({p.dim % leaf.ndim for p in leaf.placements if p.is_shard()}))
+    splits = plain_splits(plan, plan.layouts[index], leaf, hint=_WHOLE_MATRIX)  # type: ignore[arg-type]
+    return tuple(sorted({dim for _, dim in splits}))
 
 
 def _plain_splits(plan: Plan, index: int, leaf: Tensor, rank: int) -> list[tuple[int, int, int]]:
-    layout = plan.layouts[index]
+    """``(dim, parts, index)`` of every split of a plain leaf, for :func:`_box`, on ``rank``."""
     mesh = plan.mesh
     coordinate = mesh._rank_coordinate[rank]
-    splits = []
-    for axis, dim in zip(layout.axes, layout.dims):  # type: ignore[union-attr]
-        if mesh.sizes[axis] > 1:
-            dim = 0 if dim is None else dim  # a flat piece (checked by _dims_of)
-            splits.append((dim % leaf.ndim, mesh.sizes[axis], coordinate[mesh.names.index(axis)]))
-    return splits
+    splits = plain_splits(plan, plan.layouts[index], leaf, hint=_WHOLE_MATRIX)  # type: ignore[arg-type]
+    return [(dim, mesh.sizes[axis], coordinate[mesh.names.index(axis)]) for axis, dim in splits]
 
 
 def logical_shapes(tree: Any, spec: Optional[ShardingSpec] = None, *, what: str = "logical_shapes") -> list[Any]:
@@ -451,6 +457,12 @@ class Piece:
     offset: tuple[int, ...]
     axes: tuple[str, ...]
 
+    @classmethod
+    def whole(cls, shape: Sequence[int]) -> "Piece":
+        """A piece that is its whole ``shape`` tensor."""
+        shape = tuple(shape)
+        return cls(shape, shape, (0,) * len(shape), ())
+
     def region(self) -> tuple[slice, ...]:
         """The piece's slices of the whole tensor."""
         return _region((self.size, self.offset))
@@ -460,10 +472,8 @@ class LocalPieces:
     """Where each leaf's local piece lies in its logical tensor (``pieces``, ``None`` for ``None``
     leaves), and :meth:`sum`, which adds per-leaf tensors over each leaf's shard group."""
 
-    def __init__(self, plan: Optional[Plan], pieces: list[Optional[Piece]], boxes: Optional[list[Optional[list[Box]]]] = None):
+    def __init__(self, plan: Optional[Plan], pieces: list[Optional[Piece]]):
         self.plan, self.pieces = plan, pieces
-        self.boxes: list[Optional[list[Box]]] = boxes if boxes is not None else [None] * len(pieces)
-        """Per leaf, every piece of its shard group (``None`` where this rank's piece is whole)."""
 
     def sum(self, values: dict[int, Tensor]) -> dict[int, Tensor]:
         """``{leaf index: tensor}`` -> each tensor summed over the ranks of that leaf's shard group
@@ -507,10 +517,9 @@ def local_pieces(
             if leaf is None:
                 pieces.append(None)
                 continue
-            shape = tuple(leaf.shape)
             if validate is not None:
-                validate(index, tree_lib.path_at(tree, index), shape)
-            pieces.append(Piece(shape, shape, (0,) * len(shape), ()))
+                validate(index, tree_lib.path_at(tree, index), tuple(leaf.shape))
+            pieces.append(Piece.whole(leaf.shape))
         return LocalPieces(None, pieces)
 
     found: list[tuple[Plan, list[Optional[_Gather]]]] = []
@@ -527,9 +536,8 @@ def local_pieces(
         if leaf is None:
             pieces.append(None)
         elif job is None:
-            shape = tuple(leaf.shape)
-            pieces.append(Piece(shape, shape, (0,) * len(shape), ()))
+            pieces.append(Piece.whole(leaf.shape))
         else:
             size, offset = job.boxes[job.me]
             pieces.append(Piece(job.shape, tuple(size), tuple(offset), job.axes))
-    return LocalPieces(plan, pieces, [None if job is None else job.boxes for job in found[0][1]])
+    return LocalPieces(plan, pieces)
