@@ -39,6 +39,7 @@ RUNS: dict[str, list[tuple[int, list[str], str]]] = {
     "maml.py": [(1, [], "meta-loss decreased: True"), (1, ["--inner", "adam"], "meta-loss decreased: True")],
     "lbfgs_logistic.py": [(1, ["--quick"], "torch.optim.LBFGS  iterations to reach target")],
     "reshard_resume.py": [(1, ["--quick"], "every resumed run matches the uninterrupted one")],
+    "low_memory.py": [(1, [], "final held-out loss per variant")],
 }
 # Examples run with python that start several gloo processes of their own.
 SPAWNS_RANKS = {"reshard_resume.py"}
