@@ -4,7 +4,7 @@ Not part of the package or its tests. torchao and bitsandbytes, the other librar
 not gradtx dependencies: run with an interpreter that has them (those missing are left out, saying
 so), from the repository root::
 
-    python benchmarks/memory.py [--config gpt2-124m|small] [--threads 1 2] [--rounds N] [--steps K]
+    python benchmarks/memory.py [--config gpt2-124m|small] [--threads 1 2] [--rounds N] [--steps K] [--quick]
     python benchmarks/memory.py --profile     # where a quantized step's time goes
 
 Every candidate is one AdamW(1e-3, weight_decay 0.01) step on a GPT-2 tree of
@@ -149,7 +149,7 @@ CANDIDATES: dict[str, tuple[str, Callable[[dict, dict], Step]]] = {
     "torchao-4bit": ("torchao.optim.AdamW4bit, in place", _in_place(_torchao(4))),
     "bnb-8bit": ("bitsandbytes.optim.AdamW8bit, in place", _in_place(_bnb8)),
 }
-QUICK = ("gradtx-fp32", "gradtx-8bit", "gradtx-4bit", "gradtx-fp32-cs", "gradtx-8bit-cs", "torchao-8bit", "bnb-8bit")
+QUICK = ("gradtx-fp32", "gradtx-8bit", "gradtx-4bit", "gradtx-fp32-cs", "torch-fused", "torchao-8bit", "bnb-8bit")
 BASELINE = "gradtx-fp32"
 COMPILED = ("gradtx-fp32-cs", "gradtx-8bit-cs", "gradtx-4bit-cs", "torchao-8bit", "torchao-4bit")
 NEEDS = {"torchao-8bit": "torchao", "torchao-4bit": "torchao", "bnb-8bit": "bitsandbytes"}
@@ -360,18 +360,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", choices=sorted(CANDIDATES), help=argparse.SUPPRESS)
     parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--config", choices=("gpt2-124m", "small"), default="gpt2-124m", help="the tree (default gpt2-124m)")
-    parser.add_argument("--rounds", type=int, default=3, help="process-level interleaved rounds (default 3)")
+    parser.add_argument("--config", choices=("gpt2-124m", "small"), help="the tree (default gpt2-124m; --quick: small)")
+    parser.add_argument("--rounds", type=int, help="process-level interleaved rounds (default 3; --quick: 2)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per worker (default 3)")
     parser.add_argument("--warmup", type=int, default=2,
                         help="untimed steps per worker (default 2; at least 2 for the compiled candidates)")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads per worker (default: 1 2)")
-    parser.add_argument("--quick", action="store_true", help="the main candidates only")
+    parser.add_argument("--threads", type=int, nargs="+", help="torch threads per worker (default: 1 2; --quick: 1)")
+    parser.add_argument("--quick", action="store_true", help="the main candidates on the small tree, 2 rounds, 1 thread")
     parser.add_argument("--only", nargs="+", choices=sorted(CANDIDATES), help="run these candidates only")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory workers")
     parser.add_argument("--no-timing", action="store_true", help="skip the timed rounds")
     parser.add_argument("--profile", action="store_true", help="only take a quantized step apart (in this process)")
     args = parser.parse_args()
+    quick_defaults = {"config": "small", "rounds": 2, "threads": [1]}
+    full_defaults = {"config": "gpt2-124m", "rounds": 3, "threads": [1, 2]}
+    for key, value in (quick_defaults if args.quick else full_defaults).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.worker:
         worker(args.worker, args.config, args.steps, args.warmup, args.threads[0], args.memory)
         return
