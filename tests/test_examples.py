@@ -40,6 +40,7 @@ RUNS: dict[str, list[tuple[int, list[str], str]]] = {
     "lbfgs_logistic.py": [(1, ["--quick"], "torch.optim.LBFGS  iterations to reach target")],
     "reshard_resume.py": [(1, ["--quick"], "every resumed run matches the uninterrupted one")],
     "observe.py": [(1, [], "largest per-group gradient norm at the injected step and layer: True")],
+    "low_memory.py": [(1, [], "final held-out loss per variant")],
 }
 # Examples run with python that start several gloo processes of their own.
 SPAWNS_RANKS = {"reshard_resume.py"}
