@@ -33,6 +33,7 @@ import argparse
 import importlib.util
 import os
 import statistics
+import tempfile
 import time
 from typing import Callable
 
@@ -173,7 +174,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1 if QUICK else 3, help="fp32 runs, seeds 0.. (their spread is the run-to-run noise)")
     parser.add_argument("--all-seeds", action="store_true", help="run every variant at every seed, not fp32 only")
     parser.add_argument("--log-every", type=int, default=2 if QUICK else 25)
-    parser.add_argument("--plot", default=None if QUICK else "low_memory.png", help="where to write the PNG plot")
+    quick_plot = os.path.join(tempfile.gettempdir(), "gradtx_low_memory.png")
+    parser.add_argument("--plot", default=quick_plot if QUICK else "low_memory.png", help="where to write the PNG plot")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
