@@ -149,6 +149,9 @@ def _per_group(layout: GroupLayout, groups: Optional[Tensor], values: Optional[T
 
 
 def _squares(norms: list[Tensor], device: torch.device) -> Tensor:
+    """The squares (float64, on ``device``) of per-leaf norms of one dtype: stacked, then cast once."""
+    if all(n.device == device for n in norms):
+        return torch.stack(norms).to(_DTYPE) ** 2
     return torch.stack([n.to(device=device, dtype=_DTYPE) for n in norms]) ** 2
 
 
