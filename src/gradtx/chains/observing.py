@@ -16,7 +16,8 @@ state until then), and a ``clip_by_global_norm`` that sees ``inner``'s input fir
 or the first member of a ``chain`` / ``named_chain``, inside ``inject_hyperparams`` too: see
 :class:`gradtx.base.LeadingClip`) is handed its global norm from that same all-reduce instead of
 reducing its own: one collective per step, the clip's numbers bit for bit those it computes alone.
-Nothing is communicated when nothing is sharded.
+Nothing is communicated when nothing is sharded; such a clip (of order 2 or ``inf``) then takes its
+norm from the statistics' per-leaf norms, the gradients being read for the norm once.
 """
 
 from __future__ import annotations
