@@ -10,8 +10,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradtx as gtx
+from gradtx.sharding import statistics as stats_lib
 
 RTOL = 1e-5  # float32 leaves: per-leaf sums accumulate in float32, the rest in float64
 
@@ -177,6 +179,100 @@ def test_non_finite_gradients_are_counted():
     assert int(state.groups["layers.0"].grad_nonfinite) == 0
     assert math.isnan(float(state.groups["layers.1"].grad_max))
     assert state.groups["layers.1"].grad_nonfinite.dtype == torch.int64
+
+
+def _non_finite_tree():
+    """Leaves of several dtypes, NaN and infinities in some, one finite leaf whose 2-norm overflows
+    float32 (its maximum is finite: no element of it is counted), an empty one."""
+    gen = torch.Generator().manual_seed(3)
+    grads = {
+        "a": {"w": torch.randn(5, 3, generator=gen), "b": torch.randn(3, generator=gen)},
+        "b": {"w": torch.randn(4, 4, generator=gen).half(), "e": torch.zeros(0)},
+        "c": {"w": torch.full((2, 3), 1e30), "v": torch.randn(7, generator=gen, dtype=torch.float64)},
+    }
+    grads["a"]["w"][1, 2], grads["a"]["w"][4, 0] = math.nan, -math.inf
+    grads["b"]["w"][0, 0] = math.inf
+    grads["c"]["v"][3] = math.nan
+    return grads
+
+
+def test_non_finite_elements_are_counted_exactly_in_every_leaf():
+    grads = _non_finite_tree()
+    params = gtx.tree.tree_map(torch.ones_like, grads)
+    tx = gtx.observe(gtx.sgd(0.1), groups=1)
+    _, state = tx.update(grads, tx.init(params), params)
+    flat = _flat(grads)
+    for name in ("a", "b", "c"):
+        expected = sum(int((~torch.isfinite(g)).sum()) for k, g in flat.items() if k.startswith(name + "."))
+        assert int(state.groups[name].grad_nonfinite) == expected, name
+    assert int(state.total.grad_nonfinite) == 4
+    assert math.isinf(float(state.groups["b"].grad_max)) and math.isnan(float(state.groups["c"].grad_max))
+    assert math.isnan(float(state.groups["a"].grad_max)) and math.isnan(float(state.total.grad_max))
+
+
+def test_non_finite_counts_without_reading_the_maxima_on_the_host_are_the_same(monkeypatch):
+    # compiled, or off the CPU, every leaf is counted (no host sync): the same numbers as the
+    # eager CPU path, which counts only the leaves whose maximum is not finite
+    tensors = list(_flat(_non_finite_tree()).values())
+    device = torch.device("cpu")
+    maxima = stats_lib.leaf_maxima(tensors, device)
+    expected = torch.tensor([float((~torch.isfinite(t)).sum()) for t in tensors], dtype=torch.float64)
+    assert torch.equal(stats_lib._nonfinite_counts(tensors, maxima, device), expected)
+    monkeypatch.setattr(stats_lib.torch.compiler, "is_compiling", lambda: True)
+    assert torch.equal(stats_lib._nonfinite_counts(tensors, maxima, device), expected)
+
+
+def test_leaf_maxima_are_the_inf_norms():
+    tensors = list(_flat(_non_finite_tree()).values()) + [torch.zeros(3), -torch.arange(4.0), torch.randn(3, dtype=torch.complex64)]
+    maxima = stats_lib.leaf_maxima(tensors, torch.device("cpu"))
+    expected = torch.stack([torch.linalg.vector_norm(t, math.inf).double() if t.numel() else torch.zeros((), dtype=torch.float64) for t in tensors])
+    assert maxima.dtype == torch.float64  # one leaf is float64
+    torch.testing.assert_close(maxima, expected, rtol=0, atol=0, equal_nan=True)
+    assert not torch.signbit(maxima[-3])  # max |0| is +0
+
+
+class _Reads(TorchDispatchMode):
+    """Counts the ops that take one of ``watched``'s storages as input (views aside)."""
+
+    def __init__(self, watched):
+        super().__init__()
+        self.watched, self.count = {t.data_ptr() for t in watched}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and torch.Tag.view_copy not in func.tags:
+            inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            self.count += sum(1 for a in inputs if a.data_ptr() in self.watched)
+        return func(*args, **(kwargs or {}))
+
+
+def test_statistics_read_a_finite_gradient_once_more_than_the_step():
+    # the leading clip's norm comes from the statistics' per-leaf norms; the maxima take one pass;
+    # a finite gradient needs no non-finite count of its own
+    params, grads = _tree(0), _tree(1)
+    inner = lambda: gtx.chain(gtx.clip_by_global_norm(0.5), gtx.sgd(1.0))  # noqa: E731
+    reads = []
+    for tx in (inner(), gtx.observe(inner(), groups=2)):
+        state = tx.init(params)
+        tx.update(grads, state, params)  # groups and plans: once
+        with _Reads(gtx.tree.leaves(grads)) as mode:
+            tx.update(grads, state, params)
+        reads.append(mode.count)
+    assert reads[1] - reads[0] == len(gtx.tree.leaves(grads)), reads
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf, 1.0])
+def test_leading_clip_gives_its_own_numbers_bit_for_bit(norm_type):
+    gen = torch.Generator().manual_seed(4)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    grads = {"h": r(4, 3).half(), "f": r(5), "d": r(2, 3).double(), "b": r(6).bfloat16(), "g": r(3, 3)}
+    params = gtx.tree.tree_map(torch.ones_like, grads)
+    inner = lambda: gtx.chain(gtx.clip_by_global_norm(0.1, norm_type=norm_type), gtx.sgd(1.0))  # noqa: E731
+    plain, plain_state = inner().update(grads, inner().init(params), params)
+    tx = gtx.observe(inner(), groups=1)
+    observed, state = tx.update(grads, tx.init(params), params)
+    for a, b in zip(gtx.tree.leaves(plain), gtx.tree.leaves(observed)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert torch.equal(state.clip.norm, plain_state[0].norm) and bool(state.clip.clipped)
 
 
 def test_none_gradients_are_left_out_and_params_optional():

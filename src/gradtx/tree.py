@@ -793,19 +793,26 @@ def _torch_group_order(tensors: Sequence[Tensor]) -> list[list[int]]:
     return torch_internals.clip_grad_norm_groups(tensors)
 
 
-def total_norm(tensors: Sequence[Tensor], ord: float, *, groups: Optional[list[list[int]]] = None) -> Tensor:
+def total_norm(
+    tensors: Sequence[Tensor], ord: float, *, groups: Optional[list[list[int]]] = None, norms: Optional[Sequence[Tensor]] = None
+) -> Tensor:
     """The ``ord``-norm of all ``tensors`` seen as one vector, as ``torch.nn.utils.clip_grad_norm_`` computes it.
 
     Accumulates in float32 (float64 if any input is float64) so half-precision gradients neither
     overflow nor lose their sum. Returns a 0-d tensor on the first tensor's device. The per-tensor
     norms are stacked group by group, in torch's order, and only moved or cast when a group needs it.
-    ``groups``, when given, are those of :func:`torch_groups` for ``tensors``, already found.
+    ``groups``, when given, are those of :func:`torch_groups` for ``tensors``, already found;
+    ``norms``, the per-tensor ``ord``-norms when already taken (as :func:`local_norms` takes them):
+    the same number without reading the tensors again.
     """
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
     device = tensors[0].device
     group_norms = []
     for indices in groups if groups is not None else _torch_group_order(tensors):
+        if norms is not None:
+            group_norms.append([norms[i] for i in indices])
+            continue
         group = list(tensors) if len(indices) == len(tensors) else [tensors[i] for i in indices]
         group_norms.append(foreach_norm(group, ord, accumulation_dtype([group[0].dtype])))
     dtype = accumulation_dtype([norms[0].dtype for norms in group_norms])

@@ -16,12 +16,14 @@ state until then), and a ``clip_by_global_norm`` that sees ``inner``'s input fir
 or the first member of a ``chain`` / ``named_chain``, inside ``inject_hyperparams`` too: see
 :class:`gradtx.base.LeadingClip`) is handed its global norm from that same all-reduce instead of
 reducing its own: one collective per step, the clip's numbers bit for bit those it computes alone.
-Nothing is communicated when nothing is sharded.
+Nothing is communicated when nothing is sharded; such a clip (of order 2 or ``inf``) then takes its
+norm from the statistics' per-leaf norms, the gradients being read for the norm once.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
@@ -228,10 +230,16 @@ def _empty_stats(device: torch.device, dtype: torch.dtype) -> ObservedStats:
     return ObservedStats(zero, nan, nan, nan, zero, torch.zeros((), dtype=torch.int64, device=device))
 
 
-def _fusable(lead: Optional[LeadingClip], layout: stats_lib.GroupLayout, spec: Any) -> bool:
-    """Whether the leading clip's norm can come from the statistics' all-reduce: the statistics
-    reduce over a group (something is sharded) and the clip lays the gradients out as they do."""
-    return lead is not None and layout.plan is not None and layout.plan.global_group() is not None and lead.spec is spec
+def _fusable(lead: Optional[LeadingClip], layout: stats_lib.GroupLayout, spec: Any) -> Optional[str]:
+    """How the leading clip's norm can come from the statistics: ``"reduced"`` from their all-reduce
+    (something is sharded and the clip lays the gradients out as they do), ``"local"`` from their
+    per-leaf norms (nothing is sharded, for the clip either, and its norm is a 2- or inf-norm);
+    ``None``: the clip computes its own."""
+    if lead is None or lead.spec is not spec:
+        return None
+    if layout.plan is None:
+        return "local" if lead.norm_type in (2.0, math.inf) else None
+    return "reduced" if layout.plan.global_group() is not None else None
 
 
 def observe(
@@ -302,7 +310,8 @@ def observe(
         grads = tree_lib.leaves(updates)
         device = stats_lib.local_device(grads, layout.plan)
         dtype = tree_lib.accumulation_dtype(tree_lib.real_dtypes(updates))
-        grad_sq, nonfinite, grad_max = stats_lib.gradient_partials(layout, grads, device)
+        partials = stats_lib.gradient_partials(layout, grads, device)
+        grad_sq = partials.sq
         if params is None:
             param_sq = torch.full_like(grad_sq, float("nan"))
         else:
@@ -313,19 +322,21 @@ def observe(
             pending = torch.full_like(grad_sq, float("nan"))
         fused = _fusable(lead, layout, spec)
         p = lead.norm_type if fused else 2.0  # type: ignore[union-attr]
-        share = stats_lib.norm_share(layout, grads, p) if fused else None
-        rows = torch.stack([grad_sq, pending.to(device), param_sq, nonfinite]).reshape(-1)
+        share = stats_lib.norm_share(layout, grads, p) if fused == "reduced" else None
+        rows = torch.stack([grad_sq, pending.to(device), param_sq, partials.nonfinite]).reshape(-1)
         buffer = rows if share is None else torch.cat([rows, share.reshape(1)])
-        buffer, maxima = stats_lib.reduce_statistics(layout, buffer, grad_max, what="observe")
+        buffer, maxima = stats_lib.reduce_statistics(layout, buffer, partials.max, what="observe")
         sums = buffer[: rows.numel()].reshape(4, -1)
         forwarded = extra_args if extra else {}
         clip_norm = None
-        if fused:
+        if fused == "reduced":
             reduced_share = None if share is None else buffer[rows.numel():]
             clip_norm = stats_lib.global_norm_from(layout, grads, p, sums, maxima, reduced_share)
-            run = lead.given(clip_norm)  # type: ignore[union-attr]
-        else:
-            run = inner_update
+        elif fused == "local" and partials.maxima is not None:
+            # the clip's own number (per-leaf norms stacked as it stacks them), from norms taken once
+            norms = partials.norms if p == 2.0 else list(partials.maxima.unbind())
+            clip_norm = tree_lib.total_norm([g for g in grads if isinstance(g, Tensor)], p, norms=norms)
+        run = inner_update if clip_norm is None else lead.given(clip_norm)  # type: ignore[union-attr]
         new_updates, inner_state = run(updates, state.inner_state, params, inplace=inplace, **forwarded)
         pending_update_sq = stats_lib.squared_sums(layout, tree_lib.leaves(new_updates), device)
         total = _stats_of(sums, maxima, 0, dtype, state.total)

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gradtx import torch_internals
 from gradtx import tree as tree_lib
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding import waiting
@@ -128,12 +129,16 @@ def _counted(layout: GroupLayout, tree_leaves: Sequence[Any]) -> list[tuple[int,
     return out
 
 
-def _per_group(layout: GroupLayout, indices: list[int], values: Optional[Tensor], reduce: str, device: torch.device) -> Tensor:
-    """``values`` (one per leaf of ``indices``) gathered into ``[total, group 0, group 1, ...]``."""
+def _group_index(layout: GroupLayout, indices: list[int], device: torch.device) -> Tensor:
+    """Each leaf of ``indices``'s slot in ``[total, group 0, group 1, ...]`` (its group's index + 1)."""
+    return torch.tensor([layout.leaf_groups[i] + 1 for i in indices], device=device)
+
+
+def _per_group(layout: GroupLayout, groups: Optional[Tensor], values: Optional[Tensor], reduce: str, device: torch.device) -> Tensor:
+    """``values`` (one per leaf, ``groups`` their slots) gathered into ``[total, group 0, group 1, ...]``."""
     out = torch.zeros(len(layout.names) + 1, dtype=_DTYPE, device=device)
-    if values is None or not indices:
+    if values is None or groups is None:
         return out
-    groups = torch.tensor([layout.leaf_groups[i] + 1 for i in indices], device=device)
     if reduce == "sum":
         total = values.sum().reshape(1)
         grouped = out.index_add(0, groups, values)
@@ -143,33 +148,99 @@ def _per_group(layout: GroupLayout, indices: list[int], values: Optional[Tensor]
     return torch.cat([total, grouped[1:]])
 
 
-def _leaf_values(tensors: list[Tensor], kind: str, device: torch.device) -> Optional[Tensor]:
-    if not tensors:
-        return None
-    if kind == "sq":
-        norms = _local_norms(tensors, 2.0)
-        return torch.stack([n.to(device=device, dtype=_DTYPE) for n in norms]) ** 2
-    if kind == "max":
-        norms = _local_norms(tensors, float("inf"))
-        return torch.stack([n.to(device=device, dtype=_DTYPE) for n in norms])
-    counts = [(~torch.isfinite(t)).sum() for t in tensors]  # kind == "nonfinite"
-    return torch.stack([c.to(device=device, dtype=_DTYPE) for c in counts])
+def _squares(norms: list[Tensor], device: torch.device) -> Tensor:
+    """The squares (float64, on ``device``) of per-leaf norms of one dtype: stacked, then cast once."""
+    if all(n.device == device for n in norms):
+        return torch.stack(norms).to(_DTYPE) ** 2
+    return torch.stack([n.to(device=device, dtype=_DTYPE) for n in norms]) ** 2
+
+
+def leaf_maxima(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
+    """Per-tensor ``max |x|`` (float32, or float64 if any tensor is), stacked on ``device``: the
+    values of ``_local_norms(tensors, inf)``, from one ``aminmax`` pass per dense real tensor
+    (``max(|min|, |max|)``; CPU's inf-norm kernel is several times slower than its 2-norm one).
+    A NaN gives NaN, an infinity infinity, an empty tensor 0."""
+    dtype = tree_lib.accumulation_dtype([t.dtype for t in tensors])
+    lows, highs = [], []
+    for t in tensors:
+        if t.numel() == 0:
+            low = high = torch.zeros((), dtype=dtype, device=device)
+        elif t.layout == torch.strided and not t.is_complex():
+            low, high = torch.aminmax(t)
+        else:  # sparse (its stored values) or complex (its moduli): the norm kernel
+            low = high = _local_norms([t], math.inf)[0]
+        lows.append(low.to(device=device, dtype=dtype))
+        highs.append(high.to(device=device, dtype=dtype))
+    return torch.maximum(torch.stack(lows).abs(), torch.stack(highs).abs())
+
+
+def _count_nonfinite(tensor: Tensor) -> Tensor:
+    if tensor.layout == torch.strided:  # one bool temporary, not two
+        return tensor.numel() - torch.isfinite(tensor).sum()
+    return (~torch.isfinite(tensor)).sum()
+
+
+def _nonfinite_counts(tensors: list[Tensor], maxima: Tensor, device: torch.device) -> Tensor:
+    """Per-tensor counts of NaN and infinite elements (float64), given their ``max |x|``.
+
+    A finite maximum means no such element, so on the CPU, eagerly, where ``maxima`` can be read
+    without waiting for a device, only the tensors with a non-finite maximum are counted: a finite
+    gradient costs no pass of its own. Elsewhere every tensor is counted (no host sync; compiled,
+    the count fuses with the other reductions)."""
+    host = (
+        not torch.compiler.is_compiling()
+        and maxima.device.type == "cpu"
+        and all(t.device.type == "cpu" for t in tensors)
+        and not torch_internals.functorch_active()
+    )
+    if not host:
+        return torch.stack([_count_nonfinite(t).to(device=device, dtype=_DTYPE) for t in tensors])
+    counts = torch.zeros(len(tensors), dtype=_DTYPE, device=device)
+    for i in (~torch.isfinite(maxima)).nonzero().flatten().tolist():
+        counts[i] = _count_nonfinite(tensors[i]).to(_DTYPE)
+    return counts
 
 
 def squared_sums(layout: GroupLayout, tree_leaves: Sequence[Any], device: torch.device) -> Tensor:
     """This rank's ``[total, per group]`` sums of squares of ``tree_leaves`` (laid out as the layout's tree)."""
     counted = _counted(layout, tree_leaves)
-    return _per_group(layout, [i for i, _ in counted], _leaf_values([t for _, t in counted], "sq", device), "sum", device)
+    if not counted:
+        return _per_group(layout, None, None, "sum", device)
+    groups = _group_index(layout, [i for i, _ in counted], device)
+    return _per_group(layout, groups, _squares(_local_norms([t for _, t in counted], 2.0), device), "sum", device)
 
 
-def gradient_partials(layout: GroupLayout, tree_leaves: Sequence[Any], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """This rank's ``(sums of squares, non-finite counts, max |g|)``, each ``[total, per group]``."""
+class GradientPartials(NamedTuple):
+    """This rank's ``[total, per group]`` sums of squares (``sq``), non-finite counts and ``max |g|``
+    of the gradients; and, per leaf that entered them (in leaf order), its 2-norm (``norms``, as
+    :func:`_local_norms` takes it) and its ``max |g|`` (``maxima``, 1-D), from which a clip's global
+    norm follows without reading the gradients again."""
+
+    sq: Tensor
+    nonfinite: Tensor
+    max: Tensor
+    norms: list[Tensor]
+    maxima: Optional[Tensor]
+
+
+def gradient_partials(layout: GroupLayout, tree_leaves: Sequence[Any], device: torch.device) -> GradientPartials:
+    """The gradients' statistics on this rank, reading each gradient twice: one 2-norm and one
+    ``aminmax`` (non-finite elements are counted only in a leaf whose maximum is not finite, where
+    that can be known without a host sync: see :func:`_nonfinite_counts`)."""
     counted = _counted(layout, tree_leaves)
+    if not counted:
+        zeros = _per_group(layout, None, None, "sum", device)
+        return GradientPartials(zeros, zeros, zeros, [], None)
     indices, tensors = [i for i, _ in counted], [t for _, t in counted]
-    return (
-        _per_group(layout, indices, _leaf_values(tensors, "sq", device), "sum", device),
-        _per_group(layout, indices, _leaf_values(tensors, "nonfinite", device), "sum", device),
-        _per_group(layout, indices, _leaf_values(tensors, "max", device), "max", device),
+    groups = _group_index(layout, indices, device)
+    norms = _local_norms(tensors, 2.0)
+    maxima = leaf_maxima(tensors, device)
+    return GradientPartials(
+        _per_group(layout, groups, _squares(norms, device), "sum", device),
+        _per_group(layout, groups, _nonfinite_counts(tensors, maxima, device), "sum", device),
+        _per_group(layout, groups, maxima.to(_DTYPE), "max", device),
+        norms,
+        maxima,
     )
 
 
