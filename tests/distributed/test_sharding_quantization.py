@@ -148,7 +148,7 @@ def compiled_sharded_steps_equal_eager(world):
     params, grads = _trees(shapes, seed=2)
     local = {k: cut(v, pieces[k], mesh) for k, v in params.items()}
     local_grads = [{k: cut(v, pieces[k], mesh) for k, v in g.items()} for g in grads]
-    for bits in (8, 4):
+    for bits in (4,):  # 4 bits: the 8-bit path plus the packing by logical column parity
         eager_params, eager_state, _ = _run(_tx(bits, spec), local, local_grads)
         tx = _tx(bits, spec)
         step = gtx.compile_step(tx, backend="aot_eager")
