@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+import _tiny_gpt as tiny_gpt  # the model and language (examples/_tiny_gpt.py)
 import gradtx as gtx
 
 QUICK = os.environ.get("GRADTX_EXAMPLES_QUICK") == "1"
@@ -49,43 +50,8 @@ LEARNING_RATE, WEIGHT_DECAY = 1e-3, 0.01
 MIN_SIZE = 1024  # the matrices (4096 to 16384 elements) are quantized; norms and biases (64 to 256) are not
 
 
-class Block(nn.Module):
-    """Pre-norm causal self-attention and MLP."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH, bias=False), nn.Linear(WIDTH, WIDTH)
-        self.fc1, self.fc2 = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, WIDTH // HEADS).permute(2, 0, 3, 1, 4)
-        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, WIDTH))
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tokens, self.positions = nn.Embedding(VOCAB, WIDTH), nn.Embedding(CONTEXT, WIDTH)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.ln_f, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-
 def sequences(generator: torch.Generator, batch: int) -> torch.Tensor:
-    """A learnable synthetic language: a random first token, then ``next = (5 * token + 3) % VOCAB``."""
-    tokens = [torch.randint(0, VOCAB, (batch,), generator=generator)]
-    for _ in range(CONTEXT):
-        tokens.append((5 * tokens[-1] + 3) % VOCAB)
-    return torch.stack(tokens, dim=1)
+    return tiny_gpt.sequences(generator, batch, VOCAB, CONTEXT)
 
 
 def loss_of(model: nn.Module, params: dict, tokens: torch.Tensor) -> torch.Tensor:
@@ -126,7 +92,7 @@ def train(variant: str, seed: int, steps: int, log_every: int) -> tuple[list[tup
     the evaluation losses ``[(step, loss), ...]`` and the state's bytes per parameter."""
     dtype, make = VARIANTS[variant]
     torch.manual_seed(seed)
-    model = GPT()
+    model = tiny_gpt.GPT(VOCAB, CONTEXT, WIDTH, HEADS, 4 * WIDTH)
     params = {name: p.detach().to(dtype) for name, p in model.named_parameters()}
     tx = make(seed)
     state = tx.init(params)

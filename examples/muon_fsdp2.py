@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+import _tiny_gpt as tiny_gpt  # the model and language (examples/_tiny_gpt.py)
 import gradtx as gtx
 from gradtx.contrib import muon
 
@@ -39,38 +40,6 @@ STEPS = 4 if QUICK else 60
 VOCAB, CONTEXT, WIDTH, HEADS, MLP_HIDDEN = 64, 16, 32, 4, 75
 GLOBAL_BATCH = 16
 TOLERANCE = 1e-4
-
-
-class Block(nn.Module):
-    """Pre-norm causal self-attention and MLP."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        # no qkv bias: the key bias gets an exactly-zero gradient, which Adam would turn into noise-driven steps
-        self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH, bias=False), nn.Linear(WIDTH, WIDTH)
-        self.fc1, self.fc2 = nn.Linear(WIDTH, MLP_HIDDEN), nn.Linear(MLP_HIDDEN, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, WIDTH // HEADS).permute(2, 0, 3, 1, 4)
-        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, WIDTH))
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tokens, self.positions = nn.Embedding(VOCAB, WIDTH), nn.Embedding(CONTEXT, WIDTH)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.ln_f, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
 
 
 def label(name: str, param: torch.Tensor) -> str:
@@ -91,11 +60,7 @@ def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def sequences(generator: torch.Generator) -> torch.Tensor:
-    """A learnable synthetic language: a random first token, then ``next = (5 * token + 3) % VOCAB``."""
-    tokens = [torch.randint(0, VOCAB, (GLOBAL_BATCH,), generator=generator)]
-    for _ in range(CONTEXT):
-        tokens.append((5 * tokens[-1] + 3) % VOCAB)
-    return torch.stack(tokens, dim=1)
+    return tiny_gpt.sequences(generator, GLOBAL_BATCH, VOCAB, CONTEXT)
 
 
 def setup() -> tuple[int, int]:
@@ -120,7 +85,7 @@ def main() -> int:
     rank, world_size = setup()
     mesh = build_mesh(world_size)
     torch.manual_seed(0)
-    model = GPT()
+    model = tiny_gpt.GPT(VOCAB, CONTEXT, WIDTH, HEADS, MLP_HIDDEN)
     dense = copy.deepcopy(model)  # the twin: the same initial weights, never sharded
     for block in model.blocks:
         fully_shard(block, mesh=mesh)

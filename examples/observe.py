@@ -24,6 +24,7 @@ import tempfile
 import torch
 from torch import nn
 
+import _tiny_gpt as tiny_gpt  # the model and language (examples/_tiny_gpt.py)
 import gradtx as gtx
 from gradtx import plot
 
@@ -33,42 +34,8 @@ SPIKE_STEP, SPIKE_GROUP, SPIKE_FACTOR = (7 if QUICK else 120), "blocks.1", 1000.
 VOCAB, CONTEXT, WIDTH, HEADS, BATCH = 64, 16, 32, 4, 16
 
 
-class Block(nn.Module):
-    """Pre-norm causal self-attention and MLP."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH, bias=False), nn.Linear(WIDTH, WIDTH)
-        self.fc1, self.fc2 = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, WIDTH // HEADS).permute(2, 0, 3, 1, 4)
-        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, WIDTH))
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tokens, self.positions = nn.Embedding(VOCAB, WIDTH), nn.Embedding(CONTEXT, WIDTH)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.ln_f, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-
 def sequences(generator: torch.Generator) -> torch.Tensor:
-    tokens = [torch.randint(0, VOCAB, (BATCH,), generator=generator)]
-    for _ in range(CONTEXT):
-        tokens.append((5 * tokens[-1] + 3) % VOCAB)
-    return torch.stack(tokens, dim=1)
+    return tiny_gpt.sequences(generator, BATCH, VOCAB, CONTEXT)
 
 
 def main() -> None:
@@ -78,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    model = GPT()
+    model = tiny_gpt.GPT(VOCAB, CONTEXT, WIDTH, HEADS, 4 * WIDTH)
     params = {name: p.detach() for name, p in model.named_parameters()}
 
     def loss_fn(params: dict, tokens: torch.Tensor) -> torch.Tensor:

@@ -65,8 +65,13 @@ def _missing_extras() -> list[str]:
     return [module for module in ("sklearn", "tqdm") if importlib.util.find_spec(module) is None]
 
 
+def _examples() -> list[Path]:
+    """The example scripts (``_name.py`` modules are pieces the examples share, not examples)."""
+    return [p for p in sorted(EXAMPLES.glob("*.py")) if not p.name.startswith("_")]
+
+
 def test_every_example_is_run():
-    on_disk = sorted(p.name for p in EXAMPLES.glob("*.py"))
+    on_disk = [p.name for p in _examples()]
     unregistered = [name for name in on_disk if name not in RUNS and name not in RUN_ELSEWHERE]
     assert not unregistered, f"examples with no quick run in tests/test_examples.py: {unregistered}"
     for name, test_file in RUN_ELSEWHERE.items():
@@ -76,7 +81,7 @@ def test_every_example_is_run():
 
 def test_every_example_is_in_the_readme_table():
     readme = (ROOT / "README.md").read_text()
-    missing = [p.name for p in sorted(EXAMPLES.glob("*.py")) if f"](./examples/{p.name})" not in readme]
+    missing = [p.name for p in _examples() if f"](./examples/{p.name})" not in readme]
     assert not missing, f"examples missing from README.md's examples table: {missing}"
 
 
