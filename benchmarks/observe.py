@@ -34,6 +34,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import gradtx as gtx  # noqa: E402
 from benchmarks.common import GPT_41M, interleaved, make_tree, n_elements, report  # noqa: E402
+from benchmarks.sharded import count_collectives  # noqa: E402
 
 SMALL = dict(n_layer=4, d_model=256, vocab=8192, n_ctx=512)
 WORLD = 2
@@ -74,15 +75,6 @@ def local_timing(config: dict, rounds: int) -> None:
         times = interleaved(candidates(grads, params), rounds=rounds)
         ratios = report(f"one step, {threads} thread(s) (unsharded)", times, BASELINE)
         print("  " + ratios_text(ratios))
-
-
-def count_collectives(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    return sum(1 for event in prof.events() if event.name.startswith("gloo:"))
 
 
 def worker(rank: int, store_path: str, config: dict, rounds: int) -> None:
