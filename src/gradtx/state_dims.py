@@ -64,6 +64,17 @@ def same(leaf: ParamLeaf) -> Dims:
     return tuple(range(len(leaf.shape)))
 
 
+def check_fields(decorator: str, cls: type, names: Any) -> None:
+    """A ``TypeError`` unless ``cls`` is a NamedTuple with every field in ``names`` (for the
+    class decorators that declare something per field: this one, :func:`gradtx.state_signs.nonnegative`)."""
+    fields = getattr(cls, "_fields", None)
+    if fields is None:
+        raise TypeError(f"{decorator}: {cls.__name__} is not a NamedTuple")
+    unknown = sorted(set(names) - set(fields))
+    if unknown:
+        raise TypeError(f"{decorator}: {cls.__name__} has no field {unknown[0]!r} (its fields: {fields})")
+
+
 def state_dims(**rules: Rule) -> Callable[[type], type]:
     """Class decorator for a state type (a NamedTuple): the :data:`Rule` of each named field.
 
@@ -72,12 +83,7 @@ def state_dims(**rules: Rule) -> Callable[[type], type]:
     """
 
     def declare(cls: type) -> type:
-        fields = getattr(cls, "_fields", None)
-        if fields is None:
-            raise TypeError(f"state_dims: {cls.__name__} is not a NamedTuple")
-        unknown = sorted(set(rules) - set(fields))
-        if unknown:
-            raise TypeError(f"state_dims: {cls.__name__} has no field {unknown[0]!r} (its fields: {fields})")
+        check_fields("state_dims", cls, rules)
         for name, rule in rules.items():
             if not callable(rule):
                 raise TypeError(f"state_dims: the rule of {cls.__name__}.{name} is a {type(rule).__name__}, not a callable")

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from gradtx.state_dims import check_fields
+
 ATTRIBUTE = "__nonnegative_fields__"
 
 
@@ -29,12 +31,7 @@ def nonnegative(*fields: str) -> Callable[[type], type]:
     """Class decorator for a state type (a NamedTuple): the names of its fields that are never negative."""
 
     def declare(cls: type) -> type:
-        names = getattr(cls, "_fields", None)
-        if names is None:
-            raise TypeError(f"nonnegative: {cls.__name__} is not a NamedTuple")
-        unknown = sorted(set(fields) - set(names))
-        if unknown:
-            raise TypeError(f"nonnegative: {cls.__name__} has no field {unknown[0]!r} (its fields: {names})")
+        check_fields("nonnegative", cls, fields)
         setattr(cls, ATTRIBUTE, frozenset(fields))
         return cls
 
