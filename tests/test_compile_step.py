@@ -492,3 +492,27 @@ def test_a_weak_reference_to_an_output_never_sees_a_later_step(make_ref, read):
     for i in range(3):
         params, state = step(_tree(3 + i), state, params)
     assert read(ref) is None
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        {"w": "adam", "v": "adam", "b": "sgd"},
+        lambda tree: {key: "sgd" if key == "b" else "adam" for key in tree},
+    ],
+    ids=["dict", "callable"],
+)
+def test_partition_by_labels_compiles_to_the_eager_numbers(labels):
+    """Labels given as a tree (not only as a callable) resolve inside the traced step."""
+    tx = gtx.partition({"adam": gtx.adam(1e-2), "sgd": gtx.sgd(1e-2, momentum=0.9)}, labels)
+    params = _tree(3, big=64)
+    grads = {key: torch.ones_like(value) for key, value in params.items()}
+    step = gtx.compile_step(tx, backend="eager")
+    state = eager_state = tx.init(params)
+    compiled_params = eager_params = params
+    for _ in range(2):
+        compiled_params, state = step(grads, state, compiled_params)
+        updates, eager_state = tx.update(grads, eager_state, eager_params)
+        eager_params = gtx.apply_updates(eager_params, updates)
+    for key in params:
+        assert torch.equal(compiled_params[key], eager_params[key]), key

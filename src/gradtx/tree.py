@@ -490,6 +490,14 @@ def broadcast_leaves(prefix: PyTree, tree: PyTree) -> list[Any]:
     return structure(tree).flatten_up_to(full)
 
 
+def fitted_leaves(prefix: PyTree, tree: PyTree, *, what: str) -> list[Any]:
+    """:func:`broadcast_leaves`, with a ``ValueError`` naming ``what`` and the leaves it does not fit."""
+    try:
+        return broadcast_leaves(prefix, tree)
+    except ValueError:
+        raise ValueError(f"{what} does not fit the tree: {_uncovered(prefix, tree)}") from None
+
+
 def mask_leaves(mask: Any, tree: PyTree, *, what: str = "mask") -> list[bool]:
     """Resolves an optax-style mask against ``tree``: one bool per leaf of ``tree``.
 
@@ -498,10 +506,7 @@ def mask_leaves(mask: Any, tree: PyTree, *, what: str = "mask") -> list[bool]:
     """
     if callable(mask):
         mask = mask(tree)
-    try:
-        values = broadcast_leaves(mask, tree)
-    except ValueError:
-        raise ValueError(f"{what} does not fit the tree: {_uncovered(mask, tree)}") from None
+    values = fitted_leaves(mask, tree, what=what)
     for index, value in enumerate(values):
         if not isinstance(value, (bool, int)) and not (isinstance(value, Tensor) and value.numel() == 1):
             raise TypeError(f"{what}: leaf {path_at(tree, index)!r} has mask value {value!r}, expected a bool")

@@ -11,7 +11,7 @@ from typing import Any, Callable, Hashable, Mapping, NamedTuple, Union
 
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace
-from gradtx.chains.masking import LeafSelector, MaskedState, none_as_false, freeze, init_selected, update_selected
+from gradtx.chains.masking import LeafSelector, MaskedState, freeze, init_selected, update_selected
 
 PyTree = Any
 Labels = Union[PyTree, Callable[[PyTree], PyTree]]
@@ -44,13 +44,9 @@ def _label_resolver(transforms: Mapping[Hashable, GradientTransformation]) -> Ca
                     f"transformations are given for {known!r}"
                 )
         tree_leaves = tree_lib.leaves(tree)
-        per_leaf: list[Any] = [None] * len(tree_leaves)
-        for label in dict.fromkeys(label for label in label_leaves if label is not None):
-            mask_def, mask = none_as_false(tree_lib.tree_map(lambda x, label=label: x == label, labels))
-            selected = tree_lib.mask_leaves(tree_lib.unflatten(mask_def, mask), tree, what="partition: param_labels")
-            for index, hit in enumerate(selected):
-                if hit:
-                    per_leaf[index] = label
+        # one label per leaf of ``tree`` (a label at a node covers every leaf below it), read off the
+        # labels as they were given: no tree is built here, so a compiled step traces this as it is
+        per_leaf = tree_lib.fitted_leaves(labels, tree, what="partition: param_labels")
         for index, (leaf, label) in enumerate(zip(tree_leaves, per_leaf)):
             if leaf is not None and label is None:
                 raise ValueError(f"partition: leaf {tree_lib.path_at(tree, index)!r} has no label (None)")
