@@ -275,6 +275,30 @@ def test_init_and_update_on_empty_trees():
     assert gtx.global_norm({}).item() == 0.0
 
 
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex64])
+def test_an_empty_leaf_adds_nothing_to_any_norm(norm_type, dtype):
+    """An empty leaf clips as if it were absent, the inf-norm included (torch's kernels raise there:
+    a maximum over nothing has no identity, and 0 is the identity over non-negative values)."""
+    gen = torch.Generator().manual_seed(0)
+    full = {"w": (3 * torch.randn(4, 3, generator=gen)).to(dtype)}
+    with_empty = {**full, "e": torch.ones(0, dtype=dtype), "z": torch.ones(2, 0, dtype=dtype)}
+    tx = gtx.clip_by_global_norm(1.0, norm_type=norm_type)
+    expected, expected_state = tx.update(full, tx.init(full))
+    updates, state = tx.update(with_empty, tx.init(with_empty))
+
+    def same(actual, expected):  # a total over norms that include a 0 may round its last bit apart for p = 3
+        if norm_type in (1.0, 2.0, math.inf):
+            assert torch.equal(actual, expected)
+        else:
+            torch.testing.assert_close(actual, expected, rtol=1e-6, atol=0.0)
+
+    same(state.norm, expected_state.norm)
+    same(updates["w"], expected["w"])
+    assert updates["e"].shape == (0,) and updates["z"].shape == (2, 0)
+    same(gtx.global_norm(with_empty, norm_type=norm_type), gtx.global_norm(full, norm_type=norm_type))
+
+
 # --------------------------------------------------------------------------- clip_by_value
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import math
 import sys
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -639,7 +640,15 @@ def foreach_norm(tensors: Sequence[Tensor], ord: float, dtype: torch.dtype) -> l
     ones are taken in chunks instead, so no gradient-sized copy is made. Sparse tensors (an
     ``Embedding(sparse=True)`` gradient) have the norm of their stored values; torch has no norm
     kernel for them, which is how they are found: at no cost to dense ones.
+
+    An empty tensor's ``inf``-norm is 0 (the empty maximum of non-negative values), where torch's
+    kernels have no identity for it and raise, so a tree with an empty leaf clips as one without it.
     """
+    if ord == math.inf and any(t.numel() == 0 for t in tensors):
+        present = [t for t in tensors if t.numel() > 0]
+        found = iter(foreach_norm(present, ord, dtype) if present else [])
+        zero = tensors[0].new_zeros((), dtype=dtype)
+        return [next(found) if t.numel() > 0 else zero for t in tensors]
     try:
         return _dense_foreach_norm(tensors, ord, dtype)
     except (NotImplementedError, RuntimeError):  # torch 2.14: "norm_sparse ... does not support 'dtype'"
