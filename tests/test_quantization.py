@@ -425,7 +425,7 @@ def test_a_non_negative_first_moment_block_keeps_its_small_entries_at_4_bits():
     small = exact < absmax / 100
     assert small.sum() > 1000
     assert ((mu - exact).abs()[small] <= (absmax / 100).expand_as(exact)[small]).all()
-    assert ((mu - exact).abs() <= 0.12 * absmax).all()  # half the widest gap of the map, 0.225
+    assert ((mu - exact).abs() <= 0.23 * absmax).all()  # one of the two codes around it: the widest gap, 0.225
 
 
 def test_a_second_moment_never_reads_back_as_zero_at_4_bits():
