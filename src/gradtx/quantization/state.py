@@ -39,7 +39,7 @@ from gradtx.state_check import name_of, named
 from gradtx.state_dims import Dims, ParamLeaf, same, state_dims
 from gradtx.state_signs import nonnegative_fields
 from gradtx.transforms import _foreach as fe
-from gradtx.transforms.low_precision import element_draws, leaf_keys, stream_key
+from gradtx.transforms.low_precision import leaf_keys, quick_draws, stream_key
 
 PyTree = Any
 
@@ -164,7 +164,7 @@ def rounding_draws(seed: int, count: Tensor, keys: Sequence[str], pieces: Sequen
         return []
     stream = stream_key(torch.tensor(seed, dtype=torch.int64, device=count.device), count)
     leaf_key = leaf_keys(stream, list(keys))
-    return [element_draws(k, logical_indices(piece, leaf.shape, leaf.device)) for k, piece, leaf in zip(leaf_key, pieces, leaves)]
+    return [quick_draws(k, logical_indices(piece, leaf.shape, leaf.device)) for k, piece, leaf in zip(leaf_key, pieces, leaves)]
 
 
 def decode(codes: Tensor, scales: Optional[Tensor], placeholder: Tensor, fmt: StorageFormat, place: Place = WHOLE) -> Tensor:
