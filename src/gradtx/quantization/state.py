@@ -286,7 +286,15 @@ def quantize_state(
     - ``bits=8``: Dettmers et al.'s dynamic tree maps, signed and unsigned; blocks of 256.
     - ``bits=4``: Li et al.'s dynamic exponent map (signed) and linear map without zero
       (unsigned: a second moment never reads back as zero, which would blow up ``1/sqrt(nu)``);
-      blocks of 128; two codes per byte along the last dim.
+      blocks of 128; two codes per byte along the last dim. The signed fields (first moments,
+      momenta) are rounded *stochastically* to one of the two map values around each value, the
+      upper with the probability that makes the stored value unbiased; the unsigned ones to
+      nearest. An EMA such as Adam's ``mu`` moves by ``(1 - b1) * (g - mu)`` a step, often less
+      than half the gap between 4-bit codes, so rounded to nearest it stays on its code and the
+      momentum stalls (on a small GPT, AdamW's final loss doubles); rounded stochastically it
+      moves on average as in float32. The random bits hash (``seed``, the step count in the
+      state, the param's path, the field, the element's index in the logical tensor), so they
+      are the same under any sharding and after a checkpoint is loaded.
     - ``bits=torch.float8_e4m3fn``: each block scaled so its absmax is 448 and cast (round to
       nearest); blocks of 256.
     - ``bits=torch.bfloat16``: a plain cast (round to nearest), no blocks.
@@ -324,6 +332,7 @@ def quantize_state(
         Checkpoints (:mod:`gradtx.checkpoint`, DCP) hold such state when the params are whole
         along their last dim; a param split along it is a ``ValueError`` naming the leaf (its
         scales, and 4-bit codes, are no partition of the dense ones).
+      seed: the seed of stochastic rounding's random bits (4 bits; unused otherwise).
 
     Returns:
       A transformation with ``inner``'s updates, whose state is a :class:`QuantizedState`. It
