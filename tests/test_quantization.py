@@ -578,6 +578,22 @@ def test_nonnegative_declarations_are_checked():
 # --------------------------------------------------------------------------- checkpoints, wrap, compile, hyperparams
 
 
+def test_the_seed_draws_the_4_bit_first_moments_rounding_only():
+    """Two seeds store other 4-bit first-moment codes (the same seed, the same ones) and the same
+    second-moment codes; 8-bit codes round to nearest and ignore the seed."""
+    params, loss = _problem()
+    grads = torch.func.grad(loss)(params)
+
+    def codes(bits, seed):
+        tx = gtx.quantize_state(gtx.adamw(1e-2), bits, seed=seed)
+        state = tx.update(grads, tx.init(params), params)[1]
+        return state.codes[0]["w"], state.codes[1]["w"]
+
+    (mu_a, nu_a), (mu_b, nu_b), (mu_again, _) = codes(4, 0), codes(4, 1), codes(4, 0)
+    assert not torch.equal(mu_a, mu_b) and torch.equal(mu_a, mu_again) and torch.equal(nu_a, nu_b)
+    assert all(torch.equal(a, b) for a, b in zip(codes(8, 0), codes(8, 1)))
+
+
 def test_state_round_trips_through_a_checkpoint_and_torch_load_weights_only():
     params, loss = _problem()
     tx = gtx.quantize_state(gtx.adamw(1e-2), 4)
@@ -708,6 +724,7 @@ def test_extra_arguments_reach_an_inner_transformation_that_takes_them():
         (dict(min_size=-1), ValueError, "min_size must be >= 0"),
         (dict(min_size="big"), TypeError, "min_size must be an int"),
         (dict(spec="tp"), TypeError, "spec must be a gradtx.sharding.ShardingSpec"),
+        (dict(seed=1.5), TypeError, "seed must be an int, got float"),
     ],
 )
 def test_bad_arguments_are_clear_errors(kwargs, error, message):

@@ -161,11 +161,13 @@ class TableCodec:
         magnitudes = self._magnitudes.to(magnitude.device)
         start = torch.where(signed, 0, self._offset).to(torch.int32)
         end = torch.where(signed, self._offset - 1, len(magnitudes) - 1).to(torch.int32)
-        lower = nearest - ((_gather(magnitudes, nearest) > magnitude) & (nearest > start)).to(torch.int32)
-        upper = torch.minimum(lower + 1, end)
-        low, high = _gather(magnitudes, lower), _gather(magnitudes, upper)
+        at = _gather(magnitudes, nearest)
+        above = at > magnitude  # the nearest value is the upper neighbour: the other one is below
+        other = torch.clamp(torch.where(above, nearest - 1, nearest + 1), start, end)  # itself at a table's end
+        beside = _gather(magnitudes, other)
+        low, high = torch.where(above, beside, at), torch.where(above, at, beside)
         away = (magnitude - low) * float(2**24) > draws.to(torch.float32) * (high - low)
-        return torch.where(away, upper, lower)
+        return torch.where(away == above, nearest, other)
 
     def decode(self, codes: Tensor, signed: Tensor) -> Tensor:
         """The float32 normalized values of ``codes``; ``signed`` broadcasts against them."""
