@@ -10,7 +10,9 @@ checkpoints, ``wrap``, ``compile_step`` and ``inject_hyperparams``.
 
 from __future__ import annotations
 
+import importlib.util
 import io
+import pathlib
 
 import pytest
 import torch
@@ -144,6 +146,73 @@ def _near_midpoints(x, absmax, scales, block_size, codec) -> bool:
     return bool(((normalized[..., None] - mids).abs().min(dim=-1).values < 1e-6).any())
 
 
+def _neighbours(normalized: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The map values at or below and at or above each ``|normalized|`` (float64; a value below a
+    zero-free map's first entry has that entry as both)."""
+    table = table.double().abs().unique()  # the magnitudes, ascending (0.0 and -0.0 are one)
+    magnitude = normalized.double().abs()
+    above = torch.searchsorted(table, magnitude).clamp(max=len(table) - 1)
+    below = torch.where(table[above] > magnitude, above - 1, above).clamp(min=0)
+    return table[below], table[above]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), block_size=st.sampled_from([1, 4, 16, 32]), draw_seed=st.integers(0, 2**16))
+def test_4_bit_stochastic_codes_are_one_of_the_two_map_values_around_each_value(data, block_size, draw_seed):
+    """With draws, each value reads back as the map value just below or just above its magnitude
+    (so the error is at most that gap), with its sign; zeros stay zero, and all-zero draws round
+    every value strictly between two map values up, the largest draws down."""
+    x = data.draw(st.builds(lambda: None).flatmap(lambda _: st.composite(_tensors)()))
+    geo = blocks.geometry(x.shape, block_size)
+    scales = blocks.block_scales(blocks.block_absmax(x, geo), blocks.block_signed(x, geo))
+    codec = maps.codec(4)
+    absmax = scales.abs().repeat_interleave(block_size, dim=1)[:, : x.shape[1]]
+    signed = torch.signbit(scales).repeat_interleave(block_size, dim=1)[:, : x.shape[1]]
+    normalized = x / torch.where(absmax > 0, absmax, 1)
+    low_s, high_s = _neighbours(normalized, codec.signed)
+    low_u, high_u = _neighbours(normalized, codec.unsigned)
+    low, high = torch.where(signed, low_s, low_u), torch.where(signed, high_s, high_u)
+    draws = torch.randint(0, 2**24, x.shape, generator=torch.Generator().manual_seed(draw_seed))
+    for d in (draws, torch.zeros_like(draws), torch.full_like(draws, 2**24 - 1)):
+        codes = blocks.quantize(x, scales, geo, codec, d)
+        y = blocks.dequantize(codes, scales, geo, codec, torch.float32)
+        read = (y.double() / torch.where(absmax > 0, absmax, 1).double()).abs()
+        on_a_neighbour = ((read - low).abs() < 1e-6) | ((read - high).abs() < 1e-6)
+        assert (on_a_neighbour | (absmax == 0)).all()  # an all-zero block reads back zero
+        assert torch.equal(torch.signbit(y), torch.signbit(x))
+        assert (y[(x == 0) & signed] == 0).all()
+        between = (normalized.double().abs() > low + 1e-6) & (normalized.double().abs() < high - 1e-6)
+        if d is not draws:
+            expected = high if int(d.reshape(-1)[0]) == 0 else low
+            assert ((read - expected).abs() < 1e-6)[between].all()
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_4_bit_stochastic_rounding_is_unbiased(signed):
+    """Over equidistributed draws (``k * 2**24 / n``, k = 0 .. n-1) the mean read-back value of
+    each value is the value itself, to ``1/n`` of the gap around it: the rounding is unbiased,
+    where rounding to nearest errs by up to half the gap every time."""
+    n = 256
+    x = torch.linspace(-1.0 if signed else 0.07, 1.0, 97).reshape(1, 97)
+    geo = blocks.geometry(x.shape, 97)
+    scales = blocks.block_scales(blocks.block_absmax(x, geo), torch.tensor([[signed]]))
+    codec = maps.codec(4)
+    draws = (torch.arange(n) * (2**24 // n)).view(n, 1, 1).expand(n, 1, 97)
+    mean = torch.stack([blocks.dequantize(blocks.quantize(x, scales, geo, codec, d), scales, geo, codec, torch.float32) for d in draws])
+    mean = mean.double().mean(dim=0)
+    low, high = _neighbours(x, codec.signed if signed else codec.unsigned)
+    assert ((mean - x.double()).abs() <= (high - low) / n + 1e-6).all()
+    nearest = blocks.dequantize(blocks.quantize(x, scales, geo, codec), scales, geo, codec, torch.float32)
+    assert (nearest - x).abs().max() > 10 * (mean - x.double()).abs().max()  # the bias the stochastic mean removes
+
+
+def test_8_bit_and_float8_round_to_nearest_and_float8_takes_no_draws():
+    assert not storage_format(8, None).stochastic and not storage_format(torch.float8_e4m3fn, None).stochastic
+    assert storage_format(4, None).stochastic
+    with pytest.raises(ValueError, match="nearest only"):
+        maps.codec(torch.float8_e4m3fn).encode(torch.zeros(2), torch.tensor(True), torch.zeros(2, dtype=torch.int64))
+
+
 @pytest.mark.parametrize("bits", FORMATS)
 def test_a_non_finite_value_makes_its_block_non_finite(bits):
     x = torch.linspace(-1, 1, 12).reshape(1, 12)
@@ -241,12 +310,12 @@ def _run(tx, params, loss, steps):
 
 
 # bits: (|loss - fp32 loss| / initial loss, relative distance of the params, of mu, of nu) after 50
-# steps; measured: 8-bit 4e-5, 0.011, 0.10, 0.042; 4-bit 0.031, 0.30, 1.96, 0.38 (Li et al. reach
-# parity with a rank-1 normalization of nu, not done here); float8 5e-5, 0.030, 0.26, 0.16;
-# bfloat16 4e-6, 0.0013, 0.012, 0.019.
+# steps; measured: 8-bit 9e-5, 0.0088, 0.12, 0.048; 4-bit 0.0045, 0.095, 1.44, 0.38 (mu rounded to
+# nearest instead: 0.036, 0.26, 2.4, 0.40: momenta stall on their codes); float8 5e-5, 0.030, 0.26,
+# 0.16; bfloat16 4e-6, 0.0013, 0.012, 0.019. mu ends near zero, so its relative error is large.
 TRACKING = {
     8: (1e-3, 0.03, 0.2, 0.1),
-    4: (0.05, 0.5, 3.0, 0.6),
+    4: (0.01, 0.15, 2.0, 0.6),
     torch.float8_e4m3fn: (1e-3, 0.06, 0.4, 0.25),
     torch.bfloat16: (1e-4, 0.005, 0.03, 0.04),
 }
@@ -270,6 +339,55 @@ def test_quantized_adamw_tracks_fp32_adamw_over_50_steps(bits):
         stored = decode(q_state.codes[part]["w"], q_state.scales[part]["w"], getattr(adam, name)["w"], fmt)
         reference = getattr(exact_state[0], name)["w"]
         assert (stored - reference).norm() <= tol * reference.norm()
+
+
+def _tiny_gpt_module():
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "_tiny_gpt.py"
+    spec = importlib.util.spec_from_file_location("_tiny_gpt", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def _train_tiny_gpt(bits, steps=60, vocab=16, context=8, width=32):
+    """The held-out loss of a one-block GPT (examples/_tiny_gpt.py) after ``steps`` AdamW steps on
+    its synthetic language, its matrices' moments stored in ``bits`` (``None``: fp32)."""
+    tiny_gpt = _tiny_gpt_module()
+    torch.manual_seed(0)
+    model = tiny_gpt.GPT(vocab, context, width, 2, 4 * width, layers=1)
+    tx = gtx.adamw(0.02, weight_decay=0.01)
+    if bits is not None:
+        tx = gtx.quantize_state(tx, bits, min_size=256)
+    params = dict(model.named_parameters())
+    state = tx.init({k: p.detach() for k, p in params.items()})
+    data = torch.Generator().manual_seed(0)
+
+    def loss(tokens):
+        return torch.nn.functional.cross_entropy(model(tokens[:, :-1]).reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+
+    for _ in range(steps):
+        model.zero_grad()
+        loss(tiny_gpt.sequences(data, 16, vocab, context)).backward()
+        updates, state = tx.update({k: p.grad for k, p in params.items()}, state, {k: p.detach() for k, p in params.items()})
+        with torch.no_grad():
+            for k, p in params.items():
+                p.add_(updates[k])
+    with torch.no_grad():
+        return loss(tiny_gpt.sequences(torch.Generator().manual_seed(99), 128, vocab, context)).item()
+
+
+def test_4_bit_adamw_trains_a_small_gpt_as_well_as_fp32_adamw():
+    """60 steps of a one-block GPT: held-out loss 2.6e-4 with fp32 AdamW, 2.8e-4 at 4 bits (seeds
+    1, 2: 0.89x and 1.19x fp32's); with the first moment rounded to nearest, 1.3e-3 (3.6x to 4.9x
+    over seeds 0 to 2): its EMA stalls on the codes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny kernels: more threads only wait on each other on a shared machine
+    try:
+        exact, quantized = _train_tiny_gpt(None), _train_tiny_gpt(4)
+    finally:
+        torch.set_num_threads(threads)
+    assert exact < 1e-3
+    assert quantized <= 1.5 * exact
 
 
 def test_each_step_stores_the_reference_codes_of_the_inner_update():
@@ -425,7 +543,7 @@ def test_a_non_negative_first_moment_block_keeps_its_small_entries_at_4_bits():
     small = exact < absmax / 100
     assert small.sum() > 1000
     assert ((mu - exact).abs()[small] <= (absmax / 100).expand_as(exact)[small]).all()
-    assert ((mu - exact).abs() <= 0.12 * absmax).all()  # half the widest gap of the map, 0.225
+    assert ((mu - exact).abs() <= 0.23 * absmax).all()  # one of the two codes around it: the widest gap, 0.225
 
 
 def test_a_second_moment_never_reads_back_as_zero_at_4_bits():
@@ -458,6 +576,22 @@ def test_nonnegative_declarations_are_checked():
 
 
 # --------------------------------------------------------------------------- checkpoints, wrap, compile, hyperparams
+
+
+def test_the_seed_draws_the_4_bit_first_moments_rounding_only():
+    """Two seeds store other 4-bit first-moment codes (the same seed, the same ones) and the same
+    second-moment codes; 8-bit codes round to nearest and ignore the seed."""
+    params, loss = _problem()
+    grads = torch.func.grad(loss)(params)
+
+    def codes(bits, seed):
+        tx = gtx.quantize_state(gtx.adamw(1e-2), bits, seed=seed)
+        state = tx.update(grads, tx.init(params), params)[1]
+        return state.codes[0]["w"], state.codes[1]["w"]
+
+    (mu_a, nu_a), (mu_b, nu_b), (mu_again, _) = codes(4, 0), codes(4, 1), codes(4, 0)
+    assert not torch.equal(mu_a, mu_b) and torch.equal(mu_a, mu_again) and torch.equal(nu_a, nu_b)
+    assert all(torch.equal(a, b) for a, b in zip(codes(8, 0), codes(8, 1)))
 
 
 def test_state_round_trips_through_a_checkpoint_and_torch_load_weights_only():
@@ -590,6 +724,7 @@ def test_extra_arguments_reach_an_inner_transformation_that_takes_them():
         (dict(min_size=-1), ValueError, "min_size must be >= 0"),
         (dict(min_size="big"), TypeError, "min_size must be an int"),
         (dict(spec="tp"), TypeError, "spec must be a gradtx.sharding.ShardingSpec"),
+        (dict(seed=1.5), TypeError, "seed must be an int, got float"),
     ],
 )
 def test_bad_arguments_are_clear_errors(kwargs, error, message):

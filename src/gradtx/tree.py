@@ -122,6 +122,8 @@ def _structure_paths(treedef: TreeSpec) -> tuple[str, ...]:
 
 def paths(tree: PyTree) -> list[str]:
     """The dotted path of every leaf, in flattening order (NamedTuple fields by name: ``"0.mu.w"``)."""
+    if torch.compiler.is_compiling():  # dynamo traces through the cache (and warns): build them anew
+        return list(_structure_paths.__wrapped__(structure(tree)))
     return list(_structure_paths(structure(tree)))
 
 

@@ -2,8 +2,10 @@
 run's, bit for bit, over several AdamW steps, for 8 and 4 bits: plain pieces of a ShardingSpec
 split over dim 0, dim 1 (misaligned with the blocks) and flat (ZeRO), even and uneven (numpy's
 array_split), FSDP2-style uneven Shard(0) DTensors, TP Shard(1) DTensors at misaligned (odd) offsets, HSDP (Replicate, Shard(0)) on a 2x2
-mesh. Collectives per step: none when no piece straddles a block, one per group otherwise. A
-compiled sharded step equals the eager one."""
+mesh. At 4 bits the first moment is rounded stochastically, its random bits keyed by each element's
+logical index, so these cases also check that every layout draws the dense run's bits. Collectives
+per step: none when no piece straddles a block, one per group otherwise. A compiled sharded step
+equals the eager one."""
 
 from __future__ import annotations
 

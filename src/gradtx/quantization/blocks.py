@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -103,14 +103,17 @@ def block_scales(absmax: Tensor, signed: Tensor) -> Tensor:
     return torch.where(signed, -absmax, absmax)
 
 
-def quantize(x: Tensor, scales: Tensor, geo: Geometry, codec: Codec) -> Tensor:
+def quantize(x: Tensor, scales: Tensor, geo: Geometry, codec: Codec, draws: Optional[Tensor] = None) -> Tensor:
     """The codes of ``x`` (a piece laid out as ``geo`` says) under the blocks' ``scales``: each value
-    divided by its block's absmax, then encoded by ``codec`` (the nearest map value). Same shape as ``x``."""
+    divided by its block's absmax, then encoded by ``codec`` (the nearest map value; with ``draws``,
+    integers uniform in ``[0, 2**24)`` shaped as ``x``, one of the two around it, unbiased). Same shape as ``x``."""
     absmax = scales.abs()
     signed = torch.signbit(scales)[..., None]
     divisor = torch.where(absmax > 0, absmax, torch.ones_like(absmax))[..., None]
     normalized = blocked(x.to(torch.float32), geo) / divisor
-    return unblocked(codec.encode(normalized, signed), geo, x.shape)
+    if draws is not None:
+        draws = blocked(draws, geo)
+    return unblocked(codec.encode(normalized, signed, draws), geo, x.shape)
 
 
 def dequantize(codes: Tensor, scales: Tensor, geo: Geometry, codec: Codec, dtype: torch.dtype) -> Tensor:

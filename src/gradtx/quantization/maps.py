@@ -23,7 +23,7 @@ it is quantized again (quantizing a dequantized block gives the same codes).
 from __future__ import annotations
 
 import functools
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -137,13 +137,37 @@ class TableCodec:
         self._midpoints = torch.cat([signed_half.midpoints, unsigned_lookup.midpoints])
         padding = lambda values: torch.zeros(2**bits - len(values))  # noqa: E731 - codes never reach it
         self._joint = torch.cat([self.signed, padding(signed), self.unsigned, padding(unsigned)])
+        # the magnitudes the joint lookup indexes: the signed half, then the unsigned table
+        self._magnitudes = torch.tensor(half + list(unsigned), dtype=torch.float32)
 
-    def encode(self, normalized: Tensor, signed: Tensor) -> Tensor:
-        """Codes (``uint8``) of ``normalized`` values (float32 in ``[-1, 1]``); ``signed`` broadcasts against them."""
+    def encode(self, normalized: Tensor, signed: Tensor, draws: Optional[Tensor] = None) -> Tensor:
+        """Codes (``uint8``) of ``normalized`` values (float32 in ``[-1, 1]``); ``signed`` broadcasts against them.
+
+        ``draws`` (integers uniform in ``[0, 2**24)``, one per value): round stochastically instead,
+        to one of the two map values around each value, the upper one with probability ``(|x| - lo)
+        / (hi - lo)``, so the code's value is unbiased (``E[decode] = x``); a magnitude below an
+        unsigned map's smallest value (no zero there) takes that value."""
         # one lookup per value, in the signed map's non-negative half or in the unsigned map
-        index = _lookup(normalized.abs(), self._first, self._midpoints, (~signed).to(torch.int32))
+        magnitude = normalized.abs()
+        index = _lookup(magnitude, self._first, self._midpoints, (~signed).to(torch.int32))
+        if draws is not None:
+            index = self._round_stochastically(magnitude, index, signed, draws)
         in_signed = torch.where(torch.signbit(normalized), self._zero - 1 - index, self._zero + index)
         return torch.where(signed, in_signed, index - self._offset).to(torch.uint8)
+
+    def _round_stochastically(self, magnitude: Tensor, nearest: Tensor, signed: Tensor, draws: Tensor) -> Tensor:
+        """The joint index of ``magnitude``'s lower or upper neighbour in its table, from its
+        ``nearest`` index: upper iff ``(|x| - lo) * 2**24 > draw * (hi - lo)``."""
+        magnitudes = self._magnitudes.to(magnitude.device)
+        start = torch.where(signed, 0, self._offset).to(torch.int32)
+        end = torch.where(signed, self._offset - 1, len(magnitudes) - 1).to(torch.int32)
+        at = _gather(magnitudes, nearest)
+        above = at > magnitude  # the nearest value is the upper neighbour: the other one is below
+        other = torch.clamp(torch.where(above, nearest - 1, nearest + 1), start, end)  # itself at a table's end
+        beside = _gather(magnitudes, other)
+        low, high = torch.where(above, beside, at), torch.where(above, at, beside)
+        away = (magnitude - low) * float(2**24) > draws.to(torch.float32) * (high - low)
+        return torch.where(away == above, nearest, other)
 
     def decode(self, codes: Tensor, signed: Tensor) -> Tensor:
         """The float32 normalized values of ``codes``; ``signed`` broadcasts against them."""
@@ -162,8 +186,10 @@ class FloatCodec:
         self.code_dtype = dtype
         self.max = float(torch.finfo(dtype).max)
 
-    def encode(self, normalized: Tensor, signed: Tensor) -> Tensor:
+    def encode(self, normalized: Tensor, signed: Tensor, draws: Optional[Tensor] = None) -> Tensor:
         del signed
+        if draws is not None:
+            raise ValueError("a float8 cast rounds to nearest only")
         return (normalized * self.max).clamp(-self.max, self.max).to(self.code_dtype)
 
     def decode(self, codes: Tensor, signed: Tensor) -> Tensor:

@@ -31,11 +31,15 @@ from gradtx.quantization.placement import WHOLE, Place, place_of, scales_of
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding.edges import row_cuts
 from gradtx.sharding.mesh import MeshAxes
+from gradtx.sharding.elements import logical_indices
+from gradtx.sharding.matrices import Piece
 from gradtx.sharding.reductions import is_sharded
 from gradtx.sharding.spec import ShardingSpec
 from gradtx.state_check import name_of, named
 from gradtx.state_dims import Dims, ParamLeaf, same, state_dims
 from gradtx.state_signs import nonnegative_fields
+from gradtx.transforms import _foreach as fe
+from gradtx.transforms.low_precision import leaf_keys, quick_draws, stream_key
 
 PyTree = Any
 
@@ -82,11 +86,14 @@ class QuantizedState(NamedTuple):
         ``(*leaf.shape[:-1], blocks)`` (the block's absmax; its sign bit set where the signed map
         is used: every block of a field not declared non-negative), ``None`` where there are none
         (``torch.bfloat16`` storage).
+      count: the updates so far (0-d int32): with the seed, the stream of the random bits of
+        stochastic rounding (4 bits), so a state saved and loaded rounds as an uninterrupted run.
     """
 
     inner: Any
     codes: tuple
     scales: tuple
+    count: Tensor
 
 
 # --------------------------------------------------------------------------- storage formats
@@ -95,12 +102,14 @@ class QuantizedState(NamedTuple):
 @dataclass(frozen=True)
 class StorageFormat:
     """How a leaf is stored: ``storage`` (8, 4 or a dtype), ``block_size`` (0: no blocks), the
-    ``codec`` (``None``: a plain cast to ``storage``), and whether codes are ``packed`` two per byte."""
+    ``codec`` (``None``: a plain cast to ``storage``), whether codes are ``packed`` two per byte,
+    and whether the leaves read with the signed map are rounded ``stochastic`` ally (else to nearest)."""
 
     storage: Union[int, torch.dtype]
     block_size: int
     codec: Optional[Codec]
     packed: bool
+    stochastic: bool = False
 
 
 def storage_format(bits: Any, block_size: Any, *, owner: str = "quantize_state") -> StorageFormat:
@@ -118,7 +127,7 @@ def storage_format(bits: Any, block_size: Any, *, owner: str = "quantize_state")
         raise TypeError(f"{owner}: block_size must be an int, got {type(block_size).__name__}")
     if block_size < 1:
         raise ValueError(f"{owner}: block_size must be at least 1, got {block_size}")
-    return StorageFormat(bits, block_size, codec(bits), bits == 4)
+    return StorageFormat(bits, block_size, codec(bits), bits == 4, stochastic=bits == 4)
 
 
 def encode_all(
@@ -127,21 +136,35 @@ def encode_all(
     places: Sequence[Place],
     mesh: Optional[MeshAxes],
     signed: Sequence[bool],
+    draws: Optional[Sequence[Optional[Tensor]]] = None,
 ) -> list[tuple[Tensor, Optional[Tensor]]]:
     """Each (local) leaf as stored, ``(codes, scales)`` (``scales`` ``None`` for a plain cast): its
     blocks as ``places`` say, the blocks pieces share combined across ranks (one all-reduce per group).
     ``signed``: per leaf, whether it is read with the codec's signed map (else the unsigned one, for
-    a field declared non-negative); recorded in the sign bit of every scale."""
+    a field declared non-negative); recorded in the sign bit of every scale. ``draws``: per leaf,
+    ``None`` (round to nearest) or its random integers (see :func:`rounding_draws`)."""
     if fmt.codec is None:
         return [(leaf.to(fmt.storage), None) for leaf in leaves]  # type: ignore[arg-type]
     out = []
-    for leaf, place, scales in zip(leaves, places, scales_of(leaves, places, fmt.block_size, mesh, signed)):
+    draws = draws if draws is not None else [None] * len(leaves)
+    for leaf, place, scales, drawn in zip(leaves, places, scales_of(leaves, places, fmt.block_size, mesh, signed), draws):
         geo = blocks.geometry(leaf.shape, fmt.block_size, place.column)
-        codes = blocks.quantize(leaf, scales, geo, fmt.codec)
+        codes = blocks.quantize(leaf, scales, geo, fmt.codec, drawn)
         if fmt.packed:
             codes = blocks.pack_nibbles(codes, place.column)
         out.append((codes, scales.reshape(*leaf.shape[:-1], geo.blocks)))
     return out
+
+
+def rounding_draws(seed: int, count: Tensor, keys: Sequence[str], pieces: Sequence[Optional[Piece]], leaves: Sequence[Tensor]) -> list[Tensor]:
+    """Per (local) leaf, integers uniform in ``[0, 2**24)`` (int64, of its shape) for stochastic
+    rounding: a hash of (``seed``, ``count``, the leaf's ``key``, each element's index in the logical
+    tensor, found from its ``piece``, ``None`` for a whole leaf), so any layout draws the dense run's."""
+    if not leaves:
+        return []
+    stream = stream_key(torch.tensor(seed, dtype=torch.int64, device=count.device), count)
+    leaf_key = leaf_keys(stream, list(keys))
+    return [quick_draws(k, logical_indices(piece, leaf.shape, leaf.device)) for k, piece, leaf in zip(leaf_key, pieces, leaves)]
 
 
 def decode(codes: Tensor, scales: Optional[Tensor], placeholder: Tensor, fmt: StorageFormat, place: Place = WHOLE) -> Tensor:
@@ -237,6 +260,7 @@ def quantize_state(
     block_size: Optional[int] = None,
     min_size: int = 4096,
     spec: Optional[ShardingSpec] = None,
+    seed: int = 0,
 ) -> GradientTransformation:
     """``inner`` with its per-element moments stored in 8 or 4 bits (or bfloat16, or float8).
 
@@ -262,7 +286,15 @@ def quantize_state(
     - ``bits=8``: Dettmers et al.'s dynamic tree maps, signed and unsigned; blocks of 256.
     - ``bits=4``: Li et al.'s dynamic exponent map (signed) and linear map without zero
       (unsigned: a second moment never reads back as zero, which would blow up ``1/sqrt(nu)``);
-      blocks of 128; two codes per byte along the last dim.
+      blocks of 128; two codes per byte along the last dim. The signed fields (first moments,
+      momenta) are rounded *stochastically* to one of the two map values around each value, the
+      upper with the probability that makes the stored value unbiased; the unsigned ones to
+      nearest. An EMA such as Adam's ``mu`` moves by ``(1 - b1) * (g - mu)`` a step, often less
+      than half the gap between 4-bit codes, so rounded to nearest it stays on its code and the
+      momentum stalls (on a small GPT, AdamW's final loss doubles); rounded stochastically it
+      moves on average as in float32. The random bits hash (``seed``, the step count in the
+      state, the param's path, the field, the element's index in the logical tensor), so they
+      are the same under any sharding and after a checkpoint is loaded.
     - ``bits=torch.float8_e4m3fn``: each block scaled so its absmax is 448 and cast (round to
       nearest); blocks of 256.
     - ``bits=torch.bfloat16``: a plain cast (round to nearest), no blocks.
@@ -300,6 +332,7 @@ def quantize_state(
         Checkpoints (:mod:`gradtx.checkpoint`, DCP) hold such state when the params are whole
         along their last dim; a param split along it is a ``ValueError`` naming the leaf (its
         scales, and 4-bit codes, are no partition of the dense ones).
+      seed: the seed of stochastic rounding's random bits (4 bits; unused otherwise).
 
     Returns:
       A transformation with ``inner``'s updates, whose state is a :class:`QuantizedState`. It
@@ -343,6 +376,8 @@ def quantize_state(
         raise ValueError(f"{owner}: min_size must be >= 0, got {min_size}")
     if spec is not None and not isinstance(spec, ShardingSpec):
         raise TypeError(f"{owner}: spec must be a gradtx.sharding.ShardingSpec or None, got {type(spec).__name__}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"{owner}: seed must be an int, got {type(seed).__name__}")
     inner_update = with_inplace(inner)
     extra = takes_extra_args(inner)
 
@@ -365,28 +400,40 @@ def quantize_state(
                 numel = math.prod(cuts[i].piece.shape) if cuts[i] is not None else dtensor_lib.local(param).numel() if isinstance(param, Tensor) else 0
                 if _stored(leaves[start + i], param, numel, min_size):
                     found.append((start + i, part, i))
-        codes, scales = store(leaves, found, nonnegative, len(param_leaves), mesh, cuts)
+        count = fe.zero_count(params)
+        codes, scales = store(leaves, found, nonnegative, tree_lib.paths(params), mesh, cuts, count)
         return QuantizedState(
             tree_lib.unflatten(state_def, leaves),
             tuple(tree_lib.unflatten(params_def, c) for c in codes),
             tuple(tree_lib.unflatten(params_def, s) for s in scales),
+            count,
         )
 
     def store(
         leaves: list[Any],
         found: list[tuple[int, int, int]],
         nonnegative: Sequence[bool],
-        count: int,
+        paths: Sequence[str],
         mesh: Optional[MeshAxes],
         cuts: list[Any],
+        count: Tensor,
     ) -> tuple[list[list[Any]], list[list[Any]]]:
         """Codes and scales (per part, per param) of the ``found`` leaves, which become placeholders;
-        ``nonnegative``: per part, whether its field is declared non-negative (the unsigned map)."""
-        codes = [[None] * count for _ in nonnegative]
-        scales = [[None] * count for _ in nonnegative]
+        ``nonnegative``: per part, whether its field is declared non-negative (the unsigned map);
+        ``paths``: the params' paths, which with ``count`` key the random bits of stochastic rounding."""
+        codes = [[None] * len(paths) for _ in nonnegative]
+        scales = [[None] * len(paths) for _ in nonnegative]
         places = [place_of(cuts[i], fmt.block_size) for _, _, i in found]
         signed = [not nonnegative[part] for _, part, _ in found]
-        stored = encode_all([dtensor_lib.local(leaves[index]) for index, _, _ in found], fmt, places, mesh, signed)
+        local = [dtensor_lib.local(leaves[index]) for index, _, _ in found]
+        draws: list[Optional[Tensor]] = [None] * len(found)
+        if fmt.stochastic:  # the signed fields: first moments, momenta (see quantize_state)
+            rounded = [k for k, sign in enumerate(signed) if sign]
+            keys = [f"{paths[found[k][2]]}#{found[k][1]}" for k in rounded]
+            pieces = [cuts[found[k][2]].piece if cuts[found[k][2]] is not None else None for k in rounded]
+            for k, drawn in zip(rounded, rounding_draws(seed, count, keys, pieces, [local[k] for k in rounded])):
+                draws[k] = drawn
+        stored = encode_all(local, fmt, places, mesh, signed, draws)
         for (index, part, i), (c, s) in zip(found, stored):
             codes[part][i], scales[part][i] = c, s
             leaves[index] = dtensor_lib.with_empty_dim(leaves[index])
@@ -413,6 +460,7 @@ def quantize_state(
 
     def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
         leaves, state_def, found = stored_leaves(state)
+        count = fe.increment(state.count, inplace=inplace)
         code_leaves = [tree_lib.leaves(tree) for tree in state.codes]
         scale_leaves = [tree_lib.leaves(tree) for tree in state.scales]
         mesh, cuts = layout_of(params if params is not None else updates) if found else (None, [])
@@ -432,10 +480,13 @@ def quantize_state(
         if new_def != state_def:
             raise ValueError(f"{owner}: {name_of(inner.update)} returned a state of another structure than it was given")
         nonnegative = nonnegative_parts(state_def, tree_lib.structure(state.codes[0])) if state.codes else ()
-        new_codes, new_scales = store(new_leaves, found, nonnegative, len(code_leaves[0]) if code_leaves else 0, mesh, cuts)
+        paths = [""] * len(code_leaves[0]) if code_leaves else []
+        if fmt.stochastic and code_leaves:
+            paths = tree_lib.paths(state.codes[0])
+        new_codes, new_scales = store(new_leaves, found, nonnegative, paths, mesh, cuts, count)
         codes = tuple(tree_lib.unflatten(tree_lib.structure(t), c) for t, c in zip(state.codes, new_codes))
         scales = tuple(tree_lib.unflatten(tree_lib.structure(t), s) for t, s in zip(state.scales, new_scales))
-        return new_updates, QuantizedState(tree_lib.unflatten(new_def, new_leaves), codes, scales)
+        return new_updates, QuantizedState(tree_lib.unflatten(new_def, new_leaves), codes, scales, count)
 
     if takes_donated_updates(inner):
         update_fn = supports_donated_updates(update_fn, returns_new_updates=returns_new_updates(inner))

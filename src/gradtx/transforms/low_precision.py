@@ -197,6 +197,14 @@ def element_draws(key: Tensor, index: Tensor) -> Tensor:
     return bits >> 8
 
 
+def quick_draws(key: Tensor, index: Tensor) -> Tensor:
+    """:func:`element_draws` with one mixing round instead of three (a third of the cost): integers
+    uniform in ``[0, 2**24)`` (int64), one per element, a bijective mix of its leaf's key and its
+    logical index. The draws of one element at two steps (two keys from :func:`leaf_keys`) are as
+    uncorrelated as random ones, which is what rounding a state afresh each step needs."""
+    return _mix((key.to(index.device) ^ index ^ (index >> 32)) & _MASK) >> 8
+
+
 def random_draws(seed: Tensor, count: Tensor, path: str, index: Tensor) -> Tensor:
     """Integers uniform in ``[0, 2**24)`` (int64), one per element of ``index``: a hash of (seed, step
     count, leaf path, logical element index), so they do not depend on how the leaf is laid out
