@@ -18,6 +18,7 @@ tensor ops, never read on the host: no device sync, no recompilation under ``tor
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -181,6 +182,8 @@ def map_groups(fn: Callable[..., Sequence[Sequence[Any]]], *lists: Sequence[Any]
     back in input order.
     """
     n = len(lists[0])
+    if n and _one_group(lists):
+        return tuple(list(values) for values in list(fn(*(list(seq) for seq in lists)))[:outputs])
     groups: dict[tuple, list[int]] = {}
     dtensor = dtensor_type()  # DTensors and plain tensors never share a foreach kernel
     for index in range(n):
@@ -196,6 +199,29 @@ def map_groups(fn: Callable[..., Sequence[Sequence[Any]]], *lists: Sequence[Any]
             for i, value in zip(indices, values):
                 out[i] = value
     return results
+
+
+def _one_group(lists: Sequence[Sequence[Any]]) -> bool:
+    """Whether all the positions form one group: in each list, the tensors share one device and
+    dtype and are all DTensors or none (lists without tensors, per-leaf flags, do not count).
+    Checked a list at a time in C (``map``): on many small tensors a Python loop over the positions
+    costs more than the foreach kernels themselves."""
+    if torch.compiler.is_compiling():
+        return False
+    dtensor = dtensor_type()
+    for seq in lists:
+        kinds = set(map(type, seq))
+        tensors = [issubclass(kind, Tensor) for kind in kinds]
+        if not any(tensors):
+            continue  # per-leaf flags, or no values
+        if not all(tensors) or len({dtensor is not None and issubclass(kind, dtensor) for kind in kinds}) != 1:
+            return False
+        if len(set(map(_DEVICE_DTYPE, seq))) != 1:
+            return False
+    return True
+
+
+_DEVICE_DTYPE = operator.attrgetter("device", "dtype")
 
 
 def on(value: Scalar, tensors: Sequence[Tensor]) -> Scalar:
