@@ -109,3 +109,27 @@ def test_to_devices_moves_each_tensor_to_its_counterparts_device():
     moved = tree_lib.to_devices(tensors, like)
     assert [t.device.type for t in moved] == ["meta", "cpu"]
     assert moved[1] is tensors[1]
+
+
+def test_division_of_many_small_tensors_makes_no_call_per_tensor(monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    params = {f"p{i}": torch.randn(3, generator=gen) for i in range(64)}
+    grads = {k: torch.randn(3, generator=gen) for k in params}
+    tx = gtx.adam(1e-2)
+    state = tx.init(params)
+    with monkeypatch.context() as m:
+        m.setattr(fe, "SMALL_TENSOR", 0)  # the per-tensor out= division
+        expected, _ = tx.update(grads, state, params)
+    divisions = []
+    original = torch.div
+
+    def counting_div(*args, **kwargs):
+        divisions.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "div", counting_div)
+    for inplace in (False, True):
+        donated = {k: v.clone() for k, v in grads.items()}
+        updates, _ = tx.update(donated, tree_lib.tree_map(torch.clone, state), params, inplace=inplace)
+        assert all(torch.equal(updates[k], expected[k]) for k in params)
+    assert not divisions

@@ -412,15 +412,27 @@ def sqrt_of(sources: Sequence[Tensor], *, into: Optional[Sequence[Tensor]]) -> l
     return sqrt(copy_into(into, sources), inplace=True)
 
 
+SMALL_TENSOR = 1 << 12
+"""Elements below which a CPU tensor's own kernel call costs more than its work: lists of such
+tensors (on average) take one foreach kernel where a per-tensor ``out=`` call would save a pass."""
+
+
+def _mostly_small(tensors: Sequence[Tensor]) -> bool:
+    return sum(map(Tensor.numel, tensors)) < SMALL_TENSOR * len(tensors)
+
+
 def div_into(numerators: Sequence[Tensor], denominators: Sequence[Tensor]) -> list[Tensor]:
     """``numerators / denominators`` written over ``denominators`` (our own buffers).
 
     One ``div`` pass on the CPU; elsewhere ``reciprocal`` then ``mul``, as foreach kernels have no
     reversed division (one rounding more). Either way the pure and the donated paths agree, since
-    both call this on buffers they own.
+    both call this on buffers they own. Many small tensors on the CPU take one foreach ``div`` (the
+    same division) and one foreach copy, where a call per tensor would cost more than the work.
     """
     denominators = list(denominators)
     if _writes_out(denominators, numerators):
+        if _mostly_small(denominators) and not torch.compiler.is_compiling():
+            return copy_into(denominators, torch_internals.foreach_kernel("div")(list(numerators), denominators))
         if _out_traceable(denominators):
             return [torch.div(n, d, out=d) for n, d in zip(numerators, denominators)]
         return [d.copy_(torch.div(n, d)) for n, d in zip(numerators, denominators)]
