@@ -351,7 +351,7 @@ def apply_updates(params: Params, updates: Updates, *, inplace: bool = False, do
     new_leaves = list(param_leaves)
     if pairs:
         params_list = [param_leaves[i] for i in pairs]
-        updates_list = [update_leaves[i].to(param_leaves[i].device) for i in pairs]
+        updates_list = tree_lib.to_devices([update_leaves[i] for i in pairs], params_list)
         into_updates = donate_updates and not inplace and not tree_lib.needs_graph(params_list, updates_list)
         for indices, (group_params, group_updates) in tree_lib.grouped(params_list, updates_list):
             if into_updates:

@@ -118,6 +118,14 @@ def device_dtype_groups(tensors: Sequence[Tensor], *, native: bool = True) -> li
     return sorted((list(indices) for _, indices in groups.values()), key=lambda indices: indices[0])
 
 
+def devices_of(tensors: Sequence[Tensor], *, native: bool = True) -> set[torch.device]:
+    """The devices ``tensors`` sit on, found as :func:`device_dtype_groups` finds its groups."""
+    group = getattr(torch._C, "_group_tensors_by_device_and_dtype", None) if native else None
+    if group is None:
+        return {tensor.device for tensor in tensors}
+    return {device for device, _ in group([list(tensors)], False)}
+
+
 def clip_grad_norm_groups(tensors: Sequence[Tensor]) -> list[list[int]]:
     """The indices of each (device, dtype) group of ``tensors``, groups in the order
     ``torch.nn.utils.clip_grad_norm_`` visits them (that of the grouping it calls, a hash map in

@@ -564,6 +564,19 @@ def grouped(first: Sequence[Tensor], *others: Sequence[Tensor]) -> Iterator[tupl
         yield indices, tuple([seq[i] for i in indices] for seq in (first, *others))
 
 
+def to_devices(tensors: Sequence[Tensor], like: Sequence[Tensor]) -> list[Tensor]:
+    """Each of ``tensors`` on the device of its counterpart in ``like``: the same tensors, with no
+    call per tensor, when all of both lists sit on one device (a Python loop of ``.to`` calls costs
+    more than a foreach kernel on many small tensors)."""
+    tensors = list(tensors)
+    native = not torch.compiler.is_compiling() and not torch_internals.functorch_active()
+    if tensors:
+        found = torch_internals.devices_of(tensors, native=native) | torch_internals.devices_of(like, native=native)
+        if len(found) == 1:
+            return tensors
+    return [t.to(other.device) for t, other in zip(tensors, like)]
+
+
 def uses_functorch(tensors: Sequence[Tensor]) -> bool:
     """Whether any tensor is wrapped by a ``torch.func`` transform (foreach kernels can't run then).
 

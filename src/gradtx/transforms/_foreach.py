@@ -18,6 +18,7 @@ tensor ops, never read on the host: no device sync, no recompilation under ``tor
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -181,6 +182,8 @@ def map_groups(fn: Callable[..., Sequence[Sequence[Any]]], *lists: Sequence[Any]
     back in input order.
     """
     n = len(lists[0])
+    if n and _one_group(lists):
+        return tuple(list(values) for values in list(fn(*(list(seq) for seq in lists)))[:outputs])
     groups: dict[tuple, list[int]] = {}
     dtensor = dtensor_type()  # DTensors and plain tensors never share a foreach kernel
     for index in range(n):
@@ -196,6 +199,29 @@ def map_groups(fn: Callable[..., Sequence[Sequence[Any]]], *lists: Sequence[Any]
             for i, value in zip(indices, values):
                 out[i] = value
     return results
+
+
+def _one_group(lists: Sequence[Sequence[Any]]) -> bool:
+    """Whether all the positions form one group: in each list, the tensors share one device and
+    dtype and are all DTensors or none (lists without tensors, per-leaf flags, do not count).
+    Checked a list at a time in C (``map``): on many small tensors a Python loop over the positions
+    costs more than the foreach kernels themselves."""
+    if torch.compiler.is_compiling():
+        return False
+    dtensor = dtensor_type()
+    for seq in lists:
+        kinds = set(map(type, seq))
+        tensors = [issubclass(kind, Tensor) for kind in kinds]
+        if not any(tensors):
+            continue  # per-leaf flags, or no values
+        if not all(tensors) or len({dtensor is not None and issubclass(kind, dtensor) for kind in kinds}) != 1:
+            return False
+        if len(set(map(_DEVICE_DTYPE, seq))) != 1:
+            return False
+    return True
+
+
+_DEVICE_DTYPE = operator.attrgetter("device", "dtype")
 
 
 def on(value: Scalar, tensors: Sequence[Tensor]) -> Scalar:
@@ -386,15 +412,27 @@ def sqrt_of(sources: Sequence[Tensor], *, into: Optional[Sequence[Tensor]]) -> l
     return sqrt(copy_into(into, sources), inplace=True)
 
 
+SMALL_TENSOR = 1 << 12
+"""Elements below which a CPU tensor's own kernel call costs more than its work: lists of such
+tensors (on average) take one foreach kernel where a per-tensor ``out=`` call would save a pass."""
+
+
+def _mostly_small(tensors: Sequence[Tensor]) -> bool:
+    return sum(map(Tensor.numel, tensors)) < SMALL_TENSOR * len(tensors)
+
+
 def div_into(numerators: Sequence[Tensor], denominators: Sequence[Tensor]) -> list[Tensor]:
     """``numerators / denominators`` written over ``denominators`` (our own buffers).
 
     One ``div`` pass on the CPU; elsewhere ``reciprocal`` then ``mul``, as foreach kernels have no
     reversed division (one rounding more). Either way the pure and the donated paths agree, since
-    both call this on buffers they own.
+    both call this on buffers they own. Many small tensors on the CPU take one foreach ``div`` (the
+    same division) and one foreach copy, where a call per tensor would cost more than the work.
     """
     denominators = list(denominators)
     if _writes_out(denominators, numerators):
+        if _mostly_small(denominators) and not torch.compiler.is_compiling():
+            return copy_into(denominators, torch_internals.foreach_kernel("div")(list(numerators), denominators))
         if _out_traceable(denominators):
             return [torch.div(n, d, out=d) for n, d in zip(numerators, denominators)]
         return [d.copy_(torch.div(n, d)) for n, d in zip(numerators, denominators)]
