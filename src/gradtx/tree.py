@@ -639,6 +639,14 @@ def needs_graph(*args: Any) -> bool:
     check_wrapped = not torch.compiler.is_compiling() and torch_internals.functorch_active()
     if not (grad_on or check_wrapped):
         return False
+    if not check_wrapped and torch.compiler.is_compiling():  # a native map per list: a few traced steps
+        for arg in args:
+            if isinstance(arg, (list, tuple)):
+                if True in list(map(getattr, arg, ["requires_grad"] * len(arg), [False] * len(arg))):
+                    return True
+            elif isinstance(arg, Tensor) and arg.requires_grad:
+                return True
+        return False
     if not check_wrapped:  # the common eager case: only requires_grad matters
         for arg in args:
             for t in arg if isinstance(arg, (list, tuple)) else (arg,):
