@@ -185,6 +185,48 @@ def test_a_compiled_adam_step_takes_the_walk():
     assert served and all(served)
 
 
+def _traced_steps(fn: Callable[..., Any], *args: Any) -> int:
+    """How many bytecode instructions Dynamo steps through to compile ``fn(*args)`` as one graph."""
+    from torch._dynamo import symbolic_convert
+
+    counted = [0]
+    original = symbolic_convert.InstructionTranslatorBase.step
+
+    def step(self):
+        counted[0] += 1
+        return original(self)
+
+    torch._dynamo.reset()
+    symbolic_convert.InstructionTranslatorBase.step = step
+    try:
+        torch.compile(fn, backend="eager", fullgraph=True)(*args)
+    finally:
+        symbolic_convert.InstructionTranslatorBase.step = original
+        torch._dynamo.reset()
+    return counted[0]
+
+
+def test_lining_up_a_dict_of_tensors_traces_in_as_many_steps_whatever_its_size():
+    """What a transformation does with its trees before and after its arithmetic (flatten the
+    updates, line up the state and the params, group the tensors, rebuild) takes no traced step per
+    leaf: a model's compile time does not grow with its parameter count for it."""
+    from gradtx.transforms import _foreach
+
+    def line_up(updates, mu, params):
+        leaves = _foreach.leaves_of(updates, what="updates")
+        groups = [indices for indices, _ in tree_lib.grouped(leaves.tensors)]
+        mus = leaves.aligned(mu, what="state.mu")
+        kept = tree_lib.tree_map(lambda p, u: p, params, updates)
+        return leaves.rebuild(mus), kept, groups
+
+    def steps(n: int) -> int:
+        tree = {f"layers.{i}.weight": torch.ones(2) for i in reversed(range(n))}
+        return _traced_steps(line_up, tree, dict(tree), dict(tree))
+
+    small, large = steps(2), steps(40)
+    assert large < small + 38 * 4, (small, large)  # (Dynamo traces the map's function once per leaf)
+
+
 @settings(max_examples=60, deadline=None)
 @given(plain_trees(), plain_trees())
 def test_a_plain_structure_answers_as_optrees_spec(tree, other):

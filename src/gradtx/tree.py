@@ -76,6 +76,8 @@ def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree, names: Sequenc
     if torch.compiler.is_compiling():  # see _plain_columns: the same map, traced in far fewer steps
         columns = _plain_columns(tree, rest, strict=False)
         if columns is not None:
+            if False not in list(map(isinstance, columns[0], [Tensor] * len(columns[0]))):  # no None to skip
+                return _plain_rebuild(tree, list(map(fn, *columns)))
             return _plain_rebuild(tree, [visit(*leaves) for leaves in zip(*columns)])
     try:
         return optree.tree_map(visit, tree, *rest, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
@@ -581,10 +583,10 @@ def dtensor_type() -> Optional[type]:
 def _split_dtensors(index_lists: list[list[int]], tensors: Sequence[Tensor]) -> list[list[int]]:
     """Splits each group into its DTensors and its plain tensors (one foreach kernel cannot take both).
 
-    Free when DTensor was never imported; otherwise one pass over the types (in C) finds out whether
+    Free when DTensor was never imported; otherwise one isinstance map (in C) finds out whether
     there is anything to split."""
     cls = dtensor_type()
-    if cls is None or not any(issubclass(kind, cls) for kind in set(map(type, tensors))):
+    if cls is None or True not in list(map(isinstance, tensors, [cls] * len(tensors))):
         return index_lists
     out = []
     for indices in index_lists:

@@ -71,7 +71,8 @@ class Leaves(NamedTuple):
 def leaves_of(updates: Any, *, what: str) -> Leaves:
     """Flattens ``updates`` and checks that every leaf is a tensor or ``None``."""
     all_leaves, treedef, present = tree_lib.tensor_leaves(updates, what=what)
-    return Leaves(updates, all_leaves, treedef, present, [all_leaves[i] for i in present])
+    tensors = list(all_leaves) if len(present) == len(all_leaves) else [all_leaves[i] for i in present]
+    return Leaves(updates, all_leaves, treedef, present, tensors)
 
 
 def params_of(leaves: Leaves, params: Any, *, owner: str) -> list[Tensor]:
