@@ -1,5 +1,5 @@
 """While ``torch.compile`` traces, ``tree_map`` and ``flatten_like`` walk plain trees themselves
-(``gradtx.tree._plain_pairs``) instead of running optree's flatten as Python: the leaves, their
+(``gradtx.tree._plain_columns``) instead of running optree's flatten as Python: the leaves, their
 order, the rebuilt containers and the structure check must be optree's exactly, and anything the
 walk does not know goes to optree."""
 
@@ -51,6 +51,12 @@ def _spec(tree):
     return optree.tree_structure(tree, none_is_leaf=True, namespace="gradtx")
 
 
+def _pairs(tree, others, *, strict):
+    """The walk's columns as one ``(leaf, *matching nodes)`` tuple per leaf."""
+    columns = tree_lib._plain_columns(tree, others, strict=strict)
+    return None if columns is None else list(zip(*columns))
+
+
 def _same(a, b, *, leaves: Callable[[Any, Any], bool] = operator.is_) -> bool:
     """Equal trees: the same containers (types and key order), and leaves ``leaves`` calls equal
     (identical by default)."""
@@ -71,7 +77,7 @@ def _same_shape(a, b) -> bool:
 @settings(max_examples=60, deadline=None)
 @given(plain_trees(), plain_trees())
 def test_the_walk_agrees_with_optree_on_structure_and_leaf_order(tree, other):
-    pairs = tree_lib._plain_pairs(tree, [other], strict=True)
+    pairs = _pairs(tree, [other], strict=True)
     if _spec(tree) == _spec(other):
         assert pairs is not None
         assert [p[0] for p in pairs] == optree.tree_leaves(tree, none_is_leaf=True, namespace="gradtx")
@@ -83,9 +89,9 @@ def test_the_walk_agrees_with_optree_on_structure_and_leaf_order(tree, other):
 @settings(max_examples=60, deadline=None)
 @given(plain_trees())
 def test_the_rebuilt_tree_is_optrees_map(tree):
-    pairs = tree_lib._plain_pairs(tree, [tree], strict=False)
+    pairs = _pairs(tree, [tree], strict=False)
     tags = iter(range(1000))
-    ours = tree_lib._plain_rebuild(tree, iter([None if p[0] is None else next(tags) for p in pairs]))
+    ours = tree_lib._plain_rebuild(tree, [None if p[0] is None else next(tags) for p in pairs])
     tags = iter(range(1000))
     theirs = optree.tree_map(lambda x: None if x is None else next(tags), tree, none_is_leaf=True, namespace="gradtx")
     assert ours == theirs and _same_shape(ours, theirs)
@@ -94,9 +100,9 @@ def test_the_rebuilt_tree_is_optrees_map(tree):
 def test_a_prefix_tree_maps_whole_subtrees_as_optree_does():
     tree = {"w": torch.ones(2), "b": None}
     rest = {"w": {"deep": 1}, "b": [2, 3]}
-    pairs = tree_lib._plain_pairs(tree, [rest], strict=False)
+    pairs = _pairs(tree, [rest], strict=False)
     assert pairs == [(tree["b"], [2, 3]), (tree["w"], {"deep": 1})]  # sorted keys
-    assert tree_lib._plain_pairs(tree, [rest], strict=True) is None
+    assert _pairs(tree, [rest], strict=True) is None
 
 
 @pytest.mark.parametrize(
@@ -110,15 +116,15 @@ def test_a_prefix_tree_maps_whole_subtrees_as_optree_does():
     ids=["int key", "user namedtuple", "float leaf", "defaultdict"],
 )
 def test_what_the_walk_does_not_know_goes_to_optree(tree, other):
-    assert tree_lib._plain_pairs(tree, [other], strict=False) is None
+    assert _pairs(tree, [other], strict=False) is None
 
 
 def test_an_ordered_dict_keeps_its_order_and_must_match_it_where_structures_must_be_equal():
     first = collections.OrderedDict(z=torch.ones(1), a=torch.zeros(1))
     swapped = collections.OrderedDict(a=torch.zeros(1), z=torch.ones(1))
-    assert [p[0] for p in tree_lib._plain_pairs(first, [], strict=True)] == [first["z"], first["a"]]
-    assert tree_lib._plain_pairs(first, [swapped], strict=True) is None  # optree: different specs
-    assert [p[1] for p in tree_lib._plain_pairs(first, [swapped], strict=False)] == [swapped["z"], swapped["a"]]
+    assert [p[0] for p in _pairs(first, [], strict=True)] == [first["z"], first["a"]]
+    assert _pairs(first, [swapped], strict=True) is None  # optree: different specs
+    assert [p[1] for p in _pairs(first, [swapped], strict=False)] == [swapped["z"], swapped["a"]]
 
 
 def test_compiled_tree_map_and_flatten_like_give_the_eager_results():
@@ -162,7 +168,7 @@ def test_a_compiled_adam_step_takes_the_walk():
     state = tx.init(params)
     grads = tree_lib.tree_map(torch.ones_like, params)
     served = []
-    original = tree_lib._plain_pairs
+    original = tree_lib._plain_columns
 
     def counting(tree, others, *, strict):
         result = original(tree, others, strict=strict)
@@ -170,13 +176,55 @@ def test_a_compiled_adam_step_takes_the_walk():
         return result
 
     torch._dynamo.reset()
-    tree_lib._plain_pairs = counting
+    tree_lib._plain_columns = counting
     try:
         torch.compile(tx.update, backend="eager", fullgraph=True)(grads, state, params)
     finally:
-        tree_lib._plain_pairs = original
+        tree_lib._plain_columns = original
         torch._dynamo.reset()
     assert served and all(served)
+
+
+def _traced_steps(fn: Callable[..., Any], *args: Any) -> int:
+    """How many bytecode instructions Dynamo steps through to compile ``fn(*args)`` as one graph."""
+    from torch._dynamo import symbolic_convert
+
+    counted = [0]
+    original = symbolic_convert.InstructionTranslatorBase.step
+
+    def step(self):
+        counted[0] += 1
+        return original(self)
+
+    torch._dynamo.reset()
+    symbolic_convert.InstructionTranslatorBase.step = step
+    try:
+        torch.compile(fn, backend="eager", fullgraph=True)(*args)
+    finally:
+        symbolic_convert.InstructionTranslatorBase.step = original
+        torch._dynamo.reset()
+    return counted[0]
+
+
+def test_lining_up_a_dict_of_tensors_traces_in_as_many_steps_whatever_its_size():
+    """What a transformation does with its trees before and after its arithmetic (flatten the
+    updates, line up the state and the params, group the tensors, rebuild) takes no traced step per
+    leaf: a model's compile time does not grow with its parameter count for it."""
+    from gradtx.transforms import _foreach
+
+    def line_up(updates, mu, params):
+        leaves = _foreach.leaves_of(updates, what="updates")
+        groups = [indices for indices, _ in tree_lib.grouped(leaves.tensors)]
+        mus = leaves.aligned(mu, what="state.mu")
+        kept = tree_lib.tree_map(lambda p, u: p, params, updates)
+        return leaves.rebuild(mus), kept, groups
+
+    def steps(n: int) -> int:
+        tree = {f"layers.{i}.weight": torch.ones(2) for i in reversed(range(n))}
+        return _traced_steps(line_up, tree, dict(tree), dict(tree))
+
+    small, large = steps(2), steps(40)
+    assert large < small + 38 * 4, (small, large)  # (Dynamo traces the map's function once per leaf)
 
 
 @settings(max_examples=60, deadline=None)

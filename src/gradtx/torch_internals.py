@@ -110,6 +110,8 @@ def device_dtype_groups(tensors: Sequence[Tensor], *, native: bool = True) -> li
     """
     group = getattr(torch._C, "_group_tensors_by_device_and_dtype", None) if native else None
     if group is None:
+        if _one_device_and_dtype(tensors):  # (no per-tensor step for Dynamo to trace)
+            return [list(range(len(tensors)))] if tensors else []
         by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for index, tensor in enumerate(tensors):
             by_key.setdefault((tensor.device, tensor.dtype), []).append(index)
@@ -124,6 +126,14 @@ def devices_of(tensors: Sequence[Tensor], *, native: bool = True) -> set[torch.d
     if group is None:
         return {tensor.device for tensor in tensors}
     return {device for device, _ in group([list(tensors)], False)}
+
+
+def _one_device_and_dtype(tensors: Sequence[Tensor]) -> bool:
+    """Whether all ``tensors`` share one device and one dtype (in native maps, for Dynamo)."""
+    n = len(tensors)
+    devices = list(map(getattr, tensors, ["device"] * n))
+    dtypes = list(map(getattr, tensors, ["dtype"] * n))
+    return n > 0 and devices == [devices[0]] * n and dtypes == [dtypes[0]] * n
 
 
 def clip_grad_norm_groups(tensors: Sequence[Tensor]) -> list[list[int]]:

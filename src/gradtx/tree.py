@@ -74,10 +74,12 @@ def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree, names: Sequenc
     def visit(x, *xs):
         return None if x is None else fn(x, *xs)
 
-    if torch.compiler.is_compiling():  # see _plain_pairs: the same map, traced in far fewer steps
-        pairs = _plain_pairs(tree, rest, strict=False)
-        if pairs is not None:
-            return _plain_rebuild(tree, iter([visit(*pair) for pair in pairs]))
+    if torch.compiler.is_compiling():  # see _plain_columns: the same map, traced in far fewer steps
+        columns = _plain_columns(tree, rest, strict=False)
+        if columns is not None:
+            if False not in list(map(isinstance, columns[0], [Tensor] * len(columns[0]))):  # no None to skip
+                return _plain_rebuild(tree, list(map(fn, *columns)))
+            return _plain_rebuild(tree, [visit(*leaves) for leaves in zip(*columns)])
     try:
         return optree.tree_map(visit, tree, *rest, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
     except (ValueError, TypeError) as error:
@@ -140,14 +142,27 @@ def flatten_like(tree: PyTree, treedef: TreeSpec, reference: PyTree, *, what: st
     names ``reference`` (``"params"``, ``"updates"``). A mismatch is a ``ValueError`` saying which
     side has a leaf the other lacks, or where their containers differ (:func:`describe_mismatch`).
     """
-    if torch.compiler.is_compiling():  # see _plain_pairs: the same check, traced in far fewer steps
-        plain = _plain_leaves_like(tree, reference)
-        if plain is not None:
-            return plain
+    if torch.compiler.is_compiling():  # see _plain_columns: the same check, traced in far fewer steps
+        columns = _plain_columns(reference, [tree], strict=True)
+        if columns is not None:
+            return columns[1]
     tree_leaves, tree_def = flatten(tree)
     if tree_def != treedef:
         raise mismatch_error(tree, reference, what=what, like=like)
     return tree_leaves
+
+
+_LEAF_TYPES = (Tensor, type(None))
+
+
+def _all_leaves(values: list[Any]) -> bool:
+    """Whether every value is a tensor or ``None``."""
+    return False not in list(map(isinstance, values, [_LEAF_TYPES] * len(values)))
+
+
+def _all_str(keys: list[Any]) -> bool:
+    """Whether every key is a ``str`` (exactly: optree orders other keys its own way)."""
+    return list(map(type, keys)) == [str] * len(keys)
 
 
 def _plain_children(node: Any) -> Optional[tuple[list[Any], list[Any]]]:
@@ -157,12 +172,11 @@ def _plain_children(node: Any) -> Optional[tuple[list[Any], list[Any]]]:
     kind = type(node)
     if kind is dict or kind is collections.OrderedDict:
         keys = list(node)
-        for key in keys:
-            if type(key) is not str:
-                return None
+        if not _all_str(keys):
+            return None
         if kind is dict:
-            keys.sort()
-        return keys, [node[key] for key in keys]
+            keys = sorted(keys)
+        return keys, list(map(node.__getitem__, keys))
     if kind is list or kind is tuple or _is_own_namedtuple(kind):
         return list(range(len(node))), list(node)
     return None
@@ -174,10 +188,29 @@ def _is_own_namedtuple(kind: type) -> bool:
     return issubclass(kind, tuple) and hasattr(kind, "_fields") and kind.__module__.startswith("gradtx.")
 
 
-def _plain_pairs(tree: PyTree, others: Sequence[PyTree], *, strict: bool) -> Optional[list[tuple[Any, ...]]]:
-    """``(leaf, *matching nodes of others)`` per leaf of ``tree``, in optree's order, when ``tree`` is
-    a nesting of plain containers (:func:`_plain_children`) over tensors and ``None`` and every other
-    tree has the same containers with the same keys; else ``None``.
+def _children_like(kind: type, keys: list[Any], match: Any, *, strict: bool) -> Optional[list[Any]]:
+    """The children of ``match`` lined up with those of a ``kind`` node with ``keys`` (in optree's
+    order), or ``None`` when ``match`` is not the same container with the same keys (with ``strict``,
+    an ``OrderedDict``'s keys in the same order)."""
+    if type(match) is not kind or len(match) != len(keys):
+        return None
+    if kind is dict or kind is collections.OrderedDict:
+        own = list(match)
+        if not _all_str(own):
+            return None
+        if kind is dict:
+            same = sorted(own) == keys
+        else:
+            same = own == keys if strict else sorted(own) == sorted(keys)
+        return list(map(match.__getitem__, keys)) if same else None
+    return list(match)
+
+
+def _plain_columns(tree: PyTree, others: Sequence[PyTree], *, strict: bool) -> Optional[list[list[Any]]]:
+    """The leaves of ``tree`` in optree's order, then, for each other tree, its nodes at those
+    leaves (one list per tree), when ``tree`` is a nesting of plain containers (:func:`_plain_children`)
+    over tensors and ``None`` and every other tree has the same containers with the same keys;
+    else ``None``.
 
     ``strict``: the others' nodes at ``tree``'s leaves must be leaves too (equal structures, as
     :func:`flatten_like` needs), and an ``OrderedDict`` must have ``tree``'s key order; otherwise
@@ -185,65 +218,82 @@ def _plain_pairs(tree: PyTree, others: Sequence[PyTree], *, strict: bool) -> Opt
 
     Used while ``torch.compile`` traces: Dynamo runs optree's flatten as Python, building a spec
     object per node, and a transform lines up several trees per step. This walk checks the same
-    structure in a few bytecodes per node, so a step traces in far fewer. Anything else returns
-    ``None`` and goes through optree, which decides and words any error.
+    structure with builtins Dynamo runs natively (``list(map(...))``, ``sorted``, list equality and
+    slices), in the same few traced steps per node whatever its number of children, and takes a
+    node whose children are all leaves (a dict of tensors) whole, so a step traces in far fewer.
+    Anything else returns ``None`` and goes through optree, which decides and words any error.
     """
-    out: list[tuple[Any, ...]] = []
-    pending: list[tuple[Any, tuple[Any, ...]]] = [(tree, tuple(others))]
-    while pending:
-        node, matches = pending.pop()
-        if node is None or isinstance(node, Tensor):
-            if strict:
-                for match in matches:
-                    if match is not None and not isinstance(match, Tensor):
-                        return None
-            out.append((node, *matches))
-            continue
-        found = _plain_children(node)
-        if found is None:
-            return None
-        keys, children = found
-        kind = type(node)
-        columns = []
-        for match in matches:
-            if type(match) is not kind or len(match) != len(keys):
-                return None
-            if kind is dict or kind is collections.OrderedDict:
-                if strict and kind is collections.OrderedDict and list(match) != keys:
-                    return None
-                for key in keys:
-                    if key not in match:
-                        return None
-                columns.append([match[key] for key in keys])
-            else:
-                columns.append(list(match))
-        for index in range(len(children) - 1, -1, -1):  # the stack pops the first child first
-            pending.append((children[index], tuple([column[index] for column in columns])))
-    return out
+    columns: list[list[Any]] = [[]]
+    for _ in others:
+        columns.append([])
+    return columns if _fill_columns(tree, list(others), strict, columns) else None
 
 
-def _plain_rebuild(tree: PyTree, values: Iterator[Any]) -> PyTree:
-    """A tree with ``tree``'s plain containers (key order kept) and ``values`` at its leaves, taken
-    in optree's order; ``tree`` has passed :func:`_plain_pairs`."""
+def _fill_columns(node: Any, matches: list[Any], strict: bool, columns: list[list[Any]]) -> bool:
+    """Appends the leaves under ``node``, and the nodes of ``matches`` at them, to ``columns``."""
+    if node is None or isinstance(node, Tensor):
+        if strict and not _all_leaves(matches):
+            return False
+        columns[0].append(node)
+        for column, match in zip(columns[1:], matches):
+            column.append(match)
+        return True
+    found = _plain_children(node)
+    if found is None:
+        return False
+    keys, children = found
+    kind = type(node)
+    flat = _all_leaves(children)
+    rows = []
+    for match in matches:
+        row = _children_like(kind, keys, match, strict=strict)
+        if row is None or (strict and flat and not _all_leaves(row)):
+            return False
+        rows.append(row)
+    if flat:  # the common node, a dict of tensors: every column takes its row whole
+        columns[0].extend(children)
+        for column, row in zip(columns[1:], rows):
+            column.extend(row)
+        return True
+    for index in range(len(children)):
+        if not _fill_columns(children[index], [row[index] for row in rows], strict, columns):
+            return False
+    return True
+
+
+def _plain_rebuild(tree: PyTree, values: Sequence[Any]) -> PyTree:
+    """A tree with ``tree``'s plain containers (key order kept) and ``values`` at its leaves, in
+    optree's order; ``tree`` has passed :func:`_plain_columns`."""
+    return _rebuild_from(tree, values, 0)[0]
+
+
+def _rebuild_from(tree: PyTree, values: Sequence[Any], start: int) -> tuple[PyTree, int]:
+    """:func:`_plain_rebuild` from ``values[start]`` on; also returns where the next leaf's value is."""
     if tree is None or isinstance(tree, Tensor):
-        return next(values)
+        return values[start], start + 1
     kind = type(tree)
     keys, children = _plain_children(tree)
-    built = []
-    for child in children:
-        built.append(next(values) if child is None or isinstance(child, Tensor) else _plain_rebuild(child, values))
+    if _all_leaves(children):
+        built = list(values[start : start + len(children)])
+        start += len(children)
+    else:
+        built = []
+        for child in children:
+            value, start = _rebuild_from(child, values, start)
+            built.append(value)
     if kind is list or kind is tuple:
-        return kind(built)
+        return kind(built), start
     if issubclass(kind, tuple):  # a state NamedTuple
-        return kind(*built)
+        return kind(*built), start
     if kind is collections.OrderedDict:  # its keys are in their own order already
-        return collections.OrderedDict(zip(keys, built))
-    by_key = dict(zip(keys, built))
-    return {key: by_key[key] for key in tree}  # the keys in their own order
+        return collections.OrderedDict(zip(keys, built)), start
+    rebuilt = dict.fromkeys(tree)  # the keys in their own order, then the values by key
+    rebuilt.update(zip(keys, built))
+    return rebuilt, start
 
 
 class _PlainStructure:
-    """The structure of a plain tree (see :func:`_plain_pairs`) while ``torch.compile`` traces:
+    """The structure of a plain tree (see :func:`_plain_columns`) while ``torch.compile`` traces:
     it unflattens, flattens up to and compares by walking the tree it was taken from, in far fewer
     traced steps than optree's spec; anything else it is asked is optree's spec's answer."""
 
@@ -257,15 +307,15 @@ class _PlainStructure:
         leaves = list(leaves)
         if len(leaves) != self.num_leaves:
             raise ValueError(f"{len(leaves)} leaves for a structure of {self.num_leaves}")
-        return _plain_rebuild(self.tree, iter(leaves))
+        return _plain_rebuild(self.tree, leaves)
 
     def flatten_up_to(self, other: PyTree) -> list[Any]:
-        pairs = _plain_pairs(self.tree, (other,), strict=False)
-        return structure(self.tree).flatten_up_to(other) if pairs is None else [pair[1] for pair in pairs]
+        columns = _plain_columns(self.tree, (other,), strict=False)
+        return structure(self.tree).flatten_up_to(other) if columns is None else columns[1]
 
     def __eq__(self, other: object) -> bool:
         if type(other) is _PlainStructure:
-            return _plain_pairs(self.tree, (other.tree,), strict=True) is not None
+            return _plain_columns(self.tree, (other.tree,), strict=True) is not None
         return structure(self.tree) == other
 
     def __ne__(self, other: object) -> bool:
@@ -277,12 +327,6 @@ class _PlainStructure:
         if name.startswith("_") or name in _PlainStructure.__slots__:
             raise AttributeError(name)
         return getattr(structure(self.tree), name)
-
-
-def _plain_leaves_like(tree: PyTree, reference: PyTree) -> Optional[list[Any]]:
-    """The leaves of ``tree`` when it has the plain structure of ``reference`` (see :func:`_plain_pairs`)."""
-    pairs = _plain_pairs(reference, [tree], strict=True)
-    return None if pairs is None else [pair[1] for pair in pairs]
 
 
 def mismatch_error(tree: PyTree, reference: PyTree, *, what: str, like: str) -> ValueError:
@@ -393,15 +437,24 @@ def check_tensors(tree: PyTree, tree_leaves: Sequence[Any], *, what: str, allow_
         )
 
 
+def _present(tree_leaves: list[Any]) -> list[int]:
+    """The indices of the tensors among leaves that are tensors or ``None`` (no per-leaf step for
+    Dynamo to trace when every leaf is a tensor)."""
+    tensors = list(map(isinstance, tree_leaves, [Tensor] * len(tree_leaves)))
+    if False not in tensors:
+        return list(range(len(tree_leaves)))
+    return [i for i, tensor in enumerate(tensors) if tensor]
+
+
 def tensor_leaves(tree: PyTree, *, what: str) -> tuple[list[Any], TreeSpec, list[int]]:
     """Flattens ``tree``, checks its leaves, and returns the indices of the non-``None`` ones.
 
     While ``torch.compile`` traces, a plain tree's structure is a :class:`_PlainStructure`."""
     if torch.compiler.is_compiling():
-        pairs = _plain_pairs(tree, (), strict=True)
-        if pairs is not None:  # its leaves are tensors and None
-            tree_leaves = [pair[0] for pair in pairs]
-            present = [i for i, leaf in enumerate(tree_leaves) if leaf is not None]
+        columns = _plain_columns(tree, (), strict=True)
+        if columns is not None:  # its leaves are tensors and None
+            tree_leaves = columns[0]
+            present = _present(tree_leaves)
             return tree_leaves, _PlainStructure(tree, len(tree_leaves)), present
     tree_leaves, treedef = flatten(tree)
     kinds = set(map(type, tree_leaves))  # a C-level pass: the check costs little on many small leaves
@@ -521,19 +574,27 @@ def mask_leaves(mask: Any, tree: PyTree, *, what: str = "mask") -> list[bool]:
 _DTENSOR_MODULE = "torch.distributed.tensor"
 
 
+_dtensor_class: Optional[type] = None  # once found, kept: a module stays imported
+
+
 def dtensor_type() -> Optional[type]:
-    """The DTensor class if DTensors can exist in this process (its module is imported), else ``None``."""
-    module = sys.modules.get(_DTENSOR_MODULE)
-    return getattr(module, "DTensor", None) if module is not None else None
+    """The DTensor class if DTensors can exist in this process (its module is imported), else ``None``.
+
+    Asked once per op: after the first answer that finds it, one global read (for Dynamo too)."""
+    global _dtensor_class
+    if _dtensor_class is None:
+        module = sys.modules.get(_DTENSOR_MODULE)
+        _dtensor_class = getattr(module, "DTensor", None) if module is not None else None
+    return _dtensor_class
 
 
 def _split_dtensors(index_lists: list[list[int]], tensors: Sequence[Tensor]) -> list[list[int]]:
     """Splits each group into its DTensors and its plain tensors (one foreach kernel cannot take both).
 
-    Free when DTensor was never imported; otherwise one pass over the types (in C) finds out whether
+    Free when DTensor was never imported; otherwise one isinstance map (in C) finds out whether
     there is anything to split."""
     cls = dtensor_type()
-    if cls is None or not any(issubclass(kind, cls) for kind in set(map(type, tensors))):
+    if cls is None or True not in list(map(isinstance, tensors, [cls] * len(tensors))):
         return index_lists
     out = []
     for indices in index_lists:
@@ -600,6 +661,14 @@ def needs_graph(*args: Any) -> bool:
     grad_on = torch.is_grad_enabled()
     check_wrapped = not torch.compiler.is_compiling() and torch_internals.functorch_active()
     if not (grad_on or check_wrapped):
+        return False
+    if not check_wrapped and torch.compiler.is_compiling():  # a native map per list: a few traced steps
+        for arg in args:
+            if isinstance(arg, (list, tuple)):
+                if True in list(map(getattr, arg, ["requires_grad"] * len(arg), [False] * len(arg))):
+                    return True
+            elif isinstance(arg, Tensor) and arg.requires_grad:
+                return True
         return False
     if not check_wrapped:  # the common eager case: only requires_grad matters
         for arg in args:
@@ -715,7 +784,8 @@ def foreach(name: str, selves: Sequence[Tensor], *args: Any, inplace: bool, **kw
     (:func:`gradtx.sharding.dtensor.foreach_on_shards`).
     """
     selves = list(selves)
-    args = tuple(list(a) if isinstance(a, (list, tuple)) else a for a in args)
+    if True in list(map(isinstance, args, [tuple] * len(args))):  # (a native map for Dynamo, not a generator)
+        args = tuple([list(a) if isinstance(a, tuple) else a for a in args])
     if needs_graph(selves, *args, *kwargs.values()):
         op = getattr(torch, name)
         if not any(isinstance(a, list) for a in args):  # numbers and 0-d tensors only
@@ -723,7 +793,8 @@ def foreach(name: str, selves: Sequence[Tensor], *args: Any, inplace: bool, **kw
         columns = [a if isinstance(a, list) else itertools.repeat(a, len(selves)) for a in args]
         return [op(s, *xs, **kwargs) for s, *xs in zip(selves, *columns)]
     kernel = torch_internals.foreach_kernel(f"{name}_" if inplace else name)
-    if selves and dtensor_type() is not None and isinstance(selves[0], dtensor_type()):
+    dtensor = dtensor_type()
+    if selves and dtensor is not None and isinstance(selves[0], dtensor):
         from gradtx.sharding.dtensor import foreach_on_shards  # (which imports this module)
 
         on_shards = foreach_on_shards(kernel, selves, args, kwargs, inplace=inplace)

@@ -46,7 +46,12 @@ class Leaves(NamedTuple):
     def aligned(self, other: Any, *, what: str) -> list[Any]:
         """The leaves of ``other`` (a tree shaped like the updates) at the non-``None`` updates."""
         other_leaves = tree_lib.flatten_like(other, self.treedef, self.tree, what=what, like="updates")
-        out = [other_leaves[i] for i in self.present]
+        if len(self.present) == len(other_leaves):  # every update present (no per-leaf step to trace)
+            out = list(other_leaves)
+        else:
+            out = [other_leaves[i] for i in self.present]
+        if False not in list(map(isinstance, out, [Tensor] * len(out))):
+            return out
         for i, leaf in zip(self.present, out):
             if not isinstance(leaf, Tensor):
                 raise TypeError(
@@ -67,7 +72,8 @@ class Leaves(NamedTuple):
 def leaves_of(updates: Any, *, what: str) -> Leaves:
     """Flattens ``updates`` and checks that every leaf is a tensor or ``None``."""
     all_leaves, treedef, present = tree_lib.tensor_leaves(updates, what=what)
-    return Leaves(updates, all_leaves, treedef, present, [all_leaves[i] for i in present])
+    tensors = list(all_leaves) if len(present) == len(all_leaves) else [all_leaves[i] for i in present]
+    return Leaves(updates, all_leaves, treedef, present, tensors)
 
 
 def params_of(leaves: Leaves, params: Any, *, owner: str) -> list[Tensor]:
