@@ -106,18 +106,12 @@ def block_scales(absmax: Tensor, signed: Tensor) -> Tensor:
 def quantize(x: Tensor, scales: Tensor, geo: Geometry, codec: Codec) -> Tensor:
     """The codes of ``x`` (a piece laid out as ``geo`` says) under the blocks' ``scales``: each value
     divided by its block's absmax, then encoded by ``codec`` (the nearest map value). Same shape as ``x``."""
-    absmax = scales.abs()
-    signed = torch.signbit(scales)[..., None]
-    divisor = torch.where(absmax > 0, absmax, torch.ones_like(absmax))[..., None]
-    normalized = blocked(x.to(torch.float32), geo) / divisor
-    return unblocked(codec.encode(normalized, signed), geo, x.shape)
+    return unblocked(codec.codes(blocked(x.to(torch.float32), geo), scales), geo, x.shape)
 
 
 def dequantize(codes: Tensor, scales: Tensor, geo: Geometry, codec: Codec, dtype: torch.dtype) -> Tensor:
     """The values ``codes`` stand for under the blocks' ``scales``, in ``dtype``, shaped as ``codes``."""
-    signed = torch.signbit(scales)[..., None]
-    values = codec.decode(blocked(codes, geo), signed) * scales.abs()[..., None]
-    return unblocked(values, geo, codes.shape).to(dtype)
+    return unblocked(codec.values(blocked(codes, geo), scales), geo, codes.shape).to(dtype)
 
 
 def pack_nibbles(codes: Tensor, offset: int = 0) -> Tensor:
