@@ -268,7 +268,7 @@ def profile(config: str, threads: int, bits_list: list) -> None:
     import gradtx as gtx
     from benchmarks.common import make_tree
     from gradtx.quantization import blocks
-    from gradtx.quantization.state import decode, encode, storage_format
+    from gradtx.quantization.storage import decode, encode_all, storage_format
 
     torch.set_num_threads(threads)
     params, grads = make_tree(_config(config), seed=0), make_tree(_config(config), seed=1, scale=1e-2)

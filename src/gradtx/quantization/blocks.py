@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from gradtx.quantization import kernels
 from gradtx.quantization.maps import Codec
 
 
@@ -90,7 +91,7 @@ def unblocked(y: Tensor, geo: Geometry, shape: torch.Size | tuple[int, ...]) -> 
 
 def block_absmax(x: Tensor, geo: Geometry) -> Tensor:
     """Each block's absolute maximum over this piece, float32 ``(rows, blocks)`` (NaN if it holds one)."""
-    return blocked(x, geo).abs().amax(dim=-1).to(torch.float32)
+    return kernels.run(kernels.absmax, blocked(x, geo))
 
 
 def block_signed(x: Tensor, geo: Geometry) -> Tensor:

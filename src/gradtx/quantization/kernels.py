@@ -1,6 +1,6 @@
 """The per-value work of a code book, written once and run eagerly or as one compiled loop.
 
-:func:`table_codes` (a block's values to their nearest-value codes) and :func:`table_values`
+:func:`absmax` (a block's scale), :func:`table_codes` (a block's values to their nearest-value codes) and :func:`table_values`
 (codes back to values) are elementwise over a ``(rows, blocks, block_size)`` view, with the block
 scales broadcast along its last dim. Eagerly each of their dozen operations is a pass over the
 whole leaf; ``torch.compile`` (Inductor) fuses them into one loop over it, several times faster
@@ -35,6 +35,11 @@ def gather(table: Tensor, index: Tensor) -> Tensor:
     if torch.compiler.is_compiling():
         return torch.ops.aten._unsafe_index(table, [index])
     return torch.index_select(table, 0, index.reshape(-1)).view(index.shape)
+
+
+def absmax(x: Tensor) -> Tensor:
+    """Each block's absolute maximum, float32 ``(rows, blocks)``, of ``x`` (``(rows, blocks, block_size)``; NaN if it holds one)."""
+    return x.abs().amax(dim=-1).to(torch.float32)
 
 
 def divisors(scales: Tensor) -> Tensor:

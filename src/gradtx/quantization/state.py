@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -19,15 +18,16 @@ from gradtx import tree as tree_lib
 from gradtx.base import (
     GradientTransformation,
     GradientTransformationExtraArgs,
+    is_elementwise,
     returns_new_updates,
     supports_donated_updates,
     takes_donated_updates,
     takes_extra_args,
     with_inplace,
 )
-from gradtx.quantization import blocks
-from gradtx.quantization.maps import Codec, codec
-from gradtx.quantization.placement import WHOLE, Place, place_of, scales_of
+from gradtx.quantization.placement import place_of
+from gradtx.quantization.storage import decode, encode_all, storage_format
+from gradtx.quantization.streaming import update_in_groups
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding.edges import row_cuts
 from gradtx.sharding.mesh import MeshAxes
@@ -38,10 +38,6 @@ from gradtx.state_dims import Dims, ParamLeaf, same, state_dims
 from gradtx.state_signs import nonnegative_fields
 
 PyTree = Any
-
-_FORMATS = (8, 4, torch.bfloat16, torch.float8_e4m3fn)
-_DEFAULT_BLOCK_SIZE = {8: 256, 4: 128, torch.float8_e4m3fn: 256}
-
 
 # --------------------------------------------------------------------------- the state and its layout
 
@@ -87,77 +83,6 @@ class QuantizedState(NamedTuple):
     inner: Any
     codes: tuple
     scales: tuple
-
-
-# --------------------------------------------------------------------------- storage formats
-
-
-@dataclass(frozen=True)
-class StorageFormat:
-    """How a leaf is stored: ``storage`` (8, 4 or a dtype), ``block_size`` (0: no blocks), the
-    ``codec`` (``None``: a plain cast to ``storage``), and whether codes are ``packed`` two per byte."""
-
-    storage: Union[int, torch.dtype]
-    block_size: int
-    codec: Optional[Codec]
-    packed: bool
-
-
-def storage_format(bits: Any, block_size: Any, *, owner: str = "quantize_state") -> StorageFormat:
-    """The :class:`StorageFormat` of ``bits`` and ``block_size``, or a ``ValueError``/``TypeError`` saying what is wrong."""
-    known = isinstance(bits, torch.dtype) or (isinstance(bits, int) and not isinstance(bits, bool))
-    if not known or bits not in _FORMATS:
-        raise ValueError(f"{owner}: bits must be 8, 4, torch.bfloat16 or torch.float8_e4m3fn, got {bits!r}")
-    if bits == torch.bfloat16:
-        if block_size is not None:
-            raise ValueError(f"{owner}: bfloat16 storage is a plain cast, with no blocks; got block_size={block_size!r}")
-        return StorageFormat(bits, 0, None, False)
-    if block_size is None:
-        block_size = _DEFAULT_BLOCK_SIZE[bits]
-    if not isinstance(block_size, int) or isinstance(block_size, bool):
-        raise TypeError(f"{owner}: block_size must be an int, got {type(block_size).__name__}")
-    if block_size < 1:
-        raise ValueError(f"{owner}: block_size must be at least 1, got {block_size}")
-    return StorageFormat(bits, block_size, codec(bits), bits == 4)
-
-
-def encode_all(
-    leaves: Sequence[Tensor],
-    fmt: StorageFormat,
-    places: Sequence[Place],
-    mesh: Optional[MeshAxes],
-    signed: Sequence[bool],
-) -> list[tuple[Tensor, Optional[Tensor]]]:
-    """Each (local) leaf as stored, ``(codes, scales)`` (``scales`` ``None`` for a plain cast): its
-    blocks as ``places`` say, the blocks pieces share combined across ranks (one all-reduce per group).
-    ``signed``: per leaf, whether it is read with the codec's signed map (else the unsigned one, for
-    a field declared non-negative); recorded in the sign bit of every scale."""
-    if fmt.codec is None:
-        return [(leaf.to(fmt.storage), None) for leaf in leaves]  # type: ignore[arg-type]
-    out = []
-    for leaf, place, scales in zip(leaves, places, scales_of(leaves, places, fmt.block_size, mesh, signed)):
-        geo = blocks.geometry(leaf.shape, fmt.block_size, place.column)
-        codes = blocks.quantize(leaf, scales, geo, fmt.codec)
-        if fmt.packed:
-            codes = blocks.pack_nibbles(codes, place.column)
-        out.append((codes, scales.reshape(*leaf.shape[:-1], geo.blocks)))
-    return out
-
-
-def decode(codes: Tensor, scales: Optional[Tensor], placeholder: Tensor, fmt: StorageFormat, place: Place = WHOLE) -> Tensor:
-    """The stored leaf read back, with the shape, dtype, device (and DTensor layout) ``placeholder``
-    records; ``place``: where its local piece lies among the logical tensor's blocks."""
-    local = dtensor_lib.local(placeholder)
-    shape = local.shape[:-1]
-    if fmt.codec is None:
-        values = codes.to(local.dtype)
-    else:
-        geo = blocks.geometry(shape, fmt.block_size, place.column)
-        if fmt.packed:
-            codes = blocks.unpack_nibbles(codes, geo.columns, place.column)
-        codes = codes.reshape(shape)
-        values = blocks.dequantize(codes, scales.reshape(blocks.row_count(shape), geo.blocks), geo, fmt.codec, local.dtype)  # type: ignore[union-attr]
-    return dtensor_lib.without_empty_dim(values, placeholder)
 
 
 # --------------------------------------------------------------------------- which leaves are stored
@@ -225,6 +150,12 @@ def _stored(leaf: Any, param: Any, numel: int, min_size: int) -> bool:
         and leaf.shape == param.shape
         and numel >= max(min_size, 1)
     )
+
+
+def _plain(updates: PyTree, params: PyTree) -> bool:
+    """Whether every leaf of ``updates`` and ``params`` is a plain tensor or ``None`` (no DTensor)."""
+    trees = (updates,) if params is None else (updates, params)
+    return not any(dtensor_lib.is_dtensor(leaf) for tree in trees for leaf in tree_lib.leaves(tree))
 
 
 # --------------------------------------------------------------------------- the transformation
@@ -345,6 +276,7 @@ def quantize_state(
         raise TypeError(f"{owner}: spec must be a gradtx.sharding.ShardingSpec or None, got {type(spec).__name__}")
     inner_update = with_inplace(inner)
     extra = takes_extra_args(inner)
+    elementwise = is_elementwise(inner)
 
     def layout_of(tree: PyTree) -> tuple[Optional[MeshAxes], list[Any]]:
         """The mesh and every leaf's :class:`~gradtx.sharding.edges.RowCuts` (``None``: unsharded)."""
@@ -416,6 +348,17 @@ def quantize_state(
         code_leaves = [tree_lib.leaves(tree) for tree in state.codes]
         scale_leaves = [tree_lib.leaves(tree) for tree in state.scales]
         mesh, cuts = layout_of(params if params is not None else updates) if found else (None, [])
+        if not extra:
+            extra_args = {}
+        nonnegative = nonnegative_parts(state_def, tree_lib.structure(state.codes[0])) if state.codes else ()
+        if found and mesh is None and elementwise and _plain(updates, params):
+            done = update_in_groups(
+                inner_update, updates, params, leaves, state_def, params_parts(state_def, tree_lib.structure(state.codes[0])),
+                code_leaves, scale_leaves, [not n for n in nonnegative], fmt, inplace, extra_args, lambda new: same_structure(new, state_def),
+            )
+            if done is not None:
+                new_updates, new_leaves, new_codes, new_scales = done
+                return new_updates, rebuild(state, new_leaves, state_def, new_codes, new_scales)
         for index, part, i in found:
             if mesh is not None and cuts[i] is None:
                 raise ValueError(
@@ -425,17 +368,23 @@ def quantize_state(
             place = place_of(cuts[i], fmt.block_size)
             leaves[index] = decode(code_leaves[part][i], scale_leaves[part][i], leaves[index], fmt, place)
         inner_state = tree_lib.unflatten(state_def, leaves)
-        if not extra:
-            extra_args = {}
         new_updates, new_inner = inner_update(updates, inner_state, params, inplace=inplace, **extra_args)
+        new_leaves = same_structure(new_inner, state_def)
+        new_codes, new_scales = store(new_leaves, found, nonnegative, len(code_leaves[0]) if code_leaves else 0, mesh, cuts)
+        return new_updates, rebuild(state, new_leaves, state_def, new_codes, new_scales)
+
+    def same_structure(new_inner: Any, state_def: Any) -> list[Any]:
+        """The leaves of the inner state ``inner.update`` returned, or a ``ValueError`` if its structure is another."""
         new_leaves, new_def = tree_lib.flatten(new_inner)
         if new_def != state_def:
             raise ValueError(f"{owner}: {name_of(inner.update)} returned a state of another structure than it was given")
-        nonnegative = nonnegative_parts(state_def, tree_lib.structure(state.codes[0])) if state.codes else ()
-        new_codes, new_scales = store(new_leaves, found, nonnegative, len(code_leaves[0]) if code_leaves else 0, mesh, cuts)
+        return new_leaves
+
+    def rebuild(state: QuantizedState, new_leaves: list[Any], state_def: Any, new_codes: list, new_scales: list) -> QuantizedState:
+        """The new :class:`QuantizedState`: the inner state's leaves, and per part the codes and scales, as ``state`` holds them."""
         codes = tuple(tree_lib.unflatten(tree_lib.structure(t), c) for t, c in zip(state.codes, new_codes))
         scales = tuple(tree_lib.unflatten(tree_lib.structure(t), s) for t, s in zip(state.scales, new_scales))
-        return new_updates, QuantizedState(tree_lib.unflatten(new_def, new_leaves), codes, scales)
+        return QuantizedState(tree_lib.unflatten(state_def, new_leaves), codes, scales)
 
     if takes_donated_updates(inner):
         update_fn = supports_donated_updates(update_fn, returns_new_updates=returns_new_updates(inner))
