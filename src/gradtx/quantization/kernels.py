@@ -42,6 +42,14 @@ def absmax(x: Tensor) -> Tensor:
     return x.abs().amax(dim=-1).to(torch.float32)
 
 
+def signed(scales: Tensor) -> Tensor:
+    """Whether each float32 scale has its sign bit set (its block uses the signed map), as an integer
+    comparison of its bit pattern: Inductor writes ``torch.signbit`` as a loop over ``std::signbit``,
+    which g++ 12 can fail to compile when it vectorizes it (an internal compiler error on a
+    ``lshiftrt:V2SI`` instruction, ``cmath:662``, seen on a compiled quantized step)."""
+    return scales.view(torch.int32) < 0
+
+
 def divisors(scales: Tensor) -> Tensor:
     """What a block's values are divided by: its absmax (the scale's magnitude), or 1 for an all-zero block."""
     absmax = scales.abs()
@@ -54,20 +62,20 @@ def table_codes(x: Tensor, scales: Tensor, first: Tensor, midpoints: Tensor, zer
     looked up in the signed map's non-negative half (indices from ``zero`` up, mirrored below it
     for negative values) or the unsigned map (the joint tables' indices from ``offset``). ``first``
     and ``midpoints`` are the joint nearest-value tables of ``maps.TableCodec``."""
-    signed = torch.signbit(scales)[..., None]
+    in_signed = signed(scales)[..., None]
     bits = (x / divisors(scales)).view(torch.int32)
     magnitude = bits & 0x7FFFFFFF  # |value|'s bit pattern; a NaN's lies above 1.0's, in the last cell
-    cell = (magnitude >> CELL_SHIFT).clamp(0, CELLS - 1) + torch.where(signed, 0, CELLS)
+    cell = (magnitude >> CELL_SHIFT).clamp(0, CELLS - 1) + torch.where(in_signed, 0, CELLS).to(torch.int32)
     index = gather(first, cell)
     index = index + (magnitude.view(torch.float32) > gather(midpoints, index)).to(torch.int32)
-    code = torch.where(signed, torch.where(bits < 0, zero - 1 - index, zero + index), index - offset)
+    code = torch.where(in_signed, torch.where(bits < 0, zero - 1 - index, zero + index), index - offset)
     return code.to(torch.uint8)
 
 
 def table_values(codes: Tensor, scales: Tensor, joint: Tensor, size: int) -> Tensor:
     """The float32 values of ``codes`` (``(rows, blocks, block_size)``) under ``scales``: one gather
     from ``joint``, the signed and unsigned maps laid end to end (the unsigned one from ``size``)."""
-    index = codes.to(torch.int32) + torch.where(torch.signbit(scales), 0, size)[..., None]
+    index = codes.to(torch.int32) + torch.where(signed(scales), 0, size).to(torch.int32)[..., None]
     return gather(joint, index) * scales.abs()[..., None]
 
 

@@ -155,8 +155,6 @@ def update_in_groups(
     new_leaves = list(leaves)
     new_codes = [list(c) for c in codes]
     new_scales = [list(s) for s in scales]
-    pieces: dict[int, list[tuple[tuple[int, int, int, int], Tensor]]] = {}
-    result_leaves: list[Any] = []
     for group in groups:
         sub_updates: list[Any] = [None] * count
         sub_params: list[Any] = [None] * count
@@ -178,12 +176,15 @@ def update_in_groups(
         check(new_inner)
         result_leaves = tree_lib.flatten(new_inner)[0]
         result_updates = tree_lib.flatten(result)[0]
+        del result, new_inner, sub_state, sub_updates, sub_params  # no group's float32 moments outlive it
         whole: list[tuple[int, int]] = []  # (part, param) of the group's whole stored leaves, encoded together
         for i, chunk in group:
             if chunk is None:
                 new_updates[i] = result_updates[i]
-            else:
-                pieces.setdefault(i, []).append((chunk, result_updates[i]))
+            else:  # into the leaf's new update, allocated at its first piece
+                if new_updates[i] is None:
+                    new_updates[i] = result_updates[i].new_empty(grads[i].shape)
+                _rows(new_updates[i], chunk).copy_(result_updates[i])
             for p, start in enumerate(starts):
                 keeper = stored[p][i]
                 if keeper is None:
@@ -196,18 +197,13 @@ def update_in_groups(
         encoded = encode_all([result_leaves[starts[p] + i] for p, i in whole], fmt, [WHOLE] * len(whole), None, [signed[p] for p, _ in whole])
         for (p, i), (c, s) in zip(whole, encoded):
             new_codes[p][i], new_scales[p][i] = c, s
-    for k, leaf in enumerate(result_leaves):  # what is not params-shaped (step counts) is alike in every group's result
-        if k not in positions:
-            new_leaves[k] = leaf
+        for k, leaf in enumerate(result_leaves):  # what is not params-shaped (step counts) is alike in every group's result
+            if k not in positions:
+                new_leaves[k] = leaf
+        del result_leaves, result_updates, encoded
     for p in range(len(starts)):
         for i in range(count):
             keeper = stored[p][i]
             if keeper is not None and keeper.new_codes is not None:
                 new_codes[p][i], new_scales[p][i] = keeper.new_codes, keeper.new_scales
-    for i, parts in pieces.items():
-        first = parts[0][1]
-        out = torch.empty(grads[i].shape, dtype=first.dtype, device=first.device)
-        for chunk, value in parts:
-            _rows(out, chunk).copy_(value)
-        new_updates[i] = out
     return tree_lib.unflatten(updates_def, new_updates), new_leaves, new_codes, new_scales

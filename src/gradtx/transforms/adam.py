@@ -229,7 +229,7 @@ def scale_by_adam(
         del params
         return adam.update(updates, state, inplace=inplace)
 
-    return GradientTransformation(adam.init, supports_donated_updates(update_fn))
+    return GradientTransformation(adam.init, set_elementwise(supports_donated_updates(update_fn)))
 
 
 def fused_adam(
