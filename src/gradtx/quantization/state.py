@@ -200,16 +200,18 @@ def quantize_state(
 
     A non-finite value makes its whole block read back non-finite (never silently finite).
 
-    Memory: between steps the stored leaves take their codes and scales only (about 2 bytes per
-    param for AdamW at 8 bits, 1 at 4 bits). During ``update`` the stored leaves are read back to
-    float32 together, as ``inner`` needs its whole state at once, so a step's peak still holds
-    them all in float32 for a moment. Where ``inner`` acts leaf by leaf (Adam, Lion, momentum;
-    not a global clip, which belongs outside), a :func:`~gradtx.partition` with one quantized
-    ``inner`` per leaf (or per group of leaves) gives the same numbers and holds one group's
-    float32 moments at a time::
-
-        tx = gtx.partition({name: gtx.quantize_state(gtx.adamw(1e-3)) for name in params},
-                           {name: name for name in params})
+    Memory and speed: between steps the stored leaves take their codes and scales only (about 2
+    bytes per param for AdamW at 8 bits, 1 at 4 bits). When ``inner`` is elementwise (Adam, Lion,
+    momentum, scalings and chains of them: :func:`gradtx.base.is_elementwise`) and the leaves are
+    not sharded, ``update`` decodes, updates and encodes a group of leaves (about 4M values: a
+    range of rows of a larger leaf) at a time (:mod:`~gradtx.quantization.streaming`), so a pure
+    step holds the new updates, the new codes and one group's float32 moments, below a pure fp32
+    step's new moments and updates; otherwise (a global-norm clip inside ``inner``, a sharded
+    tree) it decodes every stored leaf, runs ``inner.update`` once, and encodes them all, with the
+    same numbers either way. The code books' per-value work runs as one compiled loop
+    (``torch.compile``, compiled on the first step that needs it) for leaves of 2**20 values or
+    more: ``GRADTX_QUANTIZE_COMPILE=0`` keeps it eager, ``=1`` compiles it for every leaf
+    (:mod:`~gradtx.quantization.kernels`); the codes are the same.
 
     Args:
       inner: the transformation whose state is stored quantized (``adamw(...)``, a chain, ...).

@@ -200,7 +200,7 @@ def update_in_groups(
         for k, leaf in enumerate(result_leaves):  # what is not params-shaped (step counts) is alike in every group's result
             if k not in positions:
                 new_leaves[k] = leaf
-        del result_leaves, result_updates, encoded
+        result_leaves = result_updates = encoded = []  # (not del: Dynamo traces no deletion of a variable a comprehension reads)
     for p in range(len(starts)):
         for i in range(count):
             keeper = stored[p][i]
