@@ -5,7 +5,7 @@
 scales broadcast along its last dim. Eagerly each of their dozen operations is a pass over the
 whole leaf; ``torch.compile`` (Inductor) fuses them into one loop over it, several times faster
 on CPU. :func:`run` chooses: the compiled function for leaves of at least :data:`COMPILE_MIN_SIZE`
-values (one compilation, with dynamic shapes, serves every leaf size), the eager one for smaller
+values (one compilation, with dynamic shapes, serves every leaf size; below that size the eager calls are about as fast), the eager one for smaller
 leaves, inside a graph being traced (``compile_step``), or where ``GRADTX_QUANTIZE_COMPILE=0``.
 ``GRADTX_QUANTIZE_COMPILE=1`` compiles for every size. Both give the same codes and values, bit
 for bit: the same float32 operations in the same order, and integer ones.
@@ -23,7 +23,7 @@ from torch import Tensor
 # a non-negative float32's exponent and top 10 mantissa bits name its cell (see maps._NearestMagnitude)
 CELL_SHIFT = 13
 CELLS = (0x3F800000 >> CELL_SHIFT) + 2  # the cells of [0, 1], and one above for NaN
-COMPILE_MIN_SIZE = 1 << 20  # values of a leaf from which the compiled loop is used by default
+COMPILE_MIN_SIZE = 1 << 16  # values of a leaf from which the compiled loop is used by default
 ENVIRONMENT = "GRADTX_QUANTIZE_COMPILE"
 
 

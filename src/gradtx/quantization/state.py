@@ -209,7 +209,7 @@ def quantize_state(
     step's new moments and updates; otherwise (a global-norm clip inside ``inner``, a sharded
     tree) it decodes every stored leaf, runs ``inner.update`` once, and encodes them all, with the
     same numbers either way. The code books' per-value work runs as one compiled loop
-    (``torch.compile``, compiled on the first step that needs it) for leaves of 2**20 values or
+    (``torch.compile``, compiled on the first step that needs it) for leaves of 2**16 values or
     more: ``GRADTX_QUANTIZE_COMPILE=0`` keeps it eager, ``=1`` compiles it for every leaf
     (:mod:`~gradtx.quantization.kernels`); the codes are the same.
 
