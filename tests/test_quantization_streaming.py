@@ -106,21 +106,26 @@ def _peak_bytes(step) -> int:
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_whole_tree_quantized_step_peaks_below_an_fp32_step(monkeypatch, bits):
     # a pure fp32 AdamW step holds new moments and updates (3 trees); a quantized one the updates,
-    # the new codes and one group's float32 moments and temporaries (the whole-tree step: 7.2 trees)
-    monkeypatch.setattr(streaming, "GROUP_SIZE", 1 << 16)
+    # the new codes and one group's float32 moments and temporaries (the whole-tree step: 7.2
+    # trees). Measured (eager loops): 8 bits 2.67 trees with the default groups (an eighth of the
+    # tree), 2.2 with groups of 2**16 values; 4 bits 2.46 and 2.0
     monkeypatch.setenv(kernels.ENVIRONMENT, "0")
     gen = torch.Generator().manual_seed(0)
     shapes = {"embedding": (1024, 256), "qkv": (256, 768), "proj": (256, 256), "fc": (256, 1024), "out": (1024, 256), "bias": (256,)}
     params = {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
     grads = {name: torch.randn(shape, generator=gen) * 1e-2 for name, shape in shapes.items()}
     tree_bytes = sum(p.numel() * 4 for p in params.values())
-    peaks = {}
-    for name, tx in (("fp32", gtx.adamw(1e-3)), ("quantized", gtx.quantize_state(gtx.adamw(1e-3), bits))):
+
+    def peak(tx) -> int:
         state = tx.init(params)
         _, state = tx.update(grads, state, params)
-        peaks[name] = _peak_bytes(lambda: tx.update(grads, state, params))
-    assert peaks["fp32"] >= 2.9 * tree_bytes  # measured 3.0 trees; quantized (eager loops) 2.2 at 8 bits, 2.0 at 4
-    assert peaks["quantized"] < 0.8 * peaks["fp32"]
+        return _peak_bytes(lambda: tx.update(grads, state, params))
+
+    fp32 = peak(gtx.adamw(1e-3))
+    assert fp32 >= 2.9 * tree_bytes
+    assert peak(gtx.quantize_state(gtx.adamw(1e-3), bits)) < 0.95 * fp32
+    monkeypatch.setattr(streaming, "GROUP_SIZE", 1 << 16)
+    assert peak(gtx.quantize_state(gtx.adamw(1e-3), bits)) < 0.8 * fp32
 
 
 # --------------------------------------------------------------------------- compiled loops

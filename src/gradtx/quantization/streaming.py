@@ -3,8 +3,8 @@
 Where the inner transformation is elementwise (:func:`gradtx.base.set_elementwise`: Adam, Lion,
 momentum, scalings and chains of them), each element's new update and moments depend on that
 element alone. So :func:`update_in_groups` runs ``inner.update`` on groups of leaves of about
-:data:`GROUP_SIZE` values (the other leaves ``None``), and on ranges of rows (or of whole blocks of
-a row) of larger leaves: only one group's moments exist in float32 at any moment, a step's peak
+:func:`group_size` values (4M, or an eighth of the tree; the other leaves ``None``), and on ranges
+of rows (or of whole blocks of a row) of larger leaves: only one group's moments exist in float32 at any moment, a step's peak
 memory is the new updates plus one group, and the decoded values are still in cache when they are
 used. Blocks never straddle two groups, so the codes and scales are the whole-tree step's, bit for
 bit, and so are the updates. Unsharded leaves only: a sharded step combines the blocks its pieces
@@ -24,7 +24,16 @@ from gradtx.quantization import blocks
 from gradtx.quantization.placement import WHOLE, Place
 from gradtx.quantization.storage import StorageFormat, decode, encode_all
 
-GROUP_SIZE = 1 << 22  # values per group: 16 MB per float32 moment, in a machine's last-level cache
+GROUP_SIZE = 1 << 22  # values per group at most: 16 MB per float32 moment, in a machine's last-level cache
+GROUPS = 8  # and at most an eighth of the tree's values, so that one group's float32 moments and
+# temporaries stay below the two trees of moments a pure fp32 step makes, whatever the storage
+MIN_GROUP_SIZE = 1 << 16  # but no group smaller than this (each group is one call of ``inner.update``)
+
+
+def group_size(total: int) -> int:
+    """The values per group for a tree of ``total`` values: :data:`GROUP_SIZE`, or an eighth of
+    the tree if less, and no less than :data:`MIN_GROUP_SIZE` (or :data:`GROUP_SIZE` if that is less)."""
+    return min(GROUP_SIZE, max(total // GROUPS, MIN_GROUP_SIZE))
 
 Chunk = Optional[tuple[int, int, int, int]]  # rows r0..r1 and columns c0..c1 of a leaf's (rows, columns) view; None: all
 
@@ -45,22 +54,22 @@ def chunks_of(shape: torch.Size, align: int, size: Optional[int] = None) -> list
 
 
 def plan(numels: Sequence[Optional[int]], streamable: Sequence[bool], shapes: Sequence[Any], align: int) -> list[list[tuple[int, Chunk]]]:
-    """Groups of ``(leaf, chunk)``: consecutive whole leaves until a group holds :data:`GROUP_SIZE`
+    """Groups of ``(leaf, chunk)``: consecutive whole leaves until a group holds :func:`group_size`
     values, and each piece of a larger ``streamable`` leaf (one whose every moment is stored) alone.
     Leaves with no gradient (``numels[i] is None``) are in no group."""
     groups: list[list[tuple[int, Chunk]]] = []
     current: list[tuple[int, Chunk]] = []
-    size = 0
+    size, most = 0, group_size(sum(n for n in numels if n is not None))
     for i, numel in enumerate(numels):
         if numel is None:
             continue
-        pieces = chunks_of(shapes[i], align) if streamable[i] else [None]
+        pieces = chunks_of(shapes[i], align, most) if streamable[i] else [None]
         if pieces != [None]:
             groups.extend([[(i, piece)] for piece in pieces])
             continue
         current.append((i, None))
         size += numel
-        if size >= GROUP_SIZE:
+        if size >= most:
             groups.append(current)
             current, size = [], 0
     if current:
