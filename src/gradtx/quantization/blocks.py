@@ -91,7 +91,8 @@ def unblocked(y: Tensor, geo: Geometry, shape: torch.Size | tuple[int, ...]) -> 
 
 def block_absmax(x: Tensor, geo: Geometry) -> Tensor:
     """Each block's absolute maximum over this piece, float32 ``(rows, blocks)`` (NaN if it holds one)."""
-    return kernels.run(kernels.absmax, blocked(x, geo))
+    y = blocked(x, geo)
+    return kernels.run(kernels.absmax, y.reshape(-1, geo.block_size)).view(y.shape[:-1])
 
 
 def block_signed(x: Tensor, geo: Geometry) -> Tensor:

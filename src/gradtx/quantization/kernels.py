@@ -37,6 +37,13 @@ def gather(table: Tensor, index: Tensor) -> Tensor:
     return torch.index_select(table, 0, index.reshape(-1)).view(index.shape)
 
 
+def block_rows(x: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+    """``x`` (``(rows, blocks, block_size)``) as ``(rows * blocks, block_size)`` and its ``scales``
+    as ``(rows * blocks,)``: one size that varies from leaf to leaf, never 1 for a leaf large enough
+    to be compiled for (Dynamo compiles a size of 1 apart), so one compiled loop serves them all."""
+    return x.reshape(-1, x.shape[-1]), scales.reshape(-1)
+
+
 def absmax(x: Tensor) -> Tensor:
     """Each block's absolute maximum, float32 ``(rows, blocks)``, of ``x`` (``(rows, blocks, block_size)``; NaN if it holds one)."""
     return x.abs().amax(dim=-1).to(torch.float32)
@@ -100,7 +107,8 @@ def run(fn: Callable[..., Tensor], x: Tensor, *args: object) -> Tensor:
     if compiled is None:
         compiled = _compiled[fn] = torch.compile(fn, dynamic=True)
     try:
-        return compiled(x, *args)
+        with torch.no_grad():  # codes need no graph; one compiled variant, whatever the grad mode
+            return compiled(x, *args)
     except Exception as error:  # noqa: BLE001 - any failure to build the loop: run it eagerly
         _failed.add(fn)
         warnings.warn(

@@ -129,12 +129,15 @@ class TableCodec:
         block's absmax, then looked up once, in the signed map's non-negative half or in the
         unsigned map (:func:`~gradtx.quantization.kernels.table_codes`)."""
         device = x.device
-        return kernels.run(kernels.table_codes, x, scales, self._first.to(device), self._midpoints.to(device), self._zero, self._offset)
+        flat, flat_scales = kernels.block_rows(x, scales)
+        codes = kernels.run(kernels.table_codes, flat, flat_scales, self._first.to(device), self._midpoints.to(device), self._zero, self._offset)
+        return codes.view(x.shape)
 
     def values(self, codes: Tensor, scales: Tensor) -> Tensor:
         """The float32 values ``codes`` (``(rows, blocks, block_size)``) stand for under ``scales``:
         one gather from the two tables laid end to end, the unsigned one from ``2**bits``."""
-        return kernels.run(kernels.table_values, codes, scales, self._joint.to(codes.device), 2**self.bits)
+        flat, flat_scales = kernels.block_rows(codes, scales)
+        return kernels.run(kernels.table_values, flat, flat_scales, self._joint.to(codes.device), 2**self.bits).view(codes.shape)
 
 
 class FloatCodec:

@@ -203,8 +203,8 @@ def quantize_state(
     Memory and speed: between steps the stored leaves take their codes and scales only (about 2
     bytes per param for AdamW at 8 bits, 1 at 4 bits). When ``inner`` is elementwise (Adam, Lion,
     momentum, scalings and chains of them: :func:`gradtx.base.is_elementwise`) and the leaves are
-    not sharded, ``update`` decodes, updates and encodes a group of leaves (about 4M values: a
-    range of rows of a larger leaf) at a time (:mod:`~gradtx.quantization.streaming`), so a pure
+    not sharded, ``update`` decodes, updates and encodes a group of leaves (4M values, or an eighth
+    of the tree if less; a range of rows of a larger leaf) at a time (:mod:`~gradtx.quantization.streaming`), so a pure
     step holds the new updates, the new codes and one group's float32 moments, below a pure fp32
     step's new moments and updates; otherwise (a global-norm clip inside ``inner``, a sharded
     tree) it decodes every stored leaf, runs ``inner.update`` once, and encodes them all, with the

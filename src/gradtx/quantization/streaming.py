@@ -26,7 +26,7 @@ from gradtx.quantization.storage import StorageFormat, decode, encode_all
 
 GROUP_SIZE = 1 << 22  # values per group at most: 16 MB per float32 moment, in a machine's last-level cache
 GROUPS = 8  # and at most an eighth of the tree's values, so that one group's float32 moments and
-# temporaries stay below the two trees of moments a pure fp32 step makes, whatever the storage
+# temporaries (eager loops: a dozen group-sized ones) stay below the two trees of moments a pure fp32 step makes
 MIN_GROUP_SIZE = 1 << 16  # but no group smaller than this (each group is one call of ``inner.update``)
 
 
