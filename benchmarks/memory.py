@@ -260,15 +260,20 @@ def worker(name: str, config: str, steps: int, warmup: int, threads: int, memory
 
 def profile(config: str, threads: int, bits_list: list) -> None:
     """One quantized AdamW step taken apart: dequantize (every stored leaf), the inner AdamW update
-    on the float32 moments, quantize (every new moment), and within quantize the block absmax,
-    the signed-block test and the code lookup; then the ATen ops that take the time."""
+    on the float32 moments, quantize (every new moment), and within quantize the block absmax
+    and the code lookup; then the ops that take the time (the compiled loops for leaves of 2**16
+    values and more, unless GRADTX_QUANTIZE_COMPILE=0)."""
     import torch
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     import gradtx as gtx
     from benchmarks.common import make_tree
     from gradtx.quantization import blocks
-    from gradtx.quantization.state import decode, encode, storage_format
+    from gradtx.quantization.placement import WHOLE
+    from gradtx.quantization.storage import decode, encode_all, storage_format
+
+    def encode(moment, fmt):  # one whole leaf, read with the signed map
+        return encode_all([moment], fmt, [WHOLE], None, [True])[0]
 
     torch.set_num_threads(threads)
     params, grads = make_tree(_config(config), seed=0), make_tree(_config(config), seed=1, scale=1e-2)
@@ -300,7 +305,6 @@ def profile(config: str, threads: int, bits_list: list) -> None:
             geos = [blocks.geometry(m.shape, fmt.block_size) for m in moments]
             scales = [s.reshape(-1, g.blocks) for (_, s), g in zip(stored, geos)]
             row["  of encode: block absmax"] = timed(lambda: [blocks.block_absmax(m, g) for m, g in zip(moments, geos)])
-            row["  of encode: signed-block test"] = timed(lambda: [blocks.block_signed(m, g) for m, g in zip(moments, geos)])
             row["  of encode: codes (divide + lookup)"] = timed(
                 lambda: [blocks.quantize(m, s, g, fmt.codec) for m, s, g in zip(moments, scales, geos)]
             )

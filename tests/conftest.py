@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import gc
+import os
+
+# quantize_state compiles its code book loops for leaves of 2**16 values and more, tens of seconds
+# on a first step; the suite runs them eagerly (the same numbers), and
+# tests/test_quantization_streaming.py compiles them once
+os.environ.setdefault("GRADTX_QUANTIZE_COMPILE", "0")
 
 
 def pytest_collection_finish(session) -> None:

@@ -165,6 +165,30 @@ def leading_clip(tx: GradientTransformation) -> Optional[LeadingClip]:
     return getattr(tx.update, _LEADING_CLIP, None)
 
 
+_ELEMENTWISE = "elementwise"
+
+
+def set_elementwise(update_fn: Callable, elementwise: bool = True) -> Callable:
+    """Marks ``update_fn`` as elementwise (when ``elementwise``), and returns it.
+
+    The mark promises: each element of an update, and of every state leaf shaped like the params,
+    depends only on the same element of the gradient, of the param and of that state, and on state
+    that is not params-shaped (step counts), which comes out the same whichever leaves are given.
+    So ``update`` may run on a subset of the leaves (the others ``None``) or on a range of rows of
+    a leaf, and gives those elements' numbers: :func:`gradtx.quantize_state` steps a few leaves at
+    a time on that promise. Adam, Lion, momentum and plain scalings keep it; a global-norm clip,
+    per-leaf norms or a mask computed from the params do not.
+    """
+    if elementwise:
+        setattr(update_fn, _ELEMENTWISE, True)
+    return update_fn
+
+
+def is_elementwise(tx: GradientTransformation) -> bool:
+    """Whether ``tx.update`` is marked elementwise (see :func:`set_elementwise`)."""
+    return bool(getattr(tx.update, _ELEMENTWISE, False))
+
+
 class EmptyState(NamedTuple):
     """The state of a stateless transformation: a pytree with no leaves."""
 
@@ -265,7 +289,7 @@ def identity() -> GradientTransformation:
         del params, inplace
         return updates, state
 
-    return GradientTransformation(init_empty_state, supports_donated_updates(update_fn, returns_new_updates=False))
+    return GradientTransformation(init_empty_state, set_elementwise(supports_donated_updates(update_fn, returns_new_updates=False)))
 
 
 def stateless(fn: Callable[[Updates, Optional[Params]], Updates]) -> GradientTransformation:

@@ -10,8 +10,10 @@ from gradtx.base import (
     GradientTransformationExtraArgs,
     LeadingClip,
     donation,
+    is_elementwise,
     leading_clip,
     returns_new_updates,
+    set_elementwise,
     set_leading_clip,
     supports_donated_updates,
     takes_donated_updates,
@@ -125,7 +127,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     setattr(init_fn, _PARTS, parts)
     kind = GradientTransformationExtraArgs if any(member[1] for member in members) else GradientTransformation
     gate = step_gates.sequence([step_gates.gate_of(tx) for tx in parts], lambda state: state)
-    return kind(init_fn, named(step_gates.set_gate(_marked(update_fn, members), gate), name))
+    update_fn = set_elementwise(_marked(update_fn, members), all(is_elementwise(tx) for tx in parts))
+    return kind(init_fn, named(step_gates.set_gate(update_fn, gate), name))
 
 
 def named_chain(*named_transforms: tuple[str, GradientTransformation]) -> GradientTransformation:

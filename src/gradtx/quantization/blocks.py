@@ -24,6 +24,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from gradtx.quantization import kernels
 from gradtx.quantization.maps import Codec
 
 
@@ -90,7 +91,8 @@ def unblocked(y: Tensor, geo: Geometry, shape: torch.Size | tuple[int, ...]) -> 
 
 def block_absmax(x: Tensor, geo: Geometry) -> Tensor:
     """Each block's absolute maximum over this piece, float32 ``(rows, blocks)`` (NaN if it holds one)."""
-    return blocked(x, geo).abs().amax(dim=-1).to(torch.float32)
+    y = blocked(x, geo)
+    return kernels.run(kernels.absmax, y.reshape(-1, geo.block_size)).view(y.shape[:-1])
 
 
 def block_signed(x: Tensor, geo: Geometry) -> Tensor:
@@ -107,20 +109,13 @@ def quantize(x: Tensor, scales: Tensor, geo: Geometry, codec: Codec, draws: Opti
     """The codes of ``x`` (a piece laid out as ``geo`` says) under the blocks' ``scales``: each value
     divided by its block's absmax, then encoded by ``codec`` (the nearest map value; with ``draws``,
     integers uniform in ``[0, 2**24)`` shaped as ``x``, one of the two around it, unbiased). Same shape as ``x``."""
-    absmax = scales.abs()
-    signed = torch.signbit(scales)[..., None]
-    divisor = torch.where(absmax > 0, absmax, torch.ones_like(absmax))[..., None]
-    normalized = blocked(x.to(torch.float32), geo) / divisor
-    if draws is not None:
-        draws = blocked(draws, geo)
-    return unblocked(codec.encode(normalized, signed, draws), geo, x.shape)
+    blocked_draws = None if draws is None else blocked(draws, geo)
+    return unblocked(codec.codes(blocked(x.to(torch.float32), geo), scales, blocked_draws), geo, x.shape)
 
 
 def dequantize(codes: Tensor, scales: Tensor, geo: Geometry, codec: Codec, dtype: torch.dtype) -> Tensor:
     """The values ``codes`` stand for under the blocks' ``scales``, in ``dtype``, shaped as ``codes``."""
-    signed = torch.signbit(scales)[..., None]
-    values = codec.decode(blocked(codes, geo), signed) * scales.abs()[..., None]
-    return unblocked(values, geo, codes.shape).to(dtype)
+    return unblocked(codec.values(blocked(codes, geo), scales), geo, codes.shape).to(dtype)
 
 
 def pack_nibbles(codes: Tensor, offset: int = 0) -> Tensor:

@@ -28,6 +28,9 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from gradtx.quantization import kernels
+from gradtx.quantization.kernels import CELL_SHIFT, CELLS
+
 
 def dynamic_magnitudes(magnitude_bits: int) -> list[float]:
     """The positive values of a dynamic tree (dynamic exponent) map with ``magnitude_bits`` bits, ascending.
@@ -64,14 +67,12 @@ def linear_map_without_zero(bits: int) -> list[float]:
     return [k / count for k in range(1, count + 1)]
 
 
-_CELL_SHIFT = 13  # a non-negative float32's exponent and top 10 mantissa bits name its cell
-_CELLS = (0x3F800000 >> _CELL_SHIFT) + 2  # the cells of [0, 1], and one above for NaN
 
 
 class _NearestMagnitude:
     """The tables of a nearest-value lookup in an ascending list of non-negative values, in constant time.
 
-    The float32 bit pattern of a value, shifted right by :data:`_CELL_SHIFT`, names a cell of
+    The float32 bit pattern of a value, shifted right by :data:`~gradtx.quantization.kernels.CELL_SHIFT`, names a cell of
     relative width ``2**-10``; the tables here hold no two midpoints that close, so each cell
     holds at most one midpoint between neighbouring values. ``first[cell]`` is the index of the
     lowest value a member of the cell can be nearest to; one comparison with the midpoint above it
@@ -85,7 +86,7 @@ class _NearestMagnitude:
         # the float32 at or below each exact midpoint: for a float32 m, m > it exactly when m > the midpoint
         midpoints = exact.to(torch.float32)
         midpoints = torch.where(midpoints.to(torch.float64) > exact, torch.nextafter(midpoints, torch.tensor(-1.0)), midpoints)
-        starts = (torch.arange(_CELLS, dtype=torch.int64) << _CELL_SHIFT).to(torch.int32).view(torch.float32)
+        starts = (torch.arange(CELLS, dtype=torch.int64) << CELL_SHIFT).to(torch.int32).view(torch.float32)
         first = torch.bucketize(starts, midpoints, right=False)  # the midpoints below the cell's start
         ends = torch.cat([starts[1:], torch.tensor([float("inf")])])
         inside = torch.bucketize(ends, midpoints, right=False) - torch.bucketize(starts, midpoints, right=True)
@@ -94,28 +95,12 @@ class _NearestMagnitude:
         self.first = first.to(torch.int32)
         self.midpoints = torch.cat([midpoints, torch.tensor([float("inf")])])
 
-def _lookup(magnitude: Tensor, first: Tensor, midpoints: Tensor, table: Tensor) -> Tensor:
-    """:class:`_NearestMagnitude` lookups in one of several tables laid end to end (``first``
-    of each table offset into the joint ``midpoints``), ``table`` choosing which per value."""
-    device = magnitude.device
-    cell = (magnitude.view(torch.int32) >> _CELL_SHIFT).clamp(max=_CELLS - 1) + table * _CELLS
-    index = _gather(first.to(device), cell)
-    above = magnitude > _gather(midpoints.to(device), index)
-    return index + above.to(torch.int32)
-
-
-def _gather(table: Tensor, index: Tensor) -> Tensor:
-    """``table[index]`` for int32 ``index`` of any shape: ``index_select`` takes int32 indices
-    as they are and runs several times faster on CPU than advanced indexing (int64 indices)."""
-    return torch.index_select(table, 0, index.reshape(-1)).view(index.shape)
-
-
 class TableCodec:
     """Nearest-value encoding against a signed and an unsigned table of normalized values.
 
-    ``encode`` returns, per value, the index of the nearest table value (a tie goes to the smaller
+    ``codes`` gives, per value, the index of the nearest table value (a tie goes to the smaller
     magnitude), in the signed table where ``signed`` is true, else in the unsigned one; a negative
-    value that rounds to zero gets ``-0.0``'s code. ``decode`` looks the codes up. Both are
+    value that rounds to zero gets ``-0.0``'s code. ``values`` looks the codes up. Both are
     elementwise and deterministic. The signed table must be symmetric: its non-negative half
     (``0.0`` and up) follows ``-0.0``, and ``-v`` sits as far below ``-0.0`` as ``v`` above ``0.0``.
     """
@@ -140,40 +125,37 @@ class TableCodec:
         # the magnitudes the joint lookup indexes: the signed half, then the unsigned table
         self._magnitudes = torch.tensor(half + list(unsigned), dtype=torch.float32)
 
-    def encode(self, normalized: Tensor, signed: Tensor, draws: Optional[Tensor] = None) -> Tensor:
-        """Codes (``uint8``) of ``normalized`` values (float32 in ``[-1, 1]``); ``signed`` broadcasts against them.
+    def codes(self, x: Tensor, scales: Tensor, draws: Optional[Tensor] = None) -> Tensor:
+        """The ``uint8`` codes of float32 ``x`` (``(rows, blocks, block_size)``) under the blocks'
+        ``scales`` (``(rows, blocks)``; the map in their sign bit): each value divided by its
+        block's absmax, then looked up once, in the signed map's non-negative half or in the
+        unsigned map (:func:`~gradtx.quantization.kernels.table_codes`).
 
-        ``draws`` (integers uniform in ``[0, 2**24)``, one per value): round stochastically instead,
+        ``draws`` (integers uniform in ``[0, 2**24)``, shaped as ``x``): round stochastically instead,
         to one of the two map values around each value, the upper one with probability ``(|x| - lo)
-        / (hi - lo)``, so the code's value is unbiased (``E[decode] = x``); a magnitude below an
-        unsigned map's smallest value (no zero there) takes that value."""
-        # one lookup per value, in the signed map's non-negative half or in the unsigned map
-        magnitude = normalized.abs()
-        index = _lookup(magnitude, self._first, self._midpoints, (~signed).to(torch.int32))
+        / (hi - lo)``, so the code's value is unbiased (``E[values] = x``); a magnitude below an
+        unsigned map's smallest value (no zero there) takes that value. This path runs eagerly
+        (:func:`~gradtx.quantization.kernels.table_codes_stochastic`)."""
+        device = x.device
+        flat, flat_scales = kernels.block_rows(x, scales)
+        first, midpoints = self._first.to(device), self._midpoints.to(device)
         if draws is not None:
-            index = self._round_stochastically(magnitude, index, signed, draws)
-        in_signed = torch.where(torch.signbit(normalized), self._zero - 1 - index, self._zero + index)
-        return torch.where(signed, in_signed, index - self._offset).to(torch.uint8)
+            flat_draws = draws.reshape(flat.shape)
+            codes = kernels.table_codes_stochastic(flat, flat_scales, flat_draws, first, midpoints, self._magnitudes.to(device), self._zero, self._offset)
+        else:
+            codes = kernels.run(kernels.table_codes, flat, flat_scales, first, midpoints, self._zero, self._offset)
+        return codes.view(x.shape)
 
-    def _round_stochastically(self, magnitude: Tensor, nearest: Tensor, signed: Tensor, draws: Tensor) -> Tensor:
-        """The joint index of ``magnitude``'s lower or upper neighbour in its table, from its
-        ``nearest`` index: upper iff ``(|x| - lo) * 2**24 > draw * (hi - lo)``."""
-        magnitudes = self._magnitudes.to(magnitude.device)
-        start = torch.where(signed, 0, self._offset).to(torch.int32)
-        end = torch.where(signed, self._offset - 1, len(magnitudes) - 1).to(torch.int32)
-        at = _gather(magnitudes, nearest)
-        above = at > magnitude  # the nearest value is the upper neighbour: the other one is below
-        other = torch.clamp(torch.where(above, nearest - 1, nearest + 1), start, end)  # itself at a table's end
-        beside = _gather(magnitudes, other)
-        low, high = torch.where(above, beside, at), torch.where(above, at, beside)
-        away = (magnitude - low) * float(2**24) > draws.to(torch.float32) * (high - low)
-        return torch.where(away == above, nearest, other)
+    def values(self, codes: Tensor, scales: Tensor) -> Tensor:
+        """The float32 values ``codes`` (``(rows, blocks, block_size)``) stand for under ``scales``:
+        one gather from the two tables laid end to end, the unsigned one from ``2**bits``."""
+        flat, flat_scales = kernels.block_rows(codes, scales)
+        return kernels.run(kernels.table_values, flat, flat_scales, self._joint.to(codes.device), 2**self.bits).view(codes.shape)
 
-    def decode(self, codes: Tensor, signed: Tensor) -> Tensor:
-        """The float32 normalized values of ``codes``; ``signed`` broadcasts against them."""
-        # one gather from the two tables laid end to end: the unsigned one starts at 2**bits
-        unsigned = torch.where(signed, 0, 2**self.bits).to(torch.int32)
-        return _gather(self._joint.to(codes.device), codes.to(torch.int32) + unsigned)
+    def encode(self, normalized: Tensor, signed: Tensor, draws: Optional[Tensor] = None) -> Tensor:
+        """:meth:`codes` of values already divided by their block's absmax (float32 in ``[-1, 1]``,
+        any shape); ``signed`` broadcasts against them. The same codes."""
+        return _encode_normalized(self, normalized, signed, draws)
 
 
 class FloatCodec:
@@ -186,18 +168,31 @@ class FloatCodec:
         self.code_dtype = dtype
         self.max = float(torch.finfo(dtype).max)
 
-    def encode(self, normalized: Tensor, signed: Tensor, draws: Optional[Tensor] = None) -> Tensor:
-        del signed
+    def codes(self, x: Tensor, scales: Tensor, draws: Optional[Tensor] = None) -> Tensor:
+        """``x`` (``(rows, blocks, block_size)``) divided by its blocks' absmax, scaled and cast."""
         if draws is not None:
             raise ValueError("a float8 cast rounds to nearest only")
-        return (normalized * self.max).clamp(-self.max, self.max).to(self.code_dtype)
+        return (x / kernels.divisors(scales) * self.max).clamp(-self.max, self.max).to(self.code_dtype)
 
-    def decode(self, codes: Tensor, signed: Tensor) -> Tensor:
-        del signed
-        return codes.to(torch.float32) / self.max
+    def values(self, codes: Tensor, scales: Tensor) -> Tensor:
+        """The float32 values ``codes`` stand for under ``scales``."""
+        return codes.to(torch.float32) / self.max * scales.abs()[..., None]
+
+    def encode(self, normalized: Tensor, signed: Tensor, draws: Optional[Tensor] = None) -> Tensor:
+        """:meth:`codes` of values already divided by their block's absmax; ``signed`` broadcasts against them."""
+        return _encode_normalized(self, normalized, signed, draws)
 
 
 Codec = Union[TableCodec, FloatCodec]
+
+
+def _encode_normalized(codec: Codec, normalized: Tensor, signed: Tensor, draws: Optional[Tensor]) -> Tensor:
+    """``codec``'s codes of ``normalized`` values, each its own block of scale 1 (``-1`` where
+    ``signed``): dividing by 1 changes no value, so these are the blocks' codes."""
+    shape = normalized.shape
+    scales = torch.where(signed, -1.0, 1.0).to(torch.float32).expand(shape).reshape(-1, 1)
+    flat_draws = None if draws is None else draws.reshape(-1, 1, 1)
+    return codec.codes(normalized.reshape(-1, 1, 1), scales, flat_draws).view(shape)
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -19,19 +18,19 @@ from gradtx import tree as tree_lib
 from gradtx.base import (
     GradientTransformation,
     GradientTransformationExtraArgs,
+    is_elementwise,
     returns_new_updates,
     supports_donated_updates,
     takes_donated_updates,
     takes_extra_args,
     with_inplace,
 )
-from gradtx.quantization import blocks
-from gradtx.quantization.maps import Codec, codec
-from gradtx.quantization.placement import WHOLE, Place, place_of, scales_of
+from gradtx.quantization.placement import place_of
+from gradtx.quantization.storage import Rounding, decode, encode_all, rounding_keys, storage_format
+from gradtx.quantization.streaming import update_in_groups
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding.edges import row_cuts
 from gradtx.sharding.mesh import MeshAxes
-from gradtx.sharding.elements import logical_indices
 from gradtx.sharding.matrices import Piece
 from gradtx.sharding.reductions import is_sharded
 from gradtx.sharding.spec import ShardingSpec
@@ -39,13 +38,8 @@ from gradtx.state_check import name_of, named
 from gradtx.state_dims import Dims, ParamLeaf, same, state_dims
 from gradtx.state_signs import nonnegative_fields
 from gradtx.transforms import _foreach as fe
-from gradtx.transforms.low_precision import leaf_keys, quick_draws, stream_key
 
 PyTree = Any
-
-_FORMATS = (8, 4, torch.bfloat16, torch.float8_e4m3fn)
-_DEFAULT_BLOCK_SIZE = {8: 256, 4: 128, torch.float8_e4m3fn: 256}
-
 
 # --------------------------------------------------------------------------- the state and its layout
 
@@ -94,93 +88,6 @@ class QuantizedState(NamedTuple):
     codes: tuple
     scales: tuple
     count: Tensor
-
-
-# --------------------------------------------------------------------------- storage formats
-
-
-@dataclass(frozen=True)
-class StorageFormat:
-    """How a leaf is stored: ``storage`` (8, 4 or a dtype), ``block_size`` (0: no blocks), the
-    ``codec`` (``None``: a plain cast to ``storage``), whether codes are ``packed`` two per byte,
-    and whether the leaves read with the signed map are rounded ``stochastic`` ally (else to nearest)."""
-
-    storage: Union[int, torch.dtype]
-    block_size: int
-    codec: Optional[Codec]
-    packed: bool
-    stochastic: bool = False
-
-
-def storage_format(bits: Any, block_size: Any, *, owner: str = "quantize_state") -> StorageFormat:
-    """The :class:`StorageFormat` of ``bits`` and ``block_size``, or a ``ValueError``/``TypeError`` saying what is wrong."""
-    known = isinstance(bits, torch.dtype) or (isinstance(bits, int) and not isinstance(bits, bool))
-    if not known or bits not in _FORMATS:
-        raise ValueError(f"{owner}: bits must be 8, 4, torch.bfloat16 or torch.float8_e4m3fn, got {bits!r}")
-    if bits == torch.bfloat16:
-        if block_size is not None:
-            raise ValueError(f"{owner}: bfloat16 storage is a plain cast, with no blocks; got block_size={block_size!r}")
-        return StorageFormat(bits, 0, None, False)
-    if block_size is None:
-        block_size = _DEFAULT_BLOCK_SIZE[bits]
-    if not isinstance(block_size, int) or isinstance(block_size, bool):
-        raise TypeError(f"{owner}: block_size must be an int, got {type(block_size).__name__}")
-    if block_size < 1:
-        raise ValueError(f"{owner}: block_size must be at least 1, got {block_size}")
-    return StorageFormat(bits, block_size, codec(bits), bits == 4, stochastic=bits == 4)
-
-
-def encode_all(
-    leaves: Sequence[Tensor],
-    fmt: StorageFormat,
-    places: Sequence[Place],
-    mesh: Optional[MeshAxes],
-    signed: Sequence[bool],
-    draws: Optional[Sequence[Optional[Tensor]]] = None,
-) -> list[tuple[Tensor, Optional[Tensor]]]:
-    """Each (local) leaf as stored, ``(codes, scales)`` (``scales`` ``None`` for a plain cast): its
-    blocks as ``places`` say, the blocks pieces share combined across ranks (one all-reduce per group).
-    ``signed``: per leaf, whether it is read with the codec's signed map (else the unsigned one, for
-    a field declared non-negative); recorded in the sign bit of every scale. ``draws``: per leaf,
-    ``None`` (round to nearest) or its random integers (see :func:`rounding_draws`)."""
-    if fmt.codec is None:
-        return [(leaf.to(fmt.storage), None) for leaf in leaves]  # type: ignore[arg-type]
-    out = []
-    draws = draws if draws is not None else [None] * len(leaves)
-    for leaf, place, scales, drawn in zip(leaves, places, scales_of(leaves, places, fmt.block_size, mesh, signed), draws):
-        geo = blocks.geometry(leaf.shape, fmt.block_size, place.column)
-        codes = blocks.quantize(leaf, scales, geo, fmt.codec, drawn)
-        if fmt.packed:
-            codes = blocks.pack_nibbles(codes, place.column)
-        out.append((codes, scales.reshape(*leaf.shape[:-1], geo.blocks)))
-    return out
-
-
-def rounding_draws(seed: int, count: Tensor, keys: Sequence[str], pieces: Sequence[Optional[Piece]], leaves: Sequence[Tensor]) -> list[Tensor]:
-    """Per (local) leaf, integers uniform in ``[0, 2**24)`` (int64, of its shape) for stochastic
-    rounding: a hash of (``seed``, ``count``, the leaf's ``key``, each element's index in the logical
-    tensor, found from its ``piece``, ``None`` for a whole leaf), so any layout draws the dense run's."""
-    if not leaves:
-        return []
-    stream = stream_key(torch.tensor(seed, dtype=torch.int64, device=count.device), count)
-    leaf_key = leaf_keys(stream, list(keys))
-    return [quick_draws(k, logical_indices(piece, leaf.shape, leaf.device)) for k, piece, leaf in zip(leaf_key, pieces, leaves)]
-
-
-def decode(codes: Tensor, scales: Optional[Tensor], placeholder: Tensor, fmt: StorageFormat, place: Place = WHOLE) -> Tensor:
-    """The stored leaf read back, with the shape, dtype, device (and DTensor layout) ``placeholder``
-    records; ``place``: where its local piece lies among the logical tensor's blocks."""
-    local = dtensor_lib.local(placeholder)
-    shape = local.shape[:-1]
-    if fmt.codec is None:
-        values = codes.to(local.dtype)
-    else:
-        geo = blocks.geometry(shape, fmt.block_size, place.column)
-        if fmt.packed:
-            codes = blocks.unpack_nibbles(codes, geo.columns, place.column)
-        codes = codes.reshape(shape)
-        values = blocks.dequantize(codes, scales.reshape(blocks.row_count(shape), geo.blocks), geo, fmt.codec, local.dtype)  # type: ignore[union-attr]
-    return dtensor_lib.without_empty_dim(values, placeholder)
 
 
 # --------------------------------------------------------------------------- which leaves are stored
@@ -250,6 +157,12 @@ def _stored(leaf: Any, param: Any, numel: int, min_size: int) -> bool:
     )
 
 
+def _plain(updates: PyTree, params: PyTree) -> bool:
+    """Whether every leaf of ``updates`` and ``params`` is a plain tensor or ``None`` (no DTensor)."""
+    trees = (updates,) if params is None else (updates, params)
+    return not any(dtensor_lib.is_dtensor(leaf) for tree in trees for leaf in tree_lib.leaves(tree))
+
+
 # --------------------------------------------------------------------------- the transformation
 
 
@@ -301,16 +214,19 @@ def quantize_state(
 
     A non-finite value makes its whole block read back non-finite (never silently finite).
 
-    Memory: between steps the stored leaves take their codes and scales only (about 2 bytes per
-    param for AdamW at 8 bits, 1 at 4 bits). During ``update`` the stored leaves are read back to
-    float32 together, as ``inner`` needs its whole state at once, so a step's peak still holds
-    them all in float32 for a moment. Where ``inner`` acts leaf by leaf (Adam, Lion, momentum;
-    not a global clip, which belongs outside), a :func:`~gradtx.partition` with one quantized
-    ``inner`` per leaf (or per group of leaves) gives the same numbers and holds one group's
-    float32 moments at a time::
-
-        tx = gtx.partition({name: gtx.quantize_state(gtx.adamw(1e-3)) for name in params},
-                           {name: name for name in params})
+    Memory and speed: between steps the stored leaves take their codes and scales only (about 2
+    bytes per param for AdamW at 8 bits, 1 at 4 bits). When ``inner`` is elementwise (Adam, Lion,
+    momentum, scalings and chains of them: :func:`gradtx.base.is_elementwise`) and the leaves are
+    not sharded, ``update`` decodes, updates and encodes a group of leaves (4M values, or an eighth
+    of the tree if less; a range of rows of a larger leaf) at a time (:mod:`~gradtx.quantization.streaming`), so a pure
+    step holds the new updates, the new codes and one group's float32 moments, below a pure fp32
+    step's new moments and updates; otherwise (a global-norm clip inside ``inner``, a sharded
+    tree) it decodes every stored leaf, runs ``inner.update`` once, and encodes them all, with the
+    same numbers either way. The code books' per-value work runs as one compiled loop
+    (``torch.compile``, compiled on the first step that needs it) for leaves of 2**16 values or
+    more: ``GRADTX_QUANTIZE_COMPILE=0`` keeps it eager, ``=1`` compiles it for every leaf
+    (:mod:`~gradtx.quantization.kernels`); the codes are the same. The stochastic rounding of
+    4-bit first moments runs eagerly, 2**14 values at a time (its draws are int64).
 
     Args:
       inner: the transformation whose state is stored quantized (``adamw(...)``, a chain, ...).
@@ -380,6 +296,7 @@ def quantize_state(
         raise TypeError(f"{owner}: seed must be an int, got {type(seed).__name__}")
     inner_update = with_inplace(inner)
     extra = takes_extra_args(inner)
+    elementwise = is_elementwise(inner)
 
     def layout_of(tree: PyTree) -> tuple[Optional[MeshAxes], list[Any]]:
         """The mesh and every leaf's :class:`~gradtx.sharding.edges.RowCuts` (``None``: unsharded)."""
@@ -426,18 +343,33 @@ def quantize_state(
         places = [place_of(cuts[i], fmt.block_size) for _, _, i in found]
         signed = [not nonnegative[part] for _, part, _ in found]
         local = [dtensor_lib.local(leaves[index]) for index, _, _ in found]
-        draws: list[Optional[Tensor]] = [None] * len(found)
-        if fmt.stochastic:  # the signed fields: first moments, momenta (see quantize_state)
-            rounded = [k for k, sign in enumerate(signed) if sign]
-            keys = [f"{paths[found[k][2]]}#{found[k][1]}" for k in rounded]
-            pieces = [cuts[found[k][2]].piece if cuts[found[k][2]] is not None else None for k in rounded]
-            for k, drawn in zip(rounded, rounding_draws(seed, count, keys, pieces, [local[k] for k in rounded])):
-                draws[k] = drawn
-        stored = encode_all(local, fmt, places, mesh, signed, draws)
+        pieces = [cuts[i].piece if cuts[i] is not None else None for _, _, i in found]
+        rounding = rounding_of(count, paths, [(part, i) for _, part, i in found], pieces, signed)
+        stored = encode_all(local, fmt, places, mesh, signed, rounding)
         for (index, part, i), (c, s) in zip(found, stored):
             codes[part][i], scales[part][i] = c, s
             leaves[index] = dtensor_lib.with_empty_dim(leaves[index])
         return codes, scales
+
+    def rounding_of(
+        count: Tensor,
+        paths: Sequence[str],
+        which: Sequence[tuple[int, int]],
+        pieces: Sequence[Optional[Piece]],
+        signed: Sequence[bool],
+    ) -> list[Optional[Rounding]]:
+        """Per (local) leaf to store, ``(part, param index)`` in ``which``: what its stochastic
+        rounding draws from (a signed field at 4 bits: first moments, momenta; see quantize_state),
+        keyed by ``count``, its param's path and part, and its elements' logical indices (from its
+        ``piece`` of the logical tensor, ``None`` for the whole of it), or ``None`` (to nearest)."""
+        rounding: list[Optional[Rounding]] = [None] * len(which)
+        if not fmt.stochastic:
+            return rounding
+        rounded = [k for k, sign in enumerate(signed) if sign]
+        keys = [f"{paths[which[k][1]]}#{which[k][0]}" for k in rounded]
+        for k, key in zip(rounded, rounding_keys(seed, count, keys, [pieces[k] for k in rounded])):
+            rounding[k] = key
+        return rounding
 
     def stored_leaves(state: QuantizedState) -> tuple[list[Any], Any, list[tuple[int, int, int]]]:
         """The inner state's leaves, its structure, and ``(leaf index, part, param index)`` of each stored leaf."""
@@ -464,6 +396,21 @@ def quantize_state(
         code_leaves = [tree_lib.leaves(tree) for tree in state.codes]
         scale_leaves = [tree_lib.leaves(tree) for tree in state.scales]
         mesh, cuts = layout_of(params if params is not None else updates) if found else (None, [])
+        if not extra:
+            extra_args = {}
+        nonnegative = nonnegative_parts(state_def, tree_lib.structure(state.codes[0])) if state.codes else ()
+        paths = [""] * len(code_leaves[0]) if code_leaves else []
+        if fmt.stochastic and code_leaves:
+            paths = tree_lib.paths(state.codes[0])
+        if found and mesh is None and elementwise and _plain(updates, params):
+            done = update_in_groups(
+                inner_update, updates, params, leaves, state_def, params_parts(state_def, tree_lib.structure(state.codes[0])),
+                code_leaves, scale_leaves, [not n for n in nonnegative], fmt, inplace, extra_args, lambda new: same_structure(new, state_def),
+                functools.partial(rounding_of, count, paths),
+            )
+            if done is not None:
+                new_updates, new_leaves, new_codes, new_scales = done
+                return new_updates, rebuild(state, new_leaves, state_def, new_codes, new_scales, count)
         for index, part, i in found:
             if mesh is not None and cuts[i] is None:
                 raise ValueError(
@@ -473,20 +420,23 @@ def quantize_state(
             place = place_of(cuts[i], fmt.block_size)
             leaves[index] = decode(code_leaves[part][i], scale_leaves[part][i], leaves[index], fmt, place)
         inner_state = tree_lib.unflatten(state_def, leaves)
-        if not extra:
-            extra_args = {}
         new_updates, new_inner = inner_update(updates, inner_state, params, inplace=inplace, **extra_args)
+        new_leaves = same_structure(new_inner, state_def)
+        new_codes, new_scales = store(new_leaves, found, nonnegative, paths, mesh, cuts, count)
+        return new_updates, rebuild(state, new_leaves, state_def, new_codes, new_scales, count)
+
+    def same_structure(new_inner: Any, state_def: Any) -> list[Any]:
+        """The leaves of the inner state ``inner.update`` returned, or a ``ValueError`` if its structure is another."""
         new_leaves, new_def = tree_lib.flatten(new_inner)
         if new_def != state_def:
             raise ValueError(f"{owner}: {name_of(inner.update)} returned a state of another structure than it was given")
-        nonnegative = nonnegative_parts(state_def, tree_lib.structure(state.codes[0])) if state.codes else ()
-        paths = [""] * len(code_leaves[0]) if code_leaves else []
-        if fmt.stochastic and code_leaves:
-            paths = tree_lib.paths(state.codes[0])
-        new_codes, new_scales = store(new_leaves, found, nonnegative, paths, mesh, cuts, count)
+        return new_leaves
+
+    def rebuild(state: QuantizedState, new_leaves: list[Any], state_def: Any, new_codes: list, new_scales: list, count: Tensor) -> QuantizedState:
+        """The new :class:`QuantizedState`: the inner state's leaves, per part the codes and scales, as ``state`` holds them, and ``count``."""
         codes = tuple(tree_lib.unflatten(tree_lib.structure(t), c) for t, c in zip(state.codes, new_codes))
         scales = tuple(tree_lib.unflatten(tree_lib.structure(t), s) for t, s in zip(state.scales, new_scales))
-        return new_updates, QuantizedState(tree_lib.unflatten(new_def, new_leaves), codes, scales, count)
+        return QuantizedState(tree_lib.unflatten(state_def, new_leaves), codes, scales, count)
 
     if takes_donated_updates(inner):
         update_fn = supports_donated_updates(update_fn, returns_new_updates=returns_new_updates(inner))

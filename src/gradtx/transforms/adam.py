@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.base import EmptyState, GradientTransformation, donation, supports_donated_updates
+from gradtx.base import EmptyState, GradientTransformation, donation, set_elementwise, supports_donated_updates
 from gradtx.numerics import ScalarOrSchedule
 from gradtx.state_check import named
 from gradtx.state_signs import nonnegative
@@ -229,7 +229,7 @@ def scale_by_adam(
         del params
         return adam.update(updates, state, inplace=inplace)
 
-    return GradientTransformation(adam.init, supports_donated_updates(update_fn))
+    return GradientTransformation(adam.init, set_elementwise(supports_donated_updates(update_fn)))
 
 
 def fused_adam(
@@ -302,7 +302,8 @@ def fused_adam(
             return new_updates, (new_adam_state, decay_state, lr_state)
         return new_updates, (new_adam_state, lr_state)
 
-    return GradientTransformation(init_fn, named(supports_donated_updates(update_fn), adam.owner))
+    update_fn = set_elementwise(supports_donated_updates(update_fn), not callable(mask))  # a mask made from the params sees them all
+    return GradientTransformation(init_fn, named(update_fn, adam.owner))
 
 
 # --------------------------------------------------------------------------- AMSGrad

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from gradtx.base import GradientTransformation
+from gradtx.base import GradientTransformation, set_elementwise
 from gradtx.transforms import _foreach as fe
 
 _MODES = ("hard", "smooth", "refined")
@@ -65,4 +65,4 @@ def scale_by_lion(
         count = fe.increment(state.count, inplace=inplace)
         return leaves.rebuild(new_updates), ScaleByLionState(count=count, mu=leaves.rebuild(new_mu, like=state.mu))
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, set_elementwise(update_fn))

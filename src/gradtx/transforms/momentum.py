@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from gradtx.base import GradientTransformation
+from gradtx.base import GradientTransformation, set_elementwise
 from gradtx.transforms import _foreach as fe
 
 
@@ -55,7 +55,7 @@ def trace(decay: float, nesterov: bool = False, accumulator_dtype: Optional[torc
         new_updates, new_traces = fe.map_groups(group, leaves.tensors, traces, outputs=2)
         return leaves.rebuild(new_updates), TraceState(trace=leaves.rebuild(new_traces, like=state.trace))
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, set_elementwise(update_fn))
 
 
 def ema(decay: float, debias: bool = True, accumulator_dtype: Optional[torch.dtype] = None) -> GradientTransformation:

@@ -20,6 +20,7 @@ from gradtx.base import (
     donation,
     identity,
     init_empty_state,
+    set_elementwise,
     supports_donated_updates,
 )
 from gradtx.numerics import ScalarOrSchedule
@@ -40,7 +41,7 @@ def scale(step_size: Union[float, Tensor]) -> GradientTransformation:
         (scaled,) = fe.map_groups(lambda g: (fe.mul(g, fe.on(step_size, g), inplace=own_updates),), leaves.tensors, outputs=1)
         return leaves.rebuild(scaled), state
 
-    return GradientTransformation(init_empty_state, supports_donated_updates(update_fn))
+    return GradientTransformation(init_empty_state, set_elementwise(supports_donated_updates(update_fn)))
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -68,7 +69,7 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
         (scaled,) = fe.map_groups(lambda g: (fe.mul(g, fe.on(step_size, g), inplace=own_updates),), leaves.tensors, outputs=1)
         return leaves.rebuild(scaled), ScaleByScheduleState(count=fe.increment(state.count, inplace=own_state))
 
-    return GradientTransformation(init_fn, supports_donated_updates(update_fn))
+    return GradientTransformation(init_fn, set_elementwise(supports_donated_updates(update_fn)))
 
 
 def scale_by_learning_rate(

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple, Optional
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.base import EmptyState, GradientTransformation, donation, supports_donated_updates
+from gradtx.base import EmptyState, GradientTransformation, donation, set_elementwise, supports_donated_updates
 from gradtx.numerics import ScalarOrSchedule
 from gradtx.transforms import _foreach as fe
 
@@ -74,7 +74,8 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Optional[Any
         return leaves.rebuild(new_updates), state
 
     # a zero decay or a mask passes updates through as they are: new updates only when donated
-    return GradientTransformation(init_fn, supports_donated_updates(update_fn, returns_new_updates=False))
+    update_fn = supports_donated_updates(update_fn, returns_new_updates=False)
+    return GradientTransformation(init_fn, set_elementwise(update_fn, not callable(mask)))  # a mask made from the params sees them all
 
 
 AddDecayedWeightsState = EmptyState
