@@ -425,3 +425,17 @@ def test_recompile_limit_errors_recognised_under_either_name(monkeypatch):
         monkeypatch.delattr(exc, name, raising=False)
     assert not compiled_step._is_recompile_limit_hit(kinds[0]("hit"))
     assert not compiled_step._is_recompile_limit_hit(RuntimeError("hit"))
+
+
+@pytest.mark.parametrize("unchecked", [True, False], ids=["aten-unsafe-index", "without-it"])
+def test_the_quantization_table_lookup_while_compiling_with_and_without_the_unchecked_index(monkeypatch, unchecked):
+    from gradtx.quantization import kernels
+
+    table = torch.linspace(-1.0, 1.0, 256)
+    index = torch.randint(0, 256, (3, 5, 7), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    if not unchecked:
+        monkeypatch.setattr(torch_internals, "unchecked_index", None)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the branch a compiled loop traces
+    looked_up = kernels.gather(table, index)
+    monkeypatch.undo()
+    assert torch.equal(looked_up, table[index.long()]) and torch.equal(looked_up, kernels.gather(table, index))

@@ -67,6 +67,8 @@ PRIVATE_APIS = (
     # gradtx.sharding.checkpointing: Pieces, a wrapper tensor implementing DCP's chunk protocol
     "torch.Tensor._make_wrapper_subclass",
     "torch._C._disabled_torch_function_impl",
+    # gradtx.quantization.kernels: a table lookup Inductor compiles without index checks
+    "torch.ops.aten._unsafe_index",
 )
 
 
@@ -192,6 +194,14 @@ def functorch_unwrapped(tensor: Tensor, *, owner: str) -> Tensor:
     while is_wrapped(tensor):
         tensor = unwrap(tensor)
     return tensor
+
+
+# --------------------------------------------------------------------------- indexing
+
+
+# ``table[index]`` with no bounds check (an ATen op of Inductor's own lowerings), or ``None`` where
+# this torch lacks it: callers then index as usual, with the same values.
+unchecked_index: Optional[Callable[..., Tensor]] = getattr(torch.ops.aten, "_unsafe_index", None)
 
 
 # --------------------------------------------------------------------------- torch.optim

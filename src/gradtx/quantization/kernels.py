@@ -21,6 +21,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from gradtx import torch_internals
+
 # a non-negative float32's exponent and top 10 mantissa bits name its cell (see maps._NearestMagnitude)
 CELL_SHIFT = 13
 CELLS = (0x3F800000 >> CELL_SHIFT) + 2  # the cells of [0, 1], and one above for NaN
@@ -34,7 +36,9 @@ def gather(table: Tensor, index: Tensor) -> Tensor:
     than advanced indexing; compiled, an unchecked load (Inductor checks and wraps indices
     otherwise, which doubles the cost of the loop)."""
     if torch.compiler.is_compiling():
-        return torch.ops.aten._unsafe_index(table, [index])
+        if torch_internals.unchecked_index is not None:
+            return torch_internals.unchecked_index(table, [index])
+        return table[index]
     return torch.index_select(table, 0, index.reshape(-1)).view(index.shape)
 
 
