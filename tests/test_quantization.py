@@ -211,7 +211,7 @@ def test_8_bit_and_float8_round_to_nearest_and_float8_takes_no_draws():
     assert not storage_format(8, None).stochastic and not storage_format(torch.float8_e4m3fn, None).stochastic
     assert storage_format(4, None).stochastic
     with pytest.raises(ValueError, match="nearest only"):
-        maps.codec(torch.float8_e4m3fn).encode(torch.zeros(2), torch.tensor(True), torch.zeros(2, dtype=torch.int64))
+        maps.codec(torch.float8_e4m3fn).codes(torch.zeros(1, 1, 2), torch.ones(1, 1), torch.zeros(1, 1, 2, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("bits", FORMATS)

@@ -152,16 +152,11 @@ class TableCodec:
         flat, flat_scales = kernels.block_rows(codes, scales)
         return kernels.run(kernels.table_values, flat, flat_scales, self._joint.to(codes.device), 2**self.bits).view(codes.shape)
 
-    def encode(self, normalized: Tensor, signed: Tensor, draws: Optional[Tensor] = None) -> Tensor:
-        """:meth:`codes` of values already divided by their block's absmax (float32 in ``[-1, 1]``,
-        any shape); ``signed`` broadcasts against them. The same codes."""
-        return _encode_normalized(self, normalized, signed, draws)
-
 
 class FloatCodec:
-    """A scaled cast to a float8 ``dtype``: ``normalized * max`` rounded to the nearest ``dtype``
-    value (``max`` the dtype's largest finite value), read back as ``code / max``. The sign is the
-    dtype's own, so ``signed`` is ignored."""
+    """A scaled cast to a float8 ``dtype``: each value over its block's absmax, times ``max``, rounded
+    to the nearest ``dtype`` value (``max`` the dtype's largest finite value), read back as ``code /
+    max`` times the absmax. The sign is the dtype's own, so the map a scale's sign bit names is ignored."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.bits = torch.finfo(dtype).bits
@@ -178,21 +173,8 @@ class FloatCodec:
         """The float32 values ``codes`` stand for under ``scales``."""
         return codes.to(torch.float32) / self.max * scales.abs()[..., None]
 
-    def encode(self, normalized: Tensor, signed: Tensor, draws: Optional[Tensor] = None) -> Tensor:
-        """:meth:`codes` of values already divided by their block's absmax; ``signed`` broadcasts against them."""
-        return _encode_normalized(self, normalized, signed, draws)
-
 
 Codec = Union[TableCodec, FloatCodec]
-
-
-def _encode_normalized(codec: Codec, normalized: Tensor, signed: Tensor, draws: Optional[Tensor]) -> Tensor:
-    """``codec``'s codes of ``normalized`` values, each its own block of scale 1 (``-1`` where
-    ``signed``): dividing by 1 changes no value, so these are the blocks' codes."""
-    shape = normalized.shape
-    scales = torch.where(signed, -1.0, 1.0).to(torch.float32).expand(shape).reshape(-1, 1)
-    flat_draws = None if draws is None else draws.reshape(-1, 1, 1)
-    return codec.codes(normalized.reshape(-1, 1, 1), scales, flat_draws).view(shape)
 
 
 @functools.lru_cache(maxsize=None)
