@@ -112,7 +112,7 @@ def device_dtype_groups(tensors: Sequence[Tensor], *, native: bool = True) -> li
     """
     group = getattr(torch._C, "_group_tensors_by_device_and_dtype", None) if native else None
     if group is None:
-        if _one_device_and_dtype(tensors):  # (no per-tensor step for Dynamo to trace)
+        if one_device_and_dtype(tensors):  # (no per-tensor step for Dynamo to trace)
             return [list(range(len(tensors)))] if tensors else []
         by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for index, tensor in enumerate(tensors):
@@ -130,8 +130,9 @@ def devices_of(tensors: Sequence[Tensor], *, native: bool = True) -> set[torch.d
     return {device for device, _ in group([list(tensors)], False)}
 
 
-def _one_device_and_dtype(tensors: Sequence[Tensor]) -> bool:
-    """Whether all ``tensors`` share one device and one dtype (in native maps, for Dynamo)."""
+def one_device_and_dtype(tensors: Sequence[Tensor]) -> bool:
+    """Whether all ``tensors`` (at least one) share one device and one dtype, found in native maps
+    and a list comparison: no per-tensor Python step, eagerly or for Dynamo to trace."""
     n = len(tensors)
     devices = list(map(getattr, tensors, ["device"] * n))
     dtypes = list(map(getattr, tensors, ["dtype"] * n))

@@ -18,7 +18,6 @@ tensor ops, never read on the host: no device sync, no recompilation under ``tor
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -222,12 +221,9 @@ def _one_group(lists: Sequence[Sequence[Any]]) -> bool:
             continue  # per-leaf flags, or no values
         if not all(tensors) or len({dtensor is not None and issubclass(kind, dtensor) for kind in kinds}) != 1:
             return False
-        if len(set(map(_DEVICE_DTYPE, seq))) != 1:
+        if not torch_internals.one_device_and_dtype(seq):
             return False
     return True
-
-
-_DEVICE_DTYPE = operator.attrgetter("device", "dtype")
 
 
 def on(value: Scalar, tensors: Sequence[Tensor]) -> Scalar:
