@@ -77,7 +77,7 @@ def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree, names: Sequenc
     if torch.compiler.is_compiling():  # see _plain_columns: the same map, traced in far fewer steps
         columns = _plain_columns(tree, rest, strict=False)
         if columns is not None:
-            if False not in list(map(isinstance, columns[0], [Tensor] * len(columns[0]))):  # no None to skip
+            if False not in instances(columns[0], Tensor):  # no None to skip
                 return _plain_rebuild(tree, list(map(fn, *columns)))
             return _plain_rebuild(tree, [visit(*leaves) for leaves in zip(*columns)])
     try:
@@ -155,9 +155,15 @@ def flatten_like(tree: PyTree, treedef: TreeSpec, reference: PyTree, *, what: st
 _LEAF_TYPES = (Tensor, type(None))
 
 
+def instances(values: Sequence[Any], kind: Union[type, tuple[type, ...]]) -> list[bool]:
+    """``isinstance(value, kind)`` per value, in one native ``map``: no per-value Python step,
+    eagerly or for Dynamo to trace (a generator or comprehension is traced value by value)."""
+    return list(map(isinstance, values, [kind] * len(values)))
+
+
 def _all_leaves(values: list[Any]) -> bool:
     """Whether every value is a tensor or ``None``."""
-    return False not in list(map(isinstance, values, [_LEAF_TYPES] * len(values)))
+    return False not in instances(values, _LEAF_TYPES)
 
 
 def _all_str(keys: list[Any]) -> bool:
@@ -440,7 +446,7 @@ def check_tensors(tree: PyTree, tree_leaves: Sequence[Any], *, what: str, allow_
 def _present(tree_leaves: list[Any]) -> list[int]:
     """The indices of the tensors among leaves that are tensors or ``None`` (no per-leaf step for
     Dynamo to trace when every leaf is a tensor)."""
-    tensors = list(map(isinstance, tree_leaves, [Tensor] * len(tree_leaves)))
+    tensors = instances(tree_leaves, Tensor)
     if False not in tensors:
         return list(range(len(tree_leaves)))
     return [i for i, tensor in enumerate(tensors) if tensor]
@@ -594,7 +600,7 @@ def _split_dtensors(index_lists: list[list[int]], tensors: Sequence[Tensor]) -> 
     Free when DTensor was never imported; otherwise one isinstance map (in C) finds out whether
     there is anything to split."""
     cls = dtensor_type()
-    if cls is None or True not in list(map(isinstance, tensors, [cls] * len(tensors))):
+    if cls is None or True not in instances(tensors, cls):
         return index_lists
     out = []
     for indices in index_lists:
@@ -784,7 +790,7 @@ def foreach(name: str, selves: Sequence[Tensor], *args: Any, inplace: bool, **kw
     (:func:`gradtx.sharding.dtensor.foreach_on_shards`).
     """
     selves = list(selves)
-    if True in list(map(isinstance, args, [tuple] * len(args))):  # (a native map for Dynamo, not a generator)
+    if True in instances(args, tuple):
         args = tuple([list(a) if isinstance(a, tuple) else a for a in args])
     if needs_graph(selves, *args, *kwargs.values()):
         op = getattr(torch, name)

@@ -49,7 +49,7 @@ class Leaves(NamedTuple):
             out = list(other_leaves)
         else:
             out = [other_leaves[i] for i in self.present]
-        if False not in list(map(isinstance, out, [Tensor] * len(out))):
+        if False not in tree_lib.instances(out, Tensor):
             return out
         for i, leaf in zip(self.present, out):
             if not isinstance(leaf, Tensor):
