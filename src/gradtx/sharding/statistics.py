@@ -161,6 +161,9 @@ def leaf_maxima(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
     (``max(|min|, |max|)``; CPU's inf-norm kernel is several times slower than its 2-norm one).
     A NaN gives NaN, an infinity infinity, an empty tensor 0."""
     dtype = tree_lib.accumulation_dtype([t.dtype for t in tensors])
+    if torch.compiler.is_compiling() and all(t.layout == torch.strided and not t.is_complex() and t.numel() > 0 for t in tensors):
+        # one max of |x| per tensor: a reduction Inductor fuses into the optimizer's loop over x
+        return torch.stack([t.abs().amax().to(device=device, dtype=dtype) for t in tensors])
     lows, highs = [], []
     for t in tensors:
         if t.numel() == 0:
@@ -175,6 +178,8 @@ def leaf_maxima(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
 
 
 def _count_nonfinite(tensor: Tensor) -> Tensor:
+    if torch.compiler.is_compiling() and tensor.layout == torch.strided and tensor.numel() < 2**31:
+        return (~torch.isfinite(tensor)).sum(dtype=torch.int32)  # compiled: a 32-bit count vectorizes
     if tensor.layout == torch.strided:  # one bool temporary, not two
         return tensor.numel() - torch.isfinite(tensor).sum()
     return (~torch.isfinite(tensor)).sum()
@@ -201,13 +206,26 @@ def _nonfinite_counts(tensors: list[Tensor], maxima: Tensor, device: torch.devic
     return counts
 
 
+def _fusable_norms(tensors: list[Tensor]) -> list[Tensor]:
+    """Per-tensor 2-norms as :func:`_local_norms` takes them, except under ``torch.compile``, where
+    dense real tensors get ``torch.linalg.vector_norm``: a reduction Inductor fuses into the loops
+    that already read the tensor (the optimizer's own), where ``_foreach_norm`` stays a separate
+    kernel call and reads every tensor once more. Only for statistics: a clip's norm keeps its kernel."""
+    if not torch.compiler.is_compiling() or not all(
+        t.layout == torch.strided and not t.is_complex() and t.numel() > 0 for t in tensors
+    ):
+        return _local_norms(tensors, 2.0)
+    dtype = tree_lib.accumulation_dtype([t.dtype for t in tensors])
+    return [torch.linalg.vector_norm(t, 2.0, dtype=tree_lib.accumulation_dtype([t.dtype])).to(dtype) for t in tensors]
+
+
 def squared_sums(layout: GroupLayout, tree_leaves: Sequence[Any], device: torch.device) -> Tensor:
     """This rank's ``[total, per group]`` sums of squares of ``tree_leaves`` (laid out as the layout's tree)."""
     counted = _counted(layout, tree_leaves)
     if not counted:
         return _per_group(layout, None, None, "sum", device)
     groups = _group_index(layout, [i for i, _ in counted], device)
-    return _per_group(layout, groups, _squares(_local_norms([t for _, t in counted], 2.0), device), "sum", device)
+    return _per_group(layout, groups, _squares(_fusable_norms([t for _, t in counted]), device), "sum", device)
 
 
 class GradientPartials(NamedTuple):
