@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -377,6 +378,19 @@ def test_compiled_step_records_the_same_statistics():
     assert len([key for key in compiled if key.startswith("grad_norm/")]) == 2
     for a, b in zip(gtx.tree.leaves(new_params), gtx.tree.leaves(eager_params)):
         torch.testing.assert_close(a, b)
+
+
+def test_one_compiled_graph_serves_the_first_step_and_the_later_ones():
+    """The state ``init`` makes is laid out as the states the steps return (no leaf aliasing
+    another), so a compiled step built on it serves every later step without compiling again."""
+    params, grads = ({"layers": t["layers"][0], "head": t["head"]} for t in (_tree(0), _tree(1)))
+    tx = gtx.observe(_inner(), groups=1)
+    state = tx.init(params)
+    step = gtx.compile_step(tx, backend="eager")
+    counters.clear()
+    for _ in range(3):
+        params, state = step(grads, state, params)
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 # --------------------------------------------------------------------------- properties

@@ -225,9 +225,15 @@ def _stats_of(sums: Tensor, maxima: Tensor, column: int, dtype: torch.dtype, pre
 
 
 def _empty_stats(device: torch.device, dtype: torch.dtype) -> ObservedStats:
-    zero = torch.zeros((), dtype=dtype, device=device)
-    nan = torch.full((), float("nan"), dtype=dtype, device=device)
-    return ObservedStats(zero, nan, nan, nan, zero, torch.zeros((), dtype=torch.int64, device=device))
+    """Statistics before the first step; each a tensor of its own, as a step's are."""
+
+    def zero() -> Tensor:
+        return torch.zeros((), dtype=dtype, device=device)
+
+    def nan() -> Tensor:
+        return torch.full((), float("nan"), dtype=dtype, device=device)
+
+    return ObservedStats(zero(), nan(), nan(), nan(), zero(), torch.zeros((), dtype=torch.int64, device=device))
 
 
 def _fusable(lead: Optional[LeadingClip], layout: stats_lib.GroupLayout, spec: Any) -> Optional[str]:
@@ -297,13 +303,15 @@ def observe(
         tensors = [leaf for leaf in tree_lib.leaves(params) if isinstance(leaf, Tensor)]
         dtype = tree_lib.accumulation_dtype(tree_lib.real_dtypes(params)) if tensors else torch.float32
         device = stats_lib.local_device(tree_lib.leaves(params), layout.plan)
-        empty = _empty_stats(device, dtype)
+        # tensors of their own, as every step's are: a state whose leaves alias one another would
+        # not match the guards of a step compiled for the states steps return (a second compilation)
         clip_stats = None
         if clip is not None:
-            false = torch.zeros((), dtype=torch.bool, device=device)
-            clip_stats = ObservedClip(empty.grad_norm, empty.grad_norm, false)
+            zero = _empty_stats(device, dtype).grad_norm
+            clip_stats = ObservedClip(zero, zero.clone(), torch.zeros((), dtype=torch.bool, device=device))
         pending = torch.full((len(layout.names) + 1,), float("nan"), dtype=torch.float64, device=device)
-        return ObserveState(inner_state, empty, {name: empty for name in layout.names}, clip_stats, pending)
+        groups = {name: _empty_stats(device, dtype) for name in layout.names}
+        return ObserveState(inner_state, _empty_stats(device, dtype), groups, clip_stats, pending)
 
     def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
         layout = layout_of(updates)
