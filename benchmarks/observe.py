@@ -6,6 +6,7 @@
    leaf: 7 groups). Both the pure path (new updates and state) and the donated one
    (``inplace=True``, as ``wrap`` runs it). Interleaved rounds (``common.interleaved``), medians, and
    the median of per-round ratios; with 1 and 2 torch threads (target: ratio <= 1.05).
+   With ``--compiled``, the same two steps through ``gtx.compile_step`` as well (1 thread).
 2. Collectives per step in a world of 2 (gloo, one process per rank, ZeRO-style: every leaf split
    over ``dp`` along dim 0, declared by a ``ShardingSpec``): the sharded clip alone in the chain,
    against the chain with statistics (target: 1 and 1), counted from the gloo events of a
@@ -13,7 +14,7 @@
 
 Run from the repository root::
 
-    python benchmarks/observe.py [--rounds N] [--quick]
+    python benchmarks/observe.py [--rounds N] [--quick] [--compiled]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import gc
 import os
 import sys
 import tempfile
+import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(_ROOT, "src"), _ROOT]  # runs from a checkout
@@ -77,6 +79,29 @@ def local_timing(config: dict, rounds: int) -> None:
         print("  " + ratios_text(ratios))
 
 
+def compiled_timing(config: dict, rounds: int) -> None:
+    """The same two steps through ``gtx.compile_step`` (Inductor), where the statistics' reductions
+    can share the optimizer's loops; params and state carried from step to step, as a loop does."""
+    grads, params = make_tree(config, seed=1, scale=1e-2), make_tree(config, seed=2)
+    torch.set_num_threads(1)
+    runs = {}
+    for name, tx in ((BASELINE, chain()), ("observe(chain(clip, adamw), groups=2)", gtx.observe(chain(), groups=2))):
+        step, carried = gtx.compile_step(tx), [params, tx.init(params)]
+
+        def run(step=step, carried=carried) -> None:
+            carried[:] = step(grads, carried[1], carried[0])
+
+        runs[name] = run
+    start = time.perf_counter()
+    for run in runs.values():  # compiles (the first call of each), then one steady-state step
+        run()
+        run()
+    print(f"\ncompile_step: both steps compiled in {time.perf_counter() - start:.0f} s")
+    times = interleaved(runs, rounds=rounds)
+    ratios = report("one compile_step step, 1 thread (unsharded)", times, BASELINE)
+    print(f"  statistics on / off, compile_step: {ratios['observe(chain(clip, adamw), groups=2)']:.3f} (target <= 1.05)")
+
+
 def worker(rank: int, store_path: str, config: dict, rounds: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -110,9 +135,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="fewer rounds, a smaller tree in the world of 2")
+    parser.add_argument("--compiled", action="store_true", help="also time both steps through compile_step (minutes of compilation on a CPU)")
     args = parser.parse_args()
     rounds = 5 if args.quick else args.rounds
     local_timing(GPT_41M, rounds)
+    if args.compiled:
+        compiled_timing(GPT_41M, rounds)
     store = tempfile.mktemp(prefix="gradtx_bench_")
     mp.spawn(worker, args=(store, SMALL if args.quick else GPT_41M, rounds), nprocs=WORLD)
 
