@@ -516,3 +516,25 @@ def test_partition_by_labels_compiles_to_the_eager_numbers(labels):
         eager_params = gtx.apply_updates(eager_params, updates)
     for key in params:
         assert torch.equal(compiled_params[key], eager_params[key]), key
+
+
+# --------------------------------------------------------------------------- empty containers
+
+
+@pytest.mark.parametrize("make", [_adamw_chain, lambda: gtx.observe(_adamw_chain())], ids=["adamw", "observe"])
+def test_a_tree_holding_an_empty_dict_compiles(make):
+    """A module with no params flattens to an empty dict, and ``observe`` without groups keeps an
+    empty one in its state. optree 0.20 flattens an empty dict into metadata Dynamo cannot hold (an
+    error before any step), hence ``optree<0.20`` in the requirements; this keeps the two apart."""
+    tx = make()
+    params = {"layer": {"w": torch.ones(3, 2)}, "frozen": {}}
+    grads = {"layer": {"w": torch.full((3, 2), 0.5)}, "frozen": {}}
+    state = eager_state = tx.init(params)
+    step = gtx.compile_step(tx, backend="eager")
+    eager_params = params
+    for _ in range(2):
+        params, state = step(grads, state, params)
+        updates, eager_state = tx.update(grads, eager_state, eager_params)
+        eager_params = gtx.apply_updates(eager_params, updates)
+    assert params["frozen"] == {}
+    torch.testing.assert_close(params["layer"]["w"], eager_params["layer"]["w"])
