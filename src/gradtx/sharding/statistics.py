@@ -162,7 +162,7 @@ def leaf_maxima(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
     A NaN gives NaN, an infinity infinity, an empty tensor 0."""
     dtype = tree_lib.accumulation_dtype([t.dtype for t in tensors])
     if torch.compiler.is_compiling() and all(t.layout == torch.strided and not t.is_complex() and t.numel() > 0 for t in tensors):
-        # one max of |x| per tensor: a reduction Inductor fuses into the optimizer's loop over x
+        # one max of |x| per tensor: a reduction Inductor can fuse into the optimizer's loop over x
         return torch.stack([t.abs().amax().to(device=device, dtype=dtype) for t in tensors])
     lows, highs = [], []
     for t in tensors:
@@ -208,9 +208,9 @@ def _nonfinite_counts(tensors: list[Tensor], maxima: Tensor, device: torch.devic
 
 def _fusable_norms(tensors: list[Tensor]) -> list[Tensor]:
     """Per-tensor 2-norms as :func:`_local_norms` takes them, except under ``torch.compile``, where
-    dense real tensors get ``torch.linalg.vector_norm``: a reduction Inductor fuses into the loops
-    that already read the tensor (the optimizer's own), where ``_foreach_norm`` stays a separate
-    kernel call and reads every tensor once more. Only for statistics: a clip's norm keeps its kernel."""
+    dense real tensors get ``torch.linalg.vector_norm``: a reduction Inductor can fuse into the
+    loops that already read the tensor (the optimizer's own), where ``_foreach_norm`` stays a
+    separate kernel call and reads every tensor once more. Only for statistics: a clip's norm keeps its kernel."""
     if not torch.compiler.is_compiling() or not all(
         t.layout == torch.strided and not t.is_complex() and t.numel() > 0 for t in tensors
     ):
