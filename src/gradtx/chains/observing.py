@@ -307,8 +307,7 @@ def observe(
         # not match the guards of a step compiled for the states steps return (a second compilation)
         clip_stats = None
         if clip is not None:
-            zero = _empty_stats(device, dtype).grad_norm
-            clip_stats = ObservedClip(zero, zero.clone(), torch.zeros((), dtype=torch.bool, device=device))
+            clip_stats = ObservedClip(*(torch.zeros((), dtype=kind, device=device) for kind in (dtype, dtype, torch.bool)))
         pending = torch.full((len(layout.names) + 1,), float("nan"), dtype=torch.float64, device=device)
         groups = {name: _empty_stats(device, dtype) for name in layout.names}
         return ObserveState(inner_state, _empty_stats(device, dtype), groups, clip_stats, pending)

@@ -155,13 +155,19 @@ def _squares(norms: list[Tensor], device: torch.device) -> Tensor:
     return torch.stack([n.to(device=device, dtype=_DTYPE) for n in norms]) ** 2
 
 
+def _compiled_reductions(tensors: Sequence[Tensor]) -> bool:
+    """Whether the statistics of ``tensors`` are taken as plain reductions Inductor lowers (under
+    ``torch.compile``, for dense real non-empty tensors) instead of torch's per-list kernels."""
+    return torch.compiler.is_compiling() and all(t.layout == torch.strided and not t.is_complex() and t.numel() > 0 for t in tensors)
+
+
 def leaf_maxima(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
     """Per-tensor ``max |x|`` (float32, or float64 if any tensor is), stacked on ``device``: the
     values of ``_local_norms(tensors, inf)``, from one ``aminmax`` pass per dense real tensor
     (``max(|min|, |max|)``; CPU's inf-norm kernel is several times slower than its 2-norm one).
     A NaN gives NaN, an infinity infinity, an empty tensor 0."""
     dtype = tree_lib.accumulation_dtype([t.dtype for t in tensors])
-    if torch.compiler.is_compiling() and all(t.layout == torch.strided and not t.is_complex() and t.numel() > 0 for t in tensors):
+    if _compiled_reductions(tensors):
         # one max of |x| per tensor: a reduction Inductor can fuse into the optimizer's loop over x
         return torch.stack([t.abs().amax().to(device=device, dtype=dtype) for t in tensors])
     lows, highs = [], []
@@ -211,9 +217,7 @@ def _fusable_norms(tensors: list[Tensor]) -> list[Tensor]:
     dense real tensors get ``torch.linalg.vector_norm``: a reduction Inductor can fuse into the
     loops that already read the tensor (the optimizer's own), where ``_foreach_norm`` stays a
     separate kernel call and reads every tensor once more. Only for statistics: a clip's norm keeps its kernel."""
-    if not torch.compiler.is_compiling() or not all(
-        t.layout == torch.strided and not t.is_complex() and t.numel() > 0 for t in tensors
-    ):
+    if not _compiled_reductions(tensors):
         return _local_norms(tensors, 2.0)
     dtype = tree_lib.accumulation_dtype([t.dtype for t in tensors])
     return [torch.linalg.vector_norm(t, 2.0, dtype=tree_lib.accumulation_dtype([t.dtype])).to(dtype) for t in tensors]
