@@ -676,11 +676,13 @@ def needs_graph(*args: Any) -> bool:
             elif isinstance(arg, Tensor) and arg.requires_grad:
                 return True
         return False
-    if not check_wrapped:  # the common eager case: only requires_grad matters
+    if not check_wrapped:  # the common eager case: only requires_grad matters, read in native maps
         for arg in args:
-            for t in arg if isinstance(arg, (list, tuple)) else (arg,):
-                if isinstance(t, Tensor) and t.requires_grad:
+            if isinstance(arg, (list, tuple)):
+                if any(map(getattr, arg, itertools.repeat("requires_grad"), itertools.repeat(False))):
                     return True
+            elif isinstance(arg, Tensor) and arg.requires_grad:
+                return True
         return False
     is_wrapped = torch_internals.wrapped_check()
     for arg in args:
