@@ -69,6 +69,9 @@ PRIVATE_APIS = (
     "torch._C._disabled_torch_function_impl",
     # gradtx.quantization.kernels: a table lookup Inductor compiles without index checks
     "torch.ops.aten._unsafe_index",
+    # gradtx.packing: many small tensors copied into one and viewed back, in C++
+    "torch._C._nn.flatten_dense_tensors",
+    "torch._C._nn.unflatten_dense_tensors",
 )
 
 
@@ -98,6 +101,26 @@ def _one_by_one(name: str, selves: Sequence[Tensor], *args: Any, **kwargs: Any) 
         else:  # no Tensor method (``maximum_``): the op written into the tensor itself
             getattr(torch, name[:-1])(s, *xs, out=s, **kwargs)
     return None
+
+
+# --------------------------------------------------------------------------- packing
+
+
+def flatten_dense_tensors(tensors: Sequence[Tensor]) -> Tensor:
+    """Contiguous ``tensors`` copied end to end into one 1-d tensor: one native call, where this
+    torch has it, else one ``cat`` of their flat views."""
+    native = getattr(torch._C._nn, "flatten_dense_tensors", None)
+    if native is not None:
+        return native(list(tensors))
+    return torch.cat([t.view(-1) for t in tensors])
+
+
+def unflatten_dense_tensors(flat: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
+    """Views of the 1-d ``flat`` shaped as ``like``, end to end (what :func:`flatten_dense_tensors` packed)."""
+    native = getattr(torch._C._nn, "unflatten_dense_tensors", None)
+    if native is not None:
+        return list(native(flat, list(like)))
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
 # --------------------------------------------------------------------------- grouping

@@ -23,7 +23,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from gradtx import torch_internals
+from gradtx import packing, torch_internals
 from gradtx import tree as tree_lib
 from gradtx.sharding.dtensor import dtensor_type
 
@@ -64,7 +64,10 @@ class Leaves(NamedTuple):
 
         The other leaves come from ``like`` (a state tree, kept as it was) or stay ``None``.
         """
-        base = self.all_leaves if like is None else tree_lib.flatten_like(like, self.treedef, self.tree, what="state", like="updates")
+        if like is None or len(self.present) == len(self.all_leaves):  # nothing of ``like`` is kept
+            base = self.all_leaves
+        else:
+            base = tree_lib.flatten_like(like, self.treedef, self.tree, what="state", like="updates")
         return tree_lib.unflatten(self.treedef, tree_lib.replace_present(base, self.present, values))
 
 
@@ -179,14 +182,25 @@ def realized(*scalars: Any) -> tuple[Any, ...]:
 # --------------------------------------------------------------------------- groups
 
 
-def map_groups(fn: Callable[..., Sequence[Sequence[Any]]], *lists: Sequence[Any], outputs: int) -> tuple[list[Any], ...]:
+def map_groups(
+    fn: Callable[..., Sequence[Sequence[Any]]], *lists: Sequence[Any], outputs: int, pack: bool = False
+) -> tuple[list[Any], ...]:
     """Runs ``fn`` on each group of positions whose tensors share (device, dtype, DTensor or not) in every list.
 
     Lists may also hold non-tensors (per-leaf flags), which do not affect the grouping.
     ``fn(*group_lists)`` returns ``outputs`` lists (one entry per tensor of the group); they are put
     back in input order.
+
+    ``pack=True`` says that ``fn`` is elementwise and returns new tensors only (a pure step): many
+    small tensors of a group then take it packed into one (:mod:`gradtx.packing`), with
+    the same numbers. Never while compiling or where a graph is recorded.
     """
     n = len(lists[0])
+    if pack and n >= packing.PACK_MIN_TENSORS and not torch.compiler.is_compiling():
+        tensors = [seq for seq in lists if seq and isinstance(seq[0], Tensor)]
+        if not tree_lib.needs_graph(*tensors):
+            original = fn
+            fn = lambda *group: packing.map_packed(original, group, outputs)  # noqa: E731
     if n and _one_group(lists):
         return tuple(list(values) for values in list(fn(*(list(seq) for seq in lists)))[:outputs])
     groups: dict[tuple, list[int]] = {}

@@ -189,7 +189,9 @@ class _Adam:
                     out[i] = value
             return fe.finish(out, g), m, v
 
-        new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, flags, param_values, outputs=3)
+        new_updates, new_mu, new_nu = fe.map_groups(
+            group, leaves.tensors, mu, nu, flags, param_values, outputs=3, pack=not (inplace or own_updates)
+        )
         new_state = ScaleByAdamState(
             count=count, mu=leaves.rebuild(new_mu, like=state.mu), nu=leaves.rebuild(new_nu, like=state.nu)
         )

@@ -61,7 +61,7 @@ def scale_by_lion(
                 x = fe.copy_into(g, x)
             return x, m
 
-        new_updates, new_mu = fe.map_groups(group, leaves.tensors, mu, outputs=2)
+        new_updates, new_mu = fe.map_groups(group, leaves.tensors, mu, outputs=2, pack=not inplace)
         count = fe.increment(state.count, inplace=inplace)
         return leaves.rebuild(new_updates), ScaleByLionState(count=count, mu=leaves.rebuild(new_mu, like=state.mu))
 

@@ -52,7 +52,7 @@ def trace(decay: float, nesterov: bool = False, accumulator_dtype: Optional[torc
                 out = fe.fresh(fe.cast(t, g[0].dtype), into=g if inplace else None)
             return out, t
 
-        new_updates, new_traces = fe.map_groups(group, leaves.tensors, traces, outputs=2)
+        new_updates, new_traces = fe.map_groups(group, leaves.tensors, traces, outputs=2, pack=not inplace)
         return leaves.rebuild(new_updates), TraceState(trace=leaves.rebuild(new_traces, like=state.trace))
 
     return GradientTransformation(init_fn, set_elementwise(update_fn))
