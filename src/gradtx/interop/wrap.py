@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, NamedTuple, Optional
@@ -124,6 +125,12 @@ def _check_gates(state: Any, gate: Optional[step_gates.StepGate]) -> None:
             "while the inner optimizer would still step all of them. Put MultiSteps / apply_if_finite at the top "
             "of the chain (they may wrap anything), so a skipped step skips the inner optimizer's step"
         )
+
+
+# read over every parameter in native maps: with many small params a Python step each costs more than the kernels
+_GRAD = operator.attrgetter("grad")
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
 
 
 class _Prepared(NamedTuple):
@@ -394,7 +401,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         return OrderedDict(zip(self._names, self._params))
 
     def _grad_tree(self) -> OrderedDict[str, Optional[Tensor]]:
-        return OrderedDict((name, param.grad) for name, param in zip(self._names, self._params))
+        return OrderedDict(zip(self._names, map(_GRAD, self._params)))  # native maps: many params cost little
 
     def _sync_params(self) -> None:
         """Follows the parameters: re-derives names, and the state, when they changed since the last call.
@@ -409,9 +416,9 @@ class ChainedOptimizer(torch.optim.Optimizer):
         current = [p for group in self.param_groups for p in group["params"]]
         if (
             len(current) == len(self._params)
-            and all(a is b for a, b in zip(current, self._params))
-            and [p.dtype for p in current] == self._dtypes
-            and [p.device for p in current] == self._devices
+            and all(map(operator.is_, current, self._params))
+            and list(map(_DTYPE, current)) == self._dtypes
+            and list(map(_DEVICE, current)) == self._devices
         ):
             return
         self._names, self._params = self._name_params()
@@ -432,10 +439,16 @@ class ChainedOptimizer(torch.optim.Optimizer):
             self.param_groups[0][STATE_KEY] = None
 
     def _remember_layouts(self) -> None:
-        self._dtypes = [p.dtype for p in self._params]
-        self._devices = [p.device for p in self._params]
+        self._dtypes = list(map(_DTYPE, self._params))
+        self._devices = list(map(_DEVICE, self._params))
 
     def _write_back(self, updates: dict[str, Optional[Tensor]]) -> None:
+        if isinstance(updates, dict) and len(updates) == len(self._names):
+            try:  # every gradient transformed in place (donated): nothing to write, checked in native maps
+                if all(map(operator.is_, map(updates.__getitem__, self._names), map(_GRAD, self._params))):
+                    return
+            except KeyError:
+                pass  # named below
         for name, param in zip(self._names, self._params):
             try:
                 new = updates[name]
