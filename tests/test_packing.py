@@ -42,6 +42,15 @@ OPTIMIZERS = {
     "lion": lambda: gtx.lion(1e-3, weight_decay=0.1),
     "sgd_momentum": lambda: gtx.sgd(1e-2, momentum=0.9),
     "sgd_nesterov": lambda: gtx.sgd(1e-2, momentum=0.9, nesterov=True),
+    "amsgrad": lambda: gtx.amsgrad(1e-2),
+    "adabelief": lambda: gtx.adabelief(1e-2),
+    "adamax": lambda: gtx.adamax(1e-2),
+    "radam": lambda: gtx.radam(1e-2),
+    "rmsprop": lambda: gtx.rmsprop(1e-2),
+    "rmsprop_centered_bias_corrected": lambda: gtx.chain(gtx.scale_by_stddev(bias_correction=True), gtx.scale(-1e-2)),
+    "adagrad": lambda: gtx.adagrad(1e-2),
+    "adadelta": lambda: gtx.adadelta(1.0),
+    "adan": lambda: gtx.adan(1e-2),
 }
 
 
@@ -71,6 +80,8 @@ def _assert_bitwise(a, b):
 def test_a_packed_pure_step_has_the_unpacked_steps_numbers_and_the_donated_ones(monkeypatch, name):
     params, grads = _tree(0), [_tree(1 + i) for i in range(3)]
     packed = _run(OPTIMIZERS[name](), params, grads)
+    small = [t for path, t in zip(gtx.tree.paths(packed[1]), tree_lib.leaves(packed[1])) if "bias" in str(path)]
+    assert len({t.untyped_storage().data_ptr() for t in small}) < len(small)  # packed: shared buffers
     donated = _run(OPTIMIZERS[name](), {k: v.clone() for k, v in params.items()}, grads, inplace=True)
     _unpacked(monkeypatch)
     unpacked = _run(OPTIMIZERS[name](), params, grads)

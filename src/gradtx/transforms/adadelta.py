@@ -45,7 +45,7 @@ def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> GradientTransforma
             u = fe.finish(u, g)
             return (fe.copy_into(g, u) if inplace else u), eg, ex
 
-        new_updates, new_eg, new_ex = fe.map_groups(group, leaves.tensors, e_g, e_x, outputs=3)
+        new_updates, new_eg, new_ex = fe.map_groups(group, leaves.tensors, e_g, e_x, outputs=3, pack=not inplace)
         return leaves.rebuild(new_updates), ScaleByAdaDeltaState(
             e_g=leaves.rebuild(new_eg, like=state.e_g), e_x=leaves.rebuild(new_ex, like=state.e_x)
         )
@@ -98,7 +98,7 @@ def scale_by_yogi(
             out = fe.finish(out, g)
             return (fe.copy_into(g, out) if inplace else out), m, v
 
-        new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3)
+        new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3, pack=not inplace)
         return leaves.rebuild(new_updates), ScaleByAdamState(
             count=count, mu=leaves.rebuild(new_mu, like=state.mu), nu=leaves.rebuild(new_nu, like=state.nu)
         )

@@ -360,7 +360,7 @@ def scale_by_amsgrad(
             out = divide(m, False, d, 1.0 if inv_bc1 is None else fe.on(inv_bc1, d))
             return fe.finish(out, g), m, v, v_max
 
-        new_updates, new_mu, new_nu, new_max = fe.map_groups(group, leaves.tensors, mu, nu, nu_max, outputs=4)
+        new_updates, new_mu, new_nu, new_max = fe.map_groups(group, leaves.tensors, mu, nu, nu_max, outputs=4, pack=not inplace)
         return leaves.rebuild(new_updates), ScaleByAmsgradState(
             count=count,
             mu=leaves.rebuild(new_mu, like=state.mu),
@@ -409,7 +409,7 @@ def scale_by_belief(
             d = denominator(v, fe.on(s.eps, g), None, g[0].dtype, into=error)
             return fe.finish(divide(numer, nesterov, d, fe.on(s.step, g)), g), m, v
 
-        new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3)
+        new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3, pack=not inplace)
         return leaves.rebuild(new_updates), ScaleByBeliefState(
             count=count, mu=leaves.rebuild(new_mu, like=state.mu), nu=leaves.rebuild(new_nu, like=state.nu)
         )
@@ -446,7 +446,7 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
             out = fe.div(fe.fresh(fe.cast(m, g[0].dtype), into=magnitude), fe.cast(v, g[0].dtype), inplace=True)
             return fe.finish(fe.mul(out, fe.on(inv_bc1, out), inplace=True), g), m, v
 
-        new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3)
+        new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3, pack=not inplace)
         return leaves.rebuild(new_updates), ScaleByAdamState(
             count=count, mu=leaves.rebuild(new_mu, like=state.mu), nu=leaves.rebuild(new_nu, like=state.nu)
         )
@@ -514,7 +514,7 @@ def scale_by_radam(
                 out = [o.copy_(torch.where(use_rectified, o, plain)) for o, plain in zip(out, mu_hat)]
             return fe.finish(out, g), m, v
 
-        new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3)
+        new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3, pack=not inplace)
         return leaves.rebuild(new_updates), ScaleByAdamState(
             count=count, mu=leaves.rebuild(new_mu, like=state.mu), nu=leaves.rebuild(new_nu, like=state.nu)
         )

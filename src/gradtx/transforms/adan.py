@@ -78,7 +78,9 @@ def scale_by_adan(
             new_prev = fe.copy_into(p, g) if inplace else [x.clone() for x in g]
             return (fe.copy_into(g, out) if inplace else out), m, v, n, new_prev
 
-        new_updates, new_m, new_v, new_n, new_g = fe.map_groups(group, leaves.tensors, ms, vs, ns, prev, outputs=5)
+        new_updates, new_m, new_v, new_n, new_g = fe.map_groups(
+            group, leaves.tensors, ms, vs, ns, prev, outputs=5, pack=not inplace
+        )
         return leaves.rebuild(new_updates), ScaleByAdanState(
             m=leaves.rebuild(new_m, like=state.m),
             v=leaves.rebuild(new_v, like=state.v),

@@ -102,7 +102,7 @@ def scale_by_rms(
                 d = _rms_denominator(_corrected(v, inv_bc, g[0].dtype), eps, eps_in_sqrt, owned=True)
             return fe.div(g, d, inplace=inplace), v
 
-        new_updates, new_nu = fe.map_groups(group, leaves.tensors, nu, outputs=2)
+        new_updates, new_nu = fe.map_groups(group, leaves.tensors, nu, outputs=2, pack=not inplace)
         new_nu = leaves.rebuild(new_nu, like=state.nu)
         new_state = ScaleByRmsWithCountState(count=count, nu=new_nu) if bias_correction else ScaleByRmsState(nu=new_nu)
         return leaves.rebuild(new_updates), new_state
@@ -148,7 +148,7 @@ def scale_by_stddev(
             d = _rms_denominator(variance, eps, eps_in_sqrt, owned=True)
             return fe.div(g, d, inplace=inplace), m, v
 
-        new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3)
+        new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3, pack=not inplace)
         new_mu, new_nu = leaves.rebuild(new_mu, like=state.mu), leaves.rebuild(new_nu, like=state.nu)
         if bias_correction:
             new_state = ScaleByRStdDevWithCountState(count=count, mu=new_mu, nu=new_nu)
@@ -181,7 +181,7 @@ def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7) -> G
                 d = fe.clamp_min(d, torch.finfo(d[0].dtype).tiny, inplace=True)
             return fe.div(g, fe.sqrt(d, inplace=True), inplace=inplace), acc
 
-        new_updates, new_sums = fe.map_groups(group, leaves.tensors, sums, outputs=2)
+        new_updates, new_sums = fe.map_groups(group, leaves.tensors, sums, outputs=2, pack=not inplace)
         return leaves.rebuild(new_updates), ScaleByRssState(sum_of_squares=leaves.rebuild(new_sums, like=state.sum_of_squares))
 
     return GradientTransformation(init_fn, update_fn)
