@@ -224,3 +224,18 @@ def test_the_fallbacks_of_the_native_flatten_and_unflatten_give_the_same_views(m
     assert torch.equal(torch_internals.flatten_dense_tensors(tensors), flat)
     for a, b, t in zip(torch_internals.unflatten_dense_tensors(flat, tensors), views, tensors):
         assert a.shape == b.shape == t.shape and torch.equal(a, b) and a.data_ptr() == b.data_ptr()
+
+
+def test_per_position_values_without_a_plain_equality_leave_the_step_unpacked():
+    import numpy as np
+
+    calls = []
+
+    def fn(a, factors):
+        calls.append(len(a))
+        return ([x * float(f[0]) for x, f in zip(a, factors)],)
+
+    a = [torch.ones(2) for _ in range(N_SMALL)]
+    factors = [np.array([float(i), 0.0]) for i in range(N_SMALL)]  # == gives arrays, not bools
+    (out,) = packing.map_packed(fn, [a, factors], 1)
+    assert calls == [N_SMALL] and all(torch.equal(o, torch.full((2,), float(i))) for i, o in enumerate(out))

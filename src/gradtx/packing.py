@@ -14,7 +14,8 @@ positions whose tensors are plain, dense, contiguous, real floating point, small
 :data:`PACK_MAX_ELEMENTS` elements and alike in shape across the lists;
 per-position values that are not tensors (flags) split them into packs of equal values. The other
 positions take the step as they are. The new leaves are views into one buffer per output, which
-no input shares: they stay new tensors, as a pure step promises.
+no input shares: they stay new tensors, as a pure step promises. (As for any view, ``torch.save``
+of one such leaf alone stores its whole buffer; a state saved whole stores each buffer once.)
 """
 
 from __future__ import annotations
@@ -102,13 +103,13 @@ def _packs(lists: Sequence[Sequence[Any]], value_lists: list[int], eligible: lis
     """The eligible positions grouped by their non-tensor values (one pack when every value list is
     uniform); ``None`` where those values cannot be told apart (unhashable)."""
     positions = [i for i, e in enumerate(eligible) if e] if False in eligible else list(range(len(eligible)))
-    if all(seq.count(seq[0]) == len(seq) for seq in (lists[k] for k in value_lists)):
-        return [positions]
     packs: dict[tuple, list[int]] = {}
     try:
+        if all(seq.count(seq[0]) == len(seq) for seq in (lists[k] for k in value_lists)):
+            return [positions]
         for i in positions:
             packs.setdefault(tuple(lists[k][i] for k in value_lists), []).append(i)
-    except TypeError:
+    except (TypeError, ValueError, RuntimeError):  # values without a plain equality or hash
         return None
     return list(packs.values())
 
