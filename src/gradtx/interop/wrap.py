@@ -127,10 +127,17 @@ def _check_gates(state: Any, gate: Optional[step_gates.StepGate]) -> None:
         )
 
 
-# read over every parameter in native maps: with many small params a Python step each costs more than the kernels
-_GRAD = operator.attrgetter("grad")
-_DTYPE = operator.attrgetter("dtype")
-_DEVICE = operator.attrgetter("device")
+def _attribute(objects: list, name: str) -> list:
+    """``[getattr(o, name) for o in objects]`` in one native map (with many small params a Python
+    step each costs more than the kernels), in a form Dynamo traces."""
+    return list(map(getattr, objects, [name] * len(objects)))
+
+
+def _same_objects(a: list, b: list) -> bool:
+    """Whether ``a[i] is b[i]`` at every position (in a native map eagerly)."""
+    if torch.compiler.is_compiling():
+        return all(x is y for x, y in zip(a, b))
+    return all(map(operator.is_, a, b))
 
 
 class _Prepared(NamedTuple):
@@ -401,7 +408,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         return OrderedDict(zip(self._names, self._params))
 
     def _grad_tree(self) -> OrderedDict[str, Optional[Tensor]]:
-        return OrderedDict(zip(self._names, map(_GRAD, self._params)))  # native maps: many params cost little
+        return OrderedDict(zip(self._names, _attribute(self._params, "grad")))
 
     def _sync_params(self) -> None:
         """Follows the parameters: re-derives names, and the state, when they changed since the last call.
@@ -416,9 +423,9 @@ class ChainedOptimizer(torch.optim.Optimizer):
         current = [p for group in self.param_groups for p in group["params"]]
         if (
             len(current) == len(self._params)
-            and all(map(operator.is_, current, self._params))
-            and list(map(_DTYPE, current)) == self._dtypes
-            and list(map(_DEVICE, current)) == self._devices
+            and _same_objects(current, self._params)
+            and _attribute(current, "dtype") == self._dtypes
+            and _attribute(current, "device") == self._devices
         ):
             return
         self._names, self._params = self._name_params()
@@ -439,13 +446,13 @@ class ChainedOptimizer(torch.optim.Optimizer):
             self.param_groups[0][STATE_KEY] = None
 
     def _remember_layouts(self) -> None:
-        self._dtypes = list(map(_DTYPE, self._params))
-        self._devices = list(map(_DEVICE, self._params))
+        self._dtypes = _attribute(self._params, "dtype")
+        self._devices = _attribute(self._params, "device")
 
     def _write_back(self, updates: dict[str, Optional[Tensor]]) -> None:
-        if isinstance(updates, dict) and len(updates) == len(self._names):
+        if isinstance(updates, dict) and len(updates) == len(self._names) and not torch.compiler.is_compiling():
             try:  # every gradient transformed in place (donated): nothing to write, checked in native maps
-                if all(map(operator.is_, map(updates.__getitem__, self._names), map(_GRAD, self._params))):
+                if _same_objects(list(map(updates.__getitem__, self._names)), _attribute(self._params, "grad")):
                     return
             except KeyError:
                 pass  # named below
