@@ -239,3 +239,23 @@ def test_per_position_values_without_a_plain_equality_leave_the_step_unpacked():
     factors = [np.array([float(i), 0.0]) for i in range(N_SMALL)]  # == gives arrays, not bools
     (out,) = packing.map_packed(fn, [a, factors], 1)
     assert calls == [N_SMALL] and all(torch.equal(o, torch.full((2,), float(i))) for i, o in enumerate(out))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_every_new_leaf_starts_where_a_tensor_of_its_own_would(dtype):
+    """At an ALIGNMENT-byte boundary: a kernel that takes another path for unaligned data (BLAS
+    does) then rounds a packed leaf as it rounds a fresh one, so a step after it (GaLore projecting
+    back, say) keeps the unpacked numbers too."""
+    tx = gtx.adamw(1e-2, weight_decay=0.1)
+    params, grads = _tree(0, dtype=dtype), _tree(1, dtype=dtype)
+    params.update({f"odd{i}": torch.randn(i % 5 + 1, 3, dtype=dtype) for i in range(N_SMALL)})  # mixed shapes
+    grads.update({k: torch.randn(v.shape, dtype=dtype) for k, v in params.items() if k.startswith("odd")})
+    updates, state = tx.update(grads, tx.init(params), params)
+    new_params = gtx.apply_updates(params, updates)
+    for tree in (updates, state[0].mu, state[0].nu, new_params):
+        for key, leaf in tree.items():
+            if leaf.numel():
+                assert leaf.data_ptr() % packing.ALIGNMENT == 0, key
+    a = updates["odd3"].reshape(-1, 3)
+    b = torch.randn(3, 5, dtype=dtype)
+    assert torch.equal(a @ b, a.clone() @ b)

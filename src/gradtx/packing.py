@@ -51,9 +51,18 @@ def _kind(seq: Sequence[Any]) -> Optional[bool]:
     return None
 
 
+ALIGNMENT = 64
+"""Bytes each new leaf's data is aligned to, as torch's CPU allocator aligns a tensor of its own:
+some kernels (BLAS among them) take another path, and round differently, for unaligned data, so a
+packed leaf must not differ from a fresh one there either."""
+
+
 class _Layout:
     """The shapes of one pack's tensors, and how to copy them into one flat tensor and back. Native
-    calls over the whole list throughout: a Python step per tensor would cost what packing saves."""
+    calls over the whole list throughout: a Python step per tensor would cost what packing saves.
+
+    The inputs are packed end to end (an elementwise kernel's numbers do not depend on where its
+    data sits); each output leaf starts at an :data:`ALIGNMENT`-byte boundary of its buffer."""
 
     def __init__(self, tensors: Sequence[Tensor], dims: list[int], sizes: list[int]) -> None:
         self.sizes = sizes
@@ -68,9 +77,30 @@ class _Layout:
     def split(self, flat: Tensor) -> list[Tensor]:
         if flat.numel() != sum(self.sizes):
             raise RuntimeError("a packed step must be elementwise: an output lost the inputs' element count")
+        step = max(1, ALIGNMENT // flat.element_size())
+        if all(size % step == 0 for size in self.sizes):  # end to end, every leaf starts aligned
+            if self.vectors:
+                return list(flat.split(self.sizes))
+            return list(torch_internals.unflatten_dense_tensors(flat, self.template))
+        gaps = [-size % step for size in self.sizes]  # padding after each leaf
+        padded = self._spread(flat, gaps)
+        n, size = len(self.sizes), self.sizes[0]
+        if self.sizes == [size] * n and (self.vectors or len(set(map(_shape, self.template))) == 1):
+            rows = padded.view(n, size + gaps[0])[:, :size]  # one shape: rows of a 2-d view, cut to size
+            return list(rows.unbind(0) if self.vectors else rows.reshape(n, *self.template[0].shape).unbind(0))
         if self.vectors:
-            return list(flat.split(self.sizes))
-        return list(torch_internals.unflatten_dense_tensors(flat, self.template))
+            return list(padded.split([x for pair in zip(self.sizes, gaps) for x in pair]))[0::2]
+        spacers = [padded[:gap] for gap in range(step)]
+        template = [x for pair in zip(self.template, [spacers[gap] for gap in gaps]) for x in pair]
+        return list(torch_internals.unflatten_dense_tensors(padded, template))[0::2]
+
+    def _spread(self, flat: Tensor, gaps: list[int]) -> Tensor:
+        """A new 1-d tensor holding ``flat``'s leaves with ``gaps[i]`` unused elements after leaf ``i``."""
+        sizes = torch.tensor(self.sizes, device=flat.device)
+        gap = torch.tensor(gaps, device=flat.device)
+        padded = flat.new_empty(flat.numel() + sum(gaps))
+        shift = torch.repeat_interleave(gap.cumsum(0) - gap, sizes)  # the padding before each element
+        return padded.index_copy_(0, torch.arange(flat.numel(), device=flat.device) + shift, flat)
 
 
 def _packable_positions(lists: Sequence[Sequence[Any]], tensor_lists: list[int]) -> Optional[tuple[list[bool], list[int], list[int]]]:
