@@ -16,7 +16,8 @@ import gradtx as gtx
 from gradtx import packing
 from gradtx import tree as tree_lib
 
-N_SMALL = 2 * packing.PACK_MIN_TENSORS
+N_SMALL = 32  # at least twice packing.PACK_MIN_TENSORS: packed, in packs of both mask values
+assert N_SMALL >= 2 * packing.PACK_MIN_TENSORS
 
 
 def _tree(seed: int, *, dtype=torch.float32) -> dict[str, torch.Tensor]:
