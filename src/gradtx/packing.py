@@ -82,12 +82,13 @@ class _Layout:
             if self.vectors:
                 return list(flat.split(self.sizes))
             return list(torch_internals.unflatten_dense_tensors(flat, self.template))
-        gaps = [-size % step for size in self.sizes]  # padding after each leaf
-        padded = self._spread(flat, gaps)
         n, size = len(self.sizes), self.sizes[0]
         if self.sizes == [size] * n and (self.vectors or len(set(map(_shape, self.template))) == 1):
-            rows = padded.view(n, size + gaps[0])[:, :size]  # one shape: rows of a 2-d view, cut to size
+            # one shape: the rows of a 2-d buffer, each cut to the leaf's size
+            rows = flat.new_empty(n, size - size % step + step)[:, :size].copy_(flat.view(n, size))
             return list(rows.unbind(0) if self.vectors else rows.reshape(n, *self.template[0].shape).unbind(0))
+        gaps = [-size % step for size in self.sizes]  # padding after each leaf
+        padded = self._spread(flat, gaps)
         if self.vectors:
             return list(padded.split([x for pair in zip(self.sizes, gaps) for x in pair]))[0::2]
         spacers = [padded[:gap] for gap in range(step)]
