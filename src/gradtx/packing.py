@@ -8,8 +8,10 @@ leaf (``split``: one call): the per-tensor cost is paid twice per list instead o
 
 Only elementwise steps may be packed: each value of every output depends on the values at the
 same position of the inputs only, and every output has the inputs' element count. The numbers
-are the unpacked step's, bit for bit: the same correctly rounded kernels on the same values
-(``tests/test_packing.py`` checks it on this build against the unpacked path). Packed are the
+are the unpacked step's, bit for bit: the same kernels on the same values, whose results do not
+depend on where in a tensor a value sits (``tests/test_packing.py`` checks it on this build against
+the unpacked and the donated paths); each new leaf starts at an :data:`ALIGNMENT`-byte boundary,
+so what later reads it rounds as it would a tensor of its own. Packed are the
 positions whose tensors are plain, dense, contiguous, real floating point, smaller than
 :data:`PACK_MAX_ELEMENTS` elements and alike in shape across the lists;
 per-position values that are not tensors (flags) split them into packs of equal values. The other
