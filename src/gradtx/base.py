@@ -380,7 +380,7 @@ def apply_updates(params: Params, updates: Updates, *, inplace: bool = False, do
         for indices, (group_params, group_updates) in tree_lib.grouped(params_list, updates_list):
             if into_updates:
                 summed = _sum_into_updates(group_params, group_updates)
-            elif not inplace and not torch.compiler.is_compiling() and not tree_lib.needs_graph(group_params, group_updates):
+            elif not inplace and packing.wanted([group_params, group_updates]):
                 # new params: many small ones are summed packed into one (the same sums, fewer calls)
                 (summed,) = packing.map_packed(lambda p, u: (tree_lib.foreach_add(p, u, inplace=False),), [group_params, group_updates], 1)
             else:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from gradtx import torch_internals
+from gradtx import tree as tree_lib
 
 PACK_MIN_TENSORS = 16
 """Small tensors in a group from which packing them pays for its two copies (one ``cat`` and one
@@ -154,6 +155,14 @@ def _run_pack(fn: Callable[..., Sequence[Sequence[Any]]], lists: Sequence[Sequen
     return [layout.split(flat) for (flat,) in list(fn(*args))[:outputs]]
 
 
+def wanted(lists: Sequence[Sequence[Any]]) -> bool:
+    """Whether a pure elementwise step over one group's ``lists`` is worth trying packed: enough
+    positions, no graph being traced and none recorded (``cat`` and views would change the graph)."""
+    if len(lists[0]) < PACK_MIN_TENSORS or torch.compiler.is_compiling():
+        return False
+    return not tree_lib.needs_graph(*[seq for seq in lists if seq and isinstance(seq[0], Tensor)])
+
+
 def map_packed(fn: Callable[..., Sequence[Sequence[Any]]], lists: Sequence[Sequence[Any]], outputs: int) -> list[list[Any]]:
     """``fn(*lists)[:outputs]`` for an elementwise ``fn`` (see the module's docstring), with the
     small tensors packed. ``lists`` are one group of ``map_groups``: each list's tensors share a
@@ -170,19 +179,20 @@ def map_packed(fn: Callable[..., Sequence[Sequence[Any]]], lists: Sequence[Seque
     _, dims, sizes = found
     if len(packs) == 1 and len(packs[0]) == n:  # every position in one pack
         return _run_pack(fn, lists, kinds, outputs, _Layout(lists[tensor_lists[0]], dims, sizes))
-    results: list[list[Any]] = [[None] * n for _ in range(outputs)]
     packed = [False] * n
     for pack in packs:
-        chosen = [[seq[i] for i in pack] for seq in lists]
-        layout = _Layout(chosen[tensor_lists[0]], [dims[i] for i in pack], [sizes[i] for i in pack])
-        for out, values in zip(results, _run_pack(fn, chosen, kinds, outputs, layout)):
-            for i, value in zip(pack, values):
-                out[i] = value
         for i in pack:
             packed[i] = True
     rest = [i for i, done in enumerate(packed) if not done]
-    if rest:
-        for out, values in zip(results, list(fn(*([seq[i] for i in rest] for seq in lists)))[:outputs]):
-            for i, value in zip(rest, values):
+    results: list[list[Any]] = [[None] * n for _ in range(outputs)]
+    for indices in packs + ([rest] if rest else []):  # each pack, then the positions left as they are
+        chosen = [[seq[i] for i in indices] for seq in lists]
+        if indices is rest:
+            values_lists = list(fn(*chosen))[:outputs]
+        else:
+            layout = _Layout(chosen[tensor_lists[0]], [dims[i] for i in indices], [sizes[i] for i in indices])
+            values_lists = _run_pack(fn, chosen, kinds, outputs, layout)
+        for out, values in zip(results, values_lists):
+            for i, value in zip(indices, values):
                 out[i] = value
     return results

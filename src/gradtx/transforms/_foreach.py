@@ -196,11 +196,9 @@ def map_groups(
     the same numbers. Never while compiling or where a graph is recorded.
     """
     n = len(lists[0])
-    if pack and n >= packing.PACK_MIN_TENSORS and not torch.compiler.is_compiling():
-        tensors = [seq for seq in lists if seq and isinstance(seq[0], Tensor)]
-        if not tree_lib.needs_graph(*tensors):
-            original = fn
-            fn = lambda *group: packing.map_packed(original, group, outputs)  # noqa: E731
+    if pack and packing.wanted(lists):
+        original = fn
+        fn = lambda *group: packing.map_packed(original, group, outputs)  # noqa: E731
     if n and _one_group(lists):
         return tuple(list(values) for values in list(fn(*(list(seq) for seq in lists)))[:outputs])
     groups: dict[tuple, list[int]] = {}
