@@ -51,6 +51,7 @@ OPTIMIZERS = {
     "rmsprop_centered_bias_corrected": lambda: gtx.chain(gtx.scale_by_stddev(bias_correction=True), gtx.scale(-1e-2)),
     "adagrad": lambda: gtx.adagrad(1e-2),
     "adadelta": lambda: gtx.adadelta(1.0),
+    "yogi": lambda: gtx.yogi(1e-2),
     "adan": lambda: gtx.adan(1e-2),
 }
 
