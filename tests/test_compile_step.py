@@ -538,3 +538,146 @@ def test_a_tree_holding_an_empty_dict_compiles(make):
         eager_params = gtx.apply_updates(eager_params, updates)
     assert params["frozen"] == {}
     torch.testing.assert_close(params["layer"]["w"], eager_params["layer"]["w"])
+
+
+# --------------------------------------------------------------------------- donated params and state
+
+
+def test_a_donated_step_stores_the_new_values_into_the_old_buffers():
+    """Under Inductor: the numbers are the pure compiled step's bit for bit, every leaf of the new
+    params and state is the tensor passed in (small and 0-d ones too), the generated code allocates
+    none of them, and nothing is pooled."""
+    from torch._inductor.utils import run_and_get_code
+
+    tx = _adamw_chain()
+    donating, pure = gtx.compile_step(tx, donate=True), gtx.compile_step(tx)
+    params = _tree(0)
+    state = tx.init(params)
+    pure_params, pure_state = {k: v.clone() for k, v in params.items()}, tx.init(params)
+    for i in range(4):
+        grads = {k: v * (i + 1) for k, v in _tree(10 + i).items()}
+        old = leaves((params, state))
+        if i == 0:
+            (params, state), codes = run_and_get_code(donating, grads, state, params)
+            code = "\n".join(codes)
+            assert "empty_strided_cpu((7, ), (1, ), torch.float32)" not in code
+            assert f"empty_strided_cpu(({2 * BIG // 64}, 64)" not in code
+        else:
+            params, state = donating(grads, state, params)
+        pure_params, pure_state = pure(grads, pure_state, pure_params)
+        for path, new, before in zip(paths((params, state)), leaves((params, state)), old):
+            if isinstance(before, torch.Tensor):
+                assert new is before, path
+        for path, got, want in zip(paths((params, state)), leaves((params, state)), leaves((pure_params, pure_state))):
+            assert torch.equal(got, want), path
+    assert donating.pool.kept_bytes() == 0
+
+
+def _keep_params() -> gtx.GradientTransformation:
+    """SGD whose state holds the param ``a`` itself (the very tensor), as a careless ``init`` might."""
+    def init(params):
+        return {"a": params["a"]}
+
+    def update(updates, state, params=None, **_):
+        return {k: -0.1 * u for k, u in updates.items()}, state
+
+    return gtx.GradientTransformation(init, update)
+
+
+def _shared_memory_cases():
+    """Params (and a transformation) where some leaves share memory with another input leaf."""
+    base = torch.randn(2 * BIG)
+    tied = torch.randn(BIG)
+    return {
+        "tied weight held twice": (lambda: gtx.sgd(0.1, momentum=0.9), {"a": tied, "b": tied, "c": torch.randn(BIG)}, ()),
+        "two views of one buffer": (lambda: gtx.adam(1e-2), {"a": base[:BIG], "b": base[BIG:], "c": torch.randn(BIG)}, ()),
+        "a state leaf that is a param": (_keep_params, {"a": torch.randn(BIG), "c": torch.randn(BIG)}, ("a",)),
+        "a gradient that is a param": (lambda: gtx.sgd(0.1, momentum=0.9), {"a": torch.randn(BIG), "c": torch.randn(BIG)}, ("a",)),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_shared_memory_cases()))
+def test_a_leaf_sharing_memory_with_another_input_is_not_donated(case):
+    """Writing it would change another leaf the step reads or returns: it gets a new tensor, the
+    memory it shares keeps its values, and the numbers are the plain step's; ``c`` is donated."""
+    make_tx, params, aliased = _shared_memory_cases()[case]
+    tx = make_tx()
+    grads = {k: torch.randn(v.shape) for k, v in params.items()}
+    for key in aliased:
+        if case == "a gradient that is a param":
+            grads[key] = params[key]
+    state = tx.init(params)
+    snapshot = {k: v.clone() for k, v in params.items()}
+    want_params, want_state = _plain_step(tx, grads, state, params)
+    step = gtx.compile_step(tx, donate=True, backend="eager")
+    new_params, new_state = step(grads, state, params)
+    for key in params:
+        torch.testing.assert_close(new_params[key], want_params[key], rtol=0, atol=0)
+        if key == "c":
+            assert new_params[key] is params[key]
+        else:
+            assert new_params[key] is not params[key] and torch.equal(params[key], snapshot[key]), key
+    for got, want in zip(leaves(new_state), leaves(want_state)):
+        assert torch.equal(got, want)
+
+
+def test_donated_params_of_every_layout():
+    """Dense layouts (contiguous, transposed, permuted, 0-d, float64, bfloat16) take their new values
+    in place; the views of one shared buffer (sliced, expanded, self-overlapping) and the empty param
+    get new tensors and leave that buffer as it was, then take the next step's in place; the numbers
+    are the plain step's."""
+    params = _odd_layouts()
+    big = params["sliced"]._base
+    before = big.clone()
+    tx = gtx.sgd(0.1, momentum=0.9)
+    grads = _grads_for(params, 2)
+    step = gtx.compile_step(tx, donate=True, backend="eager")
+    trees, plain = (params, tx.init(params)), (_odd_layouts(), tx.init(_odd_layouts()))
+    for i, g in enumerate(grads):
+        old = dict(trees[0])
+        trees = step(g, trees[1], trees[0])
+        plain = _plain_step(tx, g, plain[1], plain[0])
+        for key, new in trees[0].items():
+            torch.testing.assert_close(new, plain[0][key], rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+            assert new.stride() == plain[0][key].stride() or new.numel() <= 1, key
+            # from the second step on, every param with elements is a dense tensor of its own
+            in_place = key in ("contiguous", "transposed", "permuted", "0-d", "float64", "bfloat16") or (i and key != "empty")
+            assert (new is old[key]) == bool(in_place), key
+    assert torch.equal(big, before)
+
+
+def test_nothing_is_donated_where_a_graph_is_recorded():
+    params = {k: v.requires_grad_() for k, v in _tree(0).items()}
+    tx = gtx.adam(1e-2)
+    step = gtx.compile_step(tx, donate=True, backend="aot_eager")
+    state = tx.init(params)
+    snapshot = [x.detach().clone() for x in leaves((params, state))]
+    new_params, new_state = step(_tree(1), state, params)
+    assert all(new_params[k] is not params[k] and new_params[k].requires_grad for k in params)
+    for before, after in zip(snapshot, leaves((params, state))):
+        assert torch.equal(before, after)
+
+
+def test_donating_a_models_parameters_under_no_grad_trains_it_in_place():
+    """The torch-style loop: the model's own parameters take the new values, which are the pure
+    compiled step's bit for bit, and one graph serves every step of each."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    twin = {k: v.detach().clone() for k, v in model.named_parameters()}
+    tx = _adamw_chain()
+    step, pure = gtx.compile_step(tx, donate=True, backend="eager"), gtx.compile_step(tx, backend="eager")
+    params = dict(model.named_parameters())
+    state, twin_state = tx.init(params), tx.init(twin)
+    data = torch.randn(32, 8), torch.randn(32, 1)
+    counters.clear()
+    for _ in range(3):
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(data[0]), data[1]).backward()
+        grads = {k: p.grad for k, p in model.named_parameters()}
+        with torch.no_grad():
+            new_params, state = step(grads, state, params)
+        assert all(new_params[k] is p for k, p in model.named_parameters())
+        twin, twin_state = pure(grads, twin_state, twin)
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(p.detach(), twin[k], rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] == 2  # one for each step, over the three steps

@@ -6,6 +6,10 @@ writes the new params and state straight into buffers from a :class:`~gradtx.buf
 (its graph takes them as inputs and stores into them in the same loop that computes the values),
 so a step allocates nothing large and page-faults nothing once it has run twice. The inputs are
 never written, and no output shares memory with anything the caller still holds.
+
+With ``donate=True`` the caller gives the step its params and state, as ``jax.jit``'s
+``donate_argnums`` does: the graph stores the new values into their very buffers, in the loop that
+reads the old ones, so a step moves as little memory as torch's in-place optimizers do.
 """
 
 from __future__ import annotations
@@ -37,6 +41,28 @@ def _write_outputs(leaves: list[Any], outs: list[Optional[Tensor]], inputs: list
             out.copy_(value)
             result[index] = out
     return result
+
+
+def _storage_key(leaf: Tensor) -> tuple[torch.device, int]:
+    return leaf.device, leaf.untyped_storage().data_ptr()
+
+
+def donatable(templates: list[Any], inputs: list[Any]) -> list[bool]:
+    """Which of ``templates`` (the params' and state's leaves) a donated step may overwrite: plain
+    tensors (not subclasses such as DTensor) with elements, whose memory no other leaf of the
+    step's inputs shares (a tied weight held twice, a state leaf that is a param, a view of a
+    gradient), so that writing one leaf's new value changes nothing else the step reads or
+    returns. Decided by storage, so two views of one buffer are never donated even where they do
+    not overlap."""
+    uses: dict[tuple[torch.device, int], int] = {}
+    for leaf in inputs:
+        if isinstance(leaf, Tensor) and leaf.numel():
+            key = _storage_key(leaf)
+            uses[key] = uses.get(key, 0) + 1
+    return [
+        type(leaf) in (Tensor, torch.nn.Parameter) and leaf.numel() > 0 and uses[_storage_key(leaf)] == 1
+        for leaf in templates
+    ]
 
 
 def _is_recompile_limit_hit(error: BaseException) -> bool:
@@ -76,8 +102,8 @@ def _dynamo_setting(name: str, older_name: str) -> tuple[str, Optional[int]]:
 class CompiledStep:
     """The callable :func:`compile_step` returns; ``pool`` holds its recycled output buffers."""
 
-    def __init__(self, tx: GradientTransformation, recycle: bool, compile_options: dict[str, Any]) -> None:
-        self.tx, self.recycle, self.pool = tx, recycle, BufferPool()
+    def __init__(self, tx: GradientTransformation, recycle: bool, donate: bool, compile_options: dict[str, Any]) -> None:
+        self.tx, self.recycle, self.donate, self.pool = tx, recycle, donate, BufferPool()
         self._compile_options = compile_options
         self._body_function = _own_copy(CompiledStep._body)
         self._compiled = torch.compile(types.MethodType(self._body_function, self), **compile_options)
@@ -101,10 +127,12 @@ class CompiledStep:
             self._preflight.run(updates, lambda: self.tx.update(updates, state, params, **extra_args))
         templates = tree_lib.leaves(params) + tree_lib.leaves(state)
         inputs = templates + tree_lib.leaves(updates) + tree_lib.leaves(extra_args)
-        if self.recycle and not tree_lib.needs_graph(inputs):
-            outs = self.pool.take([t if recyclable(t) else None for t in templates])
-        else:
-            outs = [None] * len(templates)
+        outs: list[Optional[Tensor]] = [None] * len(templates)
+        if (self.recycle or self.donate) and not tree_lib.needs_graph(inputs):
+            donated = donatable(templates, inputs) if self.donate else [False] * len(templates)
+            if self.recycle:
+                outs = self.pool.take([t if recyclable(t) and not d else None for t, d in zip(templates, donated)])
+            outs = [t if d else out for t, d, out in zip(templates, donated, outs)]
         try:
             return self._compiled(updates, state, params, outs, extra_args)
         except Exception as error:
@@ -132,7 +160,9 @@ class CompiledStep:
         self.pool.clear()
 
 
-def compile_step(tx: GradientTransformation, *, recycle: bool = True, **compile_options: Any) -> CompiledStep:
+def compile_step(
+    tx: GradientTransformation, *, recycle: bool = True, donate: bool = False, **compile_options: Any
+) -> CompiledStep:
     """``step(updates, state, params, **extra_args) -> (new_params, new_state)``: ``tx.update``
     followed by :func:`~gradtx.apply_updates`, compiled as one graph.
 
@@ -153,6 +183,18 @@ def compile_step(tx: GradientTransformation, *, recycle: bool = True, **compile_
     (an input requires grad, or a ``torch.func`` transform is active) the outputs are new tensors,
     as autograd needs.
 
+    ``donate=True`` hands the step ``params`` and ``state``, as ``jax.jit(..., donate_argnums=...)``
+    does: their leaves are overwritten with the new values, stored by the same loop that reads the
+    old ones, and the returned trees hold those very tensors. That saves memory (no second copy of
+    params and state, no pool) and time (a new value is written where it was read, so no cache line
+    is fetched only to be overwritten: the step moves as little memory as torch's in-place
+    optimizers). Under ``torch.no_grad()`` a model's own parameters can be donated, which updates the
+    model in place. A leaf is overwritten only where that changes nothing else the step reads: a
+    plain tensor (not a DTensor) whose memory no other leaf of the inputs shares (tied weights held
+    twice, a state leaf that is a param, a view of another buffer), with the layout its new value
+    takes, and no graph being recorded. Any other leaf gets a new tensor (from the pool with
+    ``recycle=True``), so always continue from the returned trees. ``updates`` are never written.
+
     Each step compiles variants of its own (one per tree structure, and per shapes, dtypes and
     layouts) and counts them against ``torch._dynamo.config.recompile_limit`` on its own, however
     many other steps the process has; past its limit, a call is a ``RuntimeError`` that says so.
@@ -172,4 +214,4 @@ def compile_step(tx: GradientTransformation, *, recycle: bool = True, **compile_
         # A new moment is read twice, by the update and by the store into its buffer; left
         # unrealized, Inductor recomputes it in a loop of its own (two more passes over memory).
         compile_options["options"] = {"realize_reads_threshold": 1, **compile_options.get("options", {})}
-    return CompiledStep(tx, recycle, compile_options)
+    return CompiledStep(tx, recycle, donate, compile_options)
