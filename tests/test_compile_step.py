@@ -11,6 +11,7 @@ limit of its own and says so when it hits it; where a graph is recorded the step
 from __future__ import annotations
 
 import re
+import warnings
 import weakref
 from unittest import mock
 
@@ -22,7 +23,7 @@ from torch._dynamo.utils import counters
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import gradtx as gtx
-from gradtx import buffer_pool
+from gradtx import buffer_pool, compiled_step
 from gradtx.buffer_pool import RECYCLE_MIN_BYTES
 from gradtx.tree import leaves, paths
 
@@ -599,7 +600,8 @@ def _shared_memory_cases():
 @pytest.mark.parametrize("case", sorted(_shared_memory_cases()))
 def test_a_leaf_sharing_memory_with_another_input_is_not_donated(case):
     """Writing it would change another leaf the step reads or returns: it gets a new tensor, the
-    memory it shares keeps its values, and the numbers are the plain step's; ``c`` is donated."""
+    memory it shares keeps its values, a warning names it, and the numbers are the plain step's;
+    ``c`` is donated."""
     make_tx, params, aliased = _shared_memory_cases()[case]
     tx = make_tx()
     grads = {k: torch.randn(v.shape) for k, v in params.items()}
@@ -610,8 +612,11 @@ def test_a_leaf_sharing_memory_with_another_input_is_not_donated(case):
     snapshot = {k: v.clone() for k, v in params.items()}
     want_params, want_state = _plain_step(tx, grads, state, params)
     step = gtx.compile_step(tx, donate=True, backend="eager")
-    new_params, new_state = step(grads, state, params)
+    with pytest.warns(UserWarning, match="not donated") as caught:
+        new_params, new_state = step(grads, state, params)
+    (message,) = [str(w.message) for w in caught]
     for key in params:
+        assert (f"params.{key} (shares memory with another leaf of the inputs)" in message) == (key != "c"), message
         torch.testing.assert_close(new_params[key], want_params[key], rtol=0, atol=0)
         if key == "c":
             assert new_params[key] is params[key]
@@ -635,7 +640,14 @@ def test_donated_params_of_every_layout():
     trees, plain = (params, tx.init(params)), (_odd_layouts(), tx.init(_odd_layouts()))
     for i, g in enumerate(grads):
         old = dict(trees[0])
-        trees = step(g, trees[1], trees[0])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trees = step(g, trees[1], trees[0])
+        if i == 0:
+            (warning,) = caught
+            assert "params.sliced (shares memory with another leaf of the inputs)" in str(warning.message)
+        else:
+            assert not caught
         plain = _plain_step(tx, g, plain[1], plain[0])
         for key, new in trees[0].items():
             torch.testing.assert_close(new, plain[0][key], rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
@@ -652,7 +664,9 @@ def test_nothing_is_donated_where_a_graph_is_recorded():
     step = gtx.compile_step(tx, donate=True, backend="aot_eager")
     state = tx.init(params)
     snapshot = [x.detach().clone() for x in leaves((params, state))]
-    new_params, new_state = step(_tree(1), state, params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no leaf is refused: a graph is recorded, nothing donated
+        new_params, new_state = step(_tree(1), state, params)
     assert all(new_params[k] is not params[k] and new_params[k].requires_grad for k in params)
     for before, after in zip(snapshot, leaves((params, state))):
         assert torch.equal(before, after)
@@ -674,10 +688,21 @@ def test_donating_a_models_parameters_under_no_grad_trains_it_in_place():
         model.zero_grad()
         torch.nn.functional.mse_loss(model(data[0]), data[1]).backward()
         grads = {k: p.grad for k, p in model.named_parameters()}
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error")
             new_params, state = step(grads, state, params)
         assert all(new_params[k] is p for k, p in model.named_parameters())
         twin, twin_state = pure(grads, twin_state, twin)
         for k, p in model.named_parameters():
             torch.testing.assert_close(p.detach(), twin[k], rtol=0, atol=0)
     assert counters["stats"]["unique_graphs"] == 2  # one for each step, over the three steps
+
+
+def test_a_tensor_subclass_is_not_donated_and_the_warning_says_why():
+    class Tagged(torch.Tensor):
+        pass
+
+    tagged = torch.randn(4).as_subclass(Tagged)
+    plain = torch.randn(4)
+    assert compiled_step.donatable([tagged, plain], [tagged, plain, torch.randn(4)]) == [False, True]
+    assert compiled_step._refusal(tagged) == "a Tagged, not a plain tensor"

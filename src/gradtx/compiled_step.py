@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import sys
 import types
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -65,6 +66,10 @@ def donatable(templates: list[Any], inputs: list[Any]) -> list[bool]:
     ]
 
 
+def _refusal(leaf: Any) -> str:
+    return f"a {type(leaf).__name__}, not a plain tensor" if type(leaf) not in (Tensor, torch.nn.Parameter) else "shares memory with another leaf of the inputs"
+
+
 def _is_recompile_limit_hit(error: BaseException) -> bool:
     """Whether ``error`` is Dynamo's "recompile limit hit" (looked up when one is raised: importing
     ``torch._dynamo`` costs seconds, which ``import gradtx`` must not pay)."""
@@ -108,6 +113,7 @@ class CompiledStep:
         self._body_function = _own_copy(CompiledStep._body)
         self._compiled = torch.compile(types.MethodType(self._body_function, self), **compile_options)
         self._preflight = Preflight()  # sharded steps: the cross-rank checks run eagerly, before tracing
+        self._refused: set[frozenset[int]] = set()  # sets of leaves not donated, already warned of
 
     def _body(self, updates: Any, state: Any, params: Any, outs: list[Optional[Tensor]], extra_args: dict) -> tuple[Any, Any]:
         new_updates, new_state = self.tx.update(updates, state, params, **extra_args)
@@ -130,6 +136,8 @@ class CompiledStep:
         outs: list[Optional[Tensor]] = [None] * len(templates)
         if (self.recycle or self.donate) and not tree_lib.needs_graph(inputs):
             donated = donatable(templates, inputs) if self.donate else [False] * len(templates)
+            if self.donate:
+                self._warn_once_of_refusals(params, state, templates, donated)
             if self.recycle:
                 outs = self.pool.take([t if recyclable(t) and not d else None for t, d in zip(templates, donated)])
             outs = [t if d else out for t, d, out in zip(templates, donated, outs)]
@@ -139,6 +147,22 @@ class CompiledStep:
             if _is_recompile_limit_hit(error):
                 raise RuntimeError(self._limit_message()) from error
             raise
+
+    def _warn_once_of_refusals(self, params: Any, state: Any, templates: list[Any], donated: list[bool]) -> None:
+        """Warns, once per set of leaves, of the tensors with elements that ``donate=True`` could not
+        overwrite, naming them and why (as ``jax.jit`` warns of donated buffers it cannot use)."""
+        refused = frozenset(i for i, (t, d) in enumerate(zip(templates, donated)) if not d and isinstance(t, Tensor) and t.numel())
+        if not refused or refused in self._refused:
+            return
+        self._refused.add(refused)
+        names = [f"params.{p}" for p in tree_lib.paths(params)] + [f"state.{p}" for p in tree_lib.paths(state)]
+        listed = [f"{names[i] if i < len(names) else f'leaf {i}'} ({_refusal(templates[i])})" for i in sorted(refused)]
+        more = f" and {len(listed) - 5} more" if len(listed) > 5 else ""
+        warnings.warn(
+            f"compile_step(donate=True): {len(listed)} leaves are not donated and get new tensors: "
+            f"{', '.join(listed[:5])}{more}. Continue from the returned trees.",
+            stacklevel=3,
+        )
 
     def _limit_message(self) -> str:
         name, limit = _dynamo_setting("recompile_limit", "cache_size_limit")
