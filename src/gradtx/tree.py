@@ -45,6 +45,11 @@ def unflatten(treedef: TreeSpec, leaves: Sequence[Any]) -> PyTree:
     :class:`_PlainStructure` while ``torch.compile`` traces)."""
     if type(treedef) is _PlainStructure:
         return treedef.unflatten(leaves)
+    if treedef.type is collections.OrderedDict and treedef.num_nodes == treedef.num_leaves + 1 == len(leaves) + 1:
+        # One OrderedDict of leaves (``wrap``'s trees): built from its keys directly. optree builds
+        # it from a (key, value) tuple per leaf, which with many leaves costs several times more
+        # and, as the tuples are tracked objects, sets off the garbage collector's full passes.
+        return collections.OrderedDict(zip(treedef.entries(), leaves))
     return optree.tree_unflatten(treedef, leaves)
 
 
