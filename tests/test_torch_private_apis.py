@@ -439,3 +439,26 @@ def test_the_quantization_table_lookup_while_compiling_with_and_without_the_unch
     looked_up = kernels.gather(table, index)
     monkeypatch.undo()
     assert torch.equal(looked_up, table[index.long()]) and torch.equal(looked_up, kernels.gather(table, index))
+
+
+def test_compile_step_without_inductors_choices_hook_compiles_with_its_own_choices(monkeypatch):
+    """Where torch lacks ``V.set_choices_handler``, compile_step passes no choices and compiles as is."""
+    from gradtx import compiled_fusion
+    from torch._inductor.virtualized import V
+
+    compiled_fusion._choices_class.cache_clear()
+    monkeypatch.delattr(type(V), "set_choices_handler")
+    try:
+        assert compiled_fusion._choices_class() is None
+        assert compiled_fusion.cache_options() == {}
+        with compiled_fusion.fusing_reductions():
+            pass
+        tx = gtx.sgd(0.1)
+        step = gtx.compile_step(tx, backend="eager")
+        params = {"w": torch.ones(3)}
+        new, _ = step({"w": torch.ones(3)}, tx.init(params), params)
+        assert torch.equal(new["w"], torch.full((3,), 0.9))
+    finally:
+        monkeypatch.undo()
+        compiled_fusion._choices_class.cache_clear()
+    assert compiled_fusion._choices_class() is not None

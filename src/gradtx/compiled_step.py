@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from gradtx import compiled_fusion
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation, apply_updates, paired_leaves
 from gradtx.buffer_pool import BufferPool, recyclable
@@ -110,6 +111,7 @@ class CompiledStep:
     def __init__(self, tx: GradientTransformation, recycle: bool, donate: bool, compile_options: dict[str, Any]) -> None:
         self.tx, self.recycle, self.donate, self.pool = tx, recycle, donate, BufferPool()
         self._compile_options = compile_options
+        self._inductor = compile_options.get("backend", "inductor") == "inductor"
         self._body_function = _own_copy(CompiledStep._body)
         self._compiled = torch.compile(types.MethodType(self._body_function, self), **compile_options)
         self._preflight = Preflight()  # sharded steps: the cross-rank checks run eagerly, before tracing
@@ -142,6 +144,9 @@ class CompiledStep:
                 outs = self.pool.take([t if recyclable(t) and not d else None for t, d in zip(templates, donated)])
             outs = [t if d else out for t, d, out in zip(templates, donated, outs)]
         try:
+            if self._inductor:
+                with compiled_fusion.fusing_reductions():
+                    return self._compiled(updates, state, params, outs, extra_args)
             return self._compiled(updates, state, params, outs, extra_args)
         except Exception as error:
             if _is_recompile_limit_hit(error):
@@ -237,5 +242,8 @@ def compile_step(
     if compile_options.get("backend", "inductor") == "inductor":
         # A new moment is read twice, by the update and by the store into its buffer; left
         # unrealized, Inductor recomputes it in a loop of its own (two more passes over memory).
-        compile_options["options"] = {"realize_reads_threshold": 1, **compile_options.get("options", {})}
+        # Statistics and norms that read what the update reads share its loop (see compiled_fusion).
+        compile_options["options"] = {
+            "realize_reads_threshold": 1, **compiled_fusion.cache_options(), **compile_options.get("options", {})
+        }
     return CompiledStep(tx, recycle, donate, compile_options)

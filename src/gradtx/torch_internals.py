@@ -69,6 +69,12 @@ PRIVATE_APIS = (
     "torch._C._disabled_torch_function_impl",
     # gradtx.quantization.kernels: a table lookup Inductor compiles without index checks
     "torch.ops.aten._unsafe_index",
+    # gradtx.compiled_fusion: Inductor's fusion heuristics, overridden for compile_step's graphs
+    "torch._inductor.choices.InductorChoices",
+    "torch._inductor.choices.InductorChoices.can_fuse_horizontal",
+    "torch._inductor.virtualized.V.set_choices_handler",
+    "torch._inductor.config.inductor_choices_class",
+    "torch._inductor.config.score_fusion_memory_threshold",
     # gradtx.packing: many small tensors copied into one and viewed back, in C++
     "torch._C._nn.flatten_dense_tensors",
     "torch._C._nn.unflatten_dense_tensors",
