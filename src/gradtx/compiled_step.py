@@ -14,6 +14,7 @@ reads the old ones, so a step moves as little memory as torch's in-place optimiz
 
 from __future__ import annotations
 
+import collections
 import itertools
 import sys
 import types
@@ -49,22 +50,17 @@ def _storage_key(leaf: Tensor) -> tuple[torch.device, int]:
     return leaf.device, leaf.untyped_storage().data_ptr()
 
 
-def donatable(templates: list[Any], inputs: list[Any]) -> list[bool]:
+def donatable(templates: list[Any], others: list[Any]) -> list[bool]:
     """Which of ``templates`` (the params' and state's leaves) a donated step may overwrite: plain
     tensors (not subclasses such as DTensor) with elements, whose memory no other leaf of the
-    step's inputs shares (a tied weight held twice, a state leaf that is a param, a view of a
-    gradient), so that writing one leaf's new value changes nothing else the step reads or
-    returns. Decided by storage, so two views of one buffer are never donated even where they do
-    not overlap."""
-    uses: dict[tuple[torch.device, int], int] = {}
-    for leaf in inputs:
-        if isinstance(leaf, Tensor) and leaf.numel():
-            key = _storage_key(leaf)
-            uses[key] = uses.get(key, 0) + 1
-    return [
-        type(leaf) in (Tensor, torch.nn.Parameter) and leaf.numel() > 0 and uses[_storage_key(leaf)] == 1
-        for leaf in templates
-    ]
+    step's inputs (the other templates, and ``others``: the updates' and extra arguments' leaves)
+    shares (a tied weight held twice, a state leaf that is a param, a view of a gradient), so that
+    writing one leaf's new value changes nothing else the step reads or returns. Decided by
+    storage, so two views of one buffer are never donated even where they do not overlap."""
+    keys = [_storage_key(leaf) if isinstance(leaf, Tensor) and leaf.numel() else None for leaf in templates]
+    uses = collections.Counter(key for key in keys if key is not None)
+    uses.update(_storage_key(leaf) for leaf in others if isinstance(leaf, Tensor) and leaf.numel())
+    return [key is not None and type(leaf) in (Tensor, torch.nn.Parameter) and uses[key] == 1 for leaf, key in zip(templates, keys)]
 
 
 def _refusal(leaf: Any) -> str:
@@ -134,10 +130,11 @@ class CompiledStep:
         if self._preflight.due(updates):
             self._preflight.run(updates, lambda: self.tx.update(updates, state, params, **extra_args))
         templates = tree_lib.leaves(params) + tree_lib.leaves(state)
-        inputs = templates + tree_lib.leaves(updates) + tree_lib.leaves(extra_args)
+        others = tree_lib.leaves(updates) + tree_lib.leaves(extra_args)
+        inputs = templates + others
         outs: list[Optional[Tensor]] = [None] * len(templates)
         if (self.recycle or self.donate) and not tree_lib.needs_graph(inputs):
-            donated = donatable(templates, inputs) if self.donate else [False] * len(templates)
+            donated = donatable(templates, others) if self.donate else [False] * len(templates)
             if self.donate:
                 self._warn_once_of_refusals(params, state, templates, donated)
             if self.recycle:
