@@ -221,7 +221,7 @@ def quantize_state(
     of the tree if less; a range of rows of a larger leaf) at a time (:mod:`~gradtx.quantization.streaming`), so a pure
     step holds the new updates, the new codes and one group's float32 moments, below a pure fp32
     step's new moments and updates; otherwise (a global-norm clip inside ``inner``, a sharded
-    tree) it decodes every stored leaf, runs ``inner.update`` once, and encodes them all, with the
+    tree, a traced step such as ``compile_step``'s) it decodes every stored leaf, runs ``inner.update`` once, and encodes them all, with the
     same numbers either way. The code books' per-value work runs as one compiled loop
     (``torch.compile``, compiled on the first step that needs it) for leaves of 2**16 values or
     more: ``GRADTX_QUANTIZE_COMPILE=0`` keeps it eager, ``=1`` compiles it for every leaf
@@ -402,7 +402,9 @@ def quantize_state(
         paths = [""] * len(code_leaves[0]) if code_leaves else []
         if fmt.stochastic and code_leaves:
             paths = tree_lib.paths(state.codes[0])
-        if found and mesh is None and elementwise and _plain(updates, params):
+        # a piece at a time eagerly; traced, the compiler lays out loops and buffers itself, and each
+        # piece's copy into its leaf's new tensors made Inductor's step of a large leaf 10x slower
+        if found and mesh is None and elementwise and _plain(updates, params) and not torch.compiler.is_compiling():
             done = update_in_groups(
                 inner_update, updates, params, leaves, state_def, params_parts(state_def, tree_lib.structure(state.codes[0])),
                 code_leaves, scale_leaves, [not n for n in nonnegative], fmt, inplace, extra_args, lambda new: same_structure(new, state_def),
