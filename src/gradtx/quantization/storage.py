@@ -100,20 +100,27 @@ def encode_all(
 def _rounded_stochastically(leaf: Tensor, scales: Tensor, geo: blocks.Geometry, codec: Codec, rounding: Rounding) -> Tensor:
     """The stochastically rounded codes of ``leaf``, a range of rows of about :data:`DRAW_SIZE` values
     at a time, so that the draws and their int64 temporaries exist for those rows only (each value's
-    draw is its logical index's, whichever rows it is made with: the same codes)."""
+    draw is its logical index's, whichever rows it is made with: the same codes). A traced step takes
+    the leaf whole: the compiler makes the draws inside its loop, and a loop of ranges would be
+    unrolled into the graph (128 ranges for an 8192 x 256 leaf), each copied into place."""
     rows = leaf.reshape(blocks.row_count(leaf.shape), geo.columns)
     scale_rows = scales.reshape(rows.shape[0], geo.blocks)
     index = None if rounding.piece is None else logical_indices(rounding.piece, leaf.shape, leaf.device).reshape(rows.shape)
-    out = torch.empty(rows.shape, dtype=codec.code_dtype, device=leaf.device)
-    step = max(DRAW_SIZE // max(geo.columns, 1), 1)
-    for r0 in range(0, rows.shape[0], step):
-        r1 = min(r0 + step, rows.shape[0])
+
+    def codes(r0: int, r1: int) -> Tensor:
         if index is None:
             at = torch.arange(r0 * geo.columns, r1 * geo.columns, dtype=torch.int64, device=leaf.device).view(r1 - r0, geo.columns)
         else:
             at = index[r0:r1]
-        draws = quick_draws(rounding.key, at)
-        out[r0:r1] = blocks.quantize(rows[r0:r1], scale_rows[r0:r1], geo, codec, draws)
+        return blocks.quantize(rows[r0:r1], scale_rows[r0:r1], geo, codec, quick_draws(rounding.key, at))
+
+    if torch.compiler.is_compiling():
+        return codes(0, rows.shape[0]).reshape(leaf.shape)
+    out = torch.empty(rows.shape, dtype=codec.code_dtype, device=leaf.device)
+    step = max(DRAW_SIZE // max(geo.columns, 1), 1)
+    for r0 in range(0, rows.shape[0], step):
+        r1 = min(r0 + step, rows.shape[0])
+        out[r0:r1] = codes(r0, r1)
     return out.reshape(leaf.shape)
 
 
