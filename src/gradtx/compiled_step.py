@@ -15,6 +15,7 @@ reads the old ones, so a step moves as little memory as torch's in-place optimiz
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import sys
 import types
@@ -104,10 +105,13 @@ def _dynamo_setting(name: str, older_name: str) -> tuple[str, Optional[int]]:
 class CompiledStep:
     """The callable :func:`compile_step` returns; ``pool`` holds its recycled output buffers."""
 
-    def __init__(self, tx: GradientTransformation, recycle: bool, donate: bool, compile_options: dict[str, Any]) -> None:
+    def __init__(
+        self, tx: GradientTransformation, recycle: bool, donate: bool, compile_options: dict[str, Any], inductor: bool
+    ) -> None:
         self.tx, self.recycle, self.donate, self.pool = tx, recycle, donate, BufferPool()
         self._compile_options = compile_options
-        self._inductor = compile_options.get("backend", "inductor") == "inductor"
+        # Inductor's graphs compile with compiled_fusion's choices; other backends have no such hook
+        self._choices = compiled_fusion.fusing_reductions if inductor else contextlib.nullcontext
         self._body_function = _own_copy(CompiledStep._body)
         self._compiled = torch.compile(types.MethodType(self._body_function, self), **compile_options)
         self._preflight = Preflight()  # sharded steps: the cross-rank checks run eagerly, before tracing
@@ -141,10 +145,8 @@ class CompiledStep:
                 outs = self.pool.take([t if recyclable(t) and not d else None for t, d in zip(templates, donated)])
             outs = [t if d else out for t, d, out in zip(templates, donated, outs)]
         try:
-            if self._inductor:
-                with compiled_fusion.fusing_reductions():
-                    return self._compiled(updates, state, params, outs, extra_args)
-            return self._compiled(updates, state, params, outs, extra_args)
+            with self._choices():
+                return self._compiled(updates, state, params, outs, extra_args)
         except Exception as error:
             if _is_recompile_limit_hit(error):
                 raise RuntimeError(self._limit_message()) from error
@@ -236,11 +238,12 @@ def compile_step(
         tensor([0.9990, 0.9990, 0.9990])
     """
     compile_options.setdefault("fullgraph", True)
-    if compile_options.get("backend", "inductor") == "inductor":
+    inductor = compile_options.get("backend", "inductor") == "inductor"
+    if inductor:
         # A new moment is read twice, by the update and by the store into its buffer; left
         # unrealized, Inductor recomputes it in a loop of its own (two more passes over memory).
         # Statistics and norms that read what the update reads share its loop (see compiled_fusion).
         compile_options["options"] = {
             "realize_reads_threshold": 1, **compiled_fusion.cache_options(), **compile_options.get("options", {})
         }
-    return CompiledStep(tx, recycle, donate, compile_options)
+    return CompiledStep(tx, recycle, donate, compile_options, inductor)

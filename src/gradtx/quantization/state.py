@@ -225,9 +225,9 @@ def quantize_state(
     ``inner.update`` once, and encodes them all, with the same numbers either way. The code books'
     per-value work runs as one compiled loop (``torch.compile``, compiled on the first step that
     needs it) for leaves of 2**16 values or more: ``GRADTX_QUANTIZE_COMPILE=0`` keeps it eager,
-    ``=1`` compiles it for every leaf (:mod:`~gradtx.quantization.kernels`); the codes are the same. The stochastic rounding of
-    4-bit first moments runs eagerly, 2**14 values at a time (its draws are int64; a traced step
-    takes each leaf whole).
+    ``=1`` compiles it for every leaf (:mod:`~gradtx.quantization.kernels`); the codes are the
+    same. The stochastic rounding of 4-bit first moments runs eagerly, 2**14 values at a time (its
+    draws are int64; a traced step takes each leaf whole).
 
     Args:
       inner: the transformation whose state is stored quantized (``adamw(...)``, a chain, ...).
