@@ -252,3 +252,50 @@ def test_a_plain_structure_refuses_the_wrong_number_of_leaves():
     plain = tree_lib._PlainStructure({"a": torch.ones(1)}, 1)
     with pytest.raises(ValueError, match="2 leaves for a structure of 1"):
         plain.unflatten([torch.ones(1), torch.ones(1)])
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.one_of(plain_trees(), st.builds(UserPair, plain_trees(4), st.integers(0, 3))))
+def test_compiled_leaves_and_flatten_to_rebuild_give_optrees_leaves_and_tree(tree):
+    """Under ``torch.compile``, ``leaves`` and ``flatten_to_rebuild`` walk a plain tree themselves;
+    a user's namedtuple or a non-tensor leaf goes to optree. Either way: optree's leaves, in its
+    order, and :func:`unflatten` rebuilds the tree."""
+    want = optree.tree_leaves(tree, none_is_leaf=True, namespace="gradtx")
+
+    def both(tree):
+        found, structure = tree_lib.flatten_to_rebuild(tree)
+        return tree_lib.leaves(tree), found, tree_lib.unflatten(structure, [x + 1 if isinstance(x, torch.Tensor) else x for x in found])
+
+    torch._dynamo.reset()
+    got_leaves, found, rebuilt = torch.compile(both, backend="eager", fullgraph=True)(tree)
+    for got in (got_leaves, found):
+        assert len(got) == len(want) and all(_same(x, y, leaves=_equal_leaf) for x, y in zip(got, want))
+    assert _same(rebuilt, optree.tree_map(lambda x: x if x is None or isinstance(x, int) else x + 1, tree, none_is_leaf=True, namespace="gradtx"), leaves=_equal_leaf)
+
+
+def _equal_leaf(x: Any, y: Any) -> bool:
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        return torch.equal(x, y)
+    return x == y
+
+
+def test_a_compiled_steps_own_flattening_traces_in_as_many_steps_whatever_the_trees_size():
+    """``compile_step``'s body flattens the new params and state, and lists the inputs' leaves, to
+    hand its outputs their buffers; ``map_groups`` checks that its lists form one group. None of it
+    takes a traced step per leaf (optree's flatten, run by Dynamo as Python, takes dozens)."""
+    from gradtx.transforms import _foreach
+
+    def body(params, state):
+        param_leaves, param_def = tree_lib.flatten_to_rebuild(params)
+        state_leaves, state_def = tree_lib.flatten_to_rebuild(state)
+        inputs = tree_lib.leaves(params) + tree_lib.leaves(state)
+        doubled, halved = _foreach.map_groups(lambda a, b: (a, b), param_leaves, state_leaves[1 : 1 + len(param_leaves)], outputs=2)
+        return tree_lib.unflatten(param_def, doubled), tree_lib.unflatten(state_def, state_leaves), len(inputs), halved
+
+    def steps(n: int) -> int:
+        params = {f"layers.{i}.weight": torch.ones(2) for i in reversed(range(n))}
+        state = gtx.ScaleByAdamState(torch.zeros((), dtype=torch.int32), dict(params), dict(params))
+        return _traced_steps(body, params, state)
+
+    small, large = steps(2), steps(40)
+    assert large < small + 38 * 2, (small, large)

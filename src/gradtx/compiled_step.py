@@ -120,8 +120,8 @@ class CompiledStep:
     def _body(self, updates: Any, state: Any, params: Any, outs: list[Optional[Tensor]], extra_args: dict) -> tuple[Any, Any]:
         new_updates, new_state = self.tx.update(updates, state, params, **extra_args)
         new_params = apply_updates(params, new_updates)
-        param_leaves, param_def = tree_lib.flatten(new_params)
-        state_leaves, state_def = tree_lib.flatten(new_state)
+        param_leaves, param_def = tree_lib.flatten_to_rebuild(new_params)
+        state_leaves, state_def = tree_lib.flatten_to_rebuild(new_state)
         inputs = tree_lib.leaves(params) + tree_lib.leaves(state) + tree_lib.leaves(updates)
         leaves = _write_outputs(param_leaves + state_leaves, outs, inputs)
         n = len(param_leaves)

@@ -222,12 +222,11 @@ def _one_group(lists: Sequence[Sequence[Any]]) -> bool:
     """Whether all the positions form one group: in each list, the tensors share one device and
     dtype and are all DTensors or none (lists without tensors, per-leaf flags, do not count).
     Checked a list at a time in C (``map``): on many small tensors a Python loop over the positions
-    costs more than the foreach kernels themselves."""
-    if torch.compiler.is_compiling():
-        return False
+    costs more than the foreach kernels themselves, and for Dynamo to trace."""
     dtensor = dtensor_type()
     for seq in lists:
-        kinds = set(map(type, seq))
+        types = list(map(type, seq))  # one kind compared as a list: Dynamo builds a set value by value
+        kinds = {types[0]} if types and types == [types[0]] * len(types) else set(types)
         tensors = [issubclass(kind, Tensor) for kind in kinds]
         if not any(tensors):
             continue  # per-leaf flags, or no values
