@@ -262,15 +262,19 @@ def test_compiled_leaves_and_flatten_to_rebuild_give_optrees_leaves_and_tree(tre
     order, and :func:`unflatten` rebuilds the tree."""
     want = optree.tree_leaves(tree, none_is_leaf=True, namespace="gradtx")
 
+    def plus_one(x: Any) -> Any:
+        return x + 1 if isinstance(x, torch.Tensor) else x
+
     def both(tree):
         found, structure = tree_lib.flatten_to_rebuild(tree)
-        return tree_lib.leaves(tree), found, tree_lib.unflatten(structure, [x + 1 if isinstance(x, torch.Tensor) else x for x in found])
+        return tree_lib.leaves(tree), found, tree_lib.unflatten(structure, [plus_one(x) for x in found])
 
     torch._dynamo.reset()
     got_leaves, found, rebuilt = torch.compile(both, backend="eager", fullgraph=True)(tree)
     for got in (got_leaves, found):
         assert len(got) == len(want) and all(_same(x, y, leaves=_equal_leaf) for x, y in zip(got, want))
-    assert _same(rebuilt, optree.tree_map(lambda x: x if x is None or isinstance(x, int) else x + 1, tree, none_is_leaf=True, namespace="gradtx"), leaves=_equal_leaf)
+    expected = optree.tree_map(plus_one, tree, none_is_leaf=True, namespace="gradtx")
+    assert _same(rebuilt, expected, leaves=_equal_leaf)
 
 
 def _equal_leaf(x: Any, y: Any) -> bool:
@@ -289,8 +293,8 @@ def test_a_compiled_steps_own_flattening_traces_in_as_many_steps_whatever_the_tr
         param_leaves, param_def = tree_lib.flatten_to_rebuild(params)
         state_leaves, state_def = tree_lib.flatten_to_rebuild(state)
         inputs = tree_lib.leaves(params) + tree_lib.leaves(state)
-        doubled, halved = _foreach.map_groups(lambda a, b: (a, b), param_leaves, state_leaves[1 : 1 + len(param_leaves)], outputs=2)
-        return tree_lib.unflatten(param_def, doubled), tree_lib.unflatten(state_def, state_leaves), len(inputs), halved
+        firsts, seconds = _foreach.map_groups(lambda a, b: (a, b), param_leaves, state_leaves[1 : 1 + len(param_leaves)], outputs=2)
+        return tree_lib.unflatten(param_def, firsts), tree_lib.unflatten(state_def, state_leaves), len(inputs), seconds
 
     def steps(n: int) -> int:
         params = {f"layers.{i}.weight": torch.ones(2) for i in reversed(range(n))}

@@ -225,8 +225,8 @@ def _one_group(lists: Sequence[Sequence[Any]]) -> bool:
     costs more than the foreach kernels themselves, and for Dynamo to trace."""
     dtensor = dtensor_type()
     for seq in lists:
-        types = list(map(type, seq))  # one kind compared as a list: Dynamo builds a set value by value
-        kinds = {types[0]} if types and types == [types[0]] * len(types) else set(types)
+        classes = list(map(type, seq))  # one kind compared as a list: Dynamo builds a set value by value
+        kinds = {classes[0]} if classes and classes == [classes[0]] * len(classes) else set(classes)
         tensors = [issubclass(kind, Tensor) for kind in kinds]
         if not any(tensors):
             continue  # per-leaf flags, or no values
