@@ -462,3 +462,21 @@ def test_compile_step_without_inductors_choices_hook_compiles_with_its_own_choic
         monkeypatch.undo()
         compiled_fusion._choices_class.cache_clear()
     assert compiled_fusion._choices_class() is not None
+
+
+def test_group_counts_are_left_alone_where_torch_keeps_none(monkeypatch):
+    """Where torch's process-group state has no ``group_count``, the ranks have no count to agree
+    on: no collective runs (the distributed case ``groups_over_several_axes_whatever_groups_ranks_made_before``
+    checks the agreement itself)."""
+    import torch.distributed as dist
+
+    from gradtx.sharding import mesh as mesh_lib
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a collective ran")
+
+    monkeypatch.setattr(dist, "all_reduce", no_collective)
+    monkeypatch.setattr(dist.distributed_c10d, "_world", object())
+    mesh_lib._agree_on_group_count(torch.device("cpu"))
+    monkeypatch.delattr(dist.distributed_c10d, "_world")
+    mesh_lib._agree_on_group_count(torch.device("cpu"))

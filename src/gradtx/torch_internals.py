@@ -64,6 +64,7 @@ PRIVATE_APIS = (
     "torch.distributed.tensor.DTensor._spec",
     "torch.distributed.tensor.placement_types._StridedShard",
     "torch.distributed.device_mesh.DeviceMesh._get_root_mesh",
+    "torch.distributed.distributed_c10d._world.group_count",
     # gradtx.sharding.checkpointing: Pieces, a wrapper tensor implementing DCP's chunk protocol
     "torch.Tensor._make_wrapper_subclass",
     "torch._C._disabled_torch_function_impl",

@@ -71,15 +71,22 @@ def one_collective_pp_dp_tp_and_moe(world):
 def groups_over_several_axes_whatever_groups_ranks_made_before(world):
     """Ranks 4 and 5 make a group of their own before the spec exists; then each pipeline stage
     reduces a leaf split over dp x tp. Torch names a group by how many its creator has made, so a
-    group made on demand would be named differently on ranks 4, 5 and 6, 7, and never form."""
+    group made on demand would be named differently on ranks 4, 5 and 6, 7, and never form; and
+    from torch 2.14 a group only its members create moves that count on them alone, so even groups
+    every rank creates at once (the spec's, over dp x tp) would not form unless the ranks agree on it.
+
+    The mesh comes first: on torch 2.14 ``init_device_mesh`` itself hangs after such a group."""
     import torch.distributed as dist
     from gradtx.sharding import mesh as mesh_lib
 
+    mesh = world.mesh((2, 2, 2), ("pp", "dp", "tp"))
     mesh_lib._GROUPS.clear()  # forget the groups earlier cases made, as a fresh job would have none
     rank = dist.get_rank()
     if rank in (4, 5):
+        state = dist.distributed_c10d._world
+        before = state.group_count
         dist.new_group([4, 5], use_local_synchronization=True)
-    mesh = world.mesh((2, 2, 2), ("pp", "dp", "tp"))
+        state.group_count = max(state.group_count, before + 1)  # as torch 2.14 counts it, on any torch
     spec = ShardingSpec(mesh, [("*", gtx.Shard("dp", "tp", dim=(0, 1)))], stage_axis="pp")
     stage, dp, tp = mesh.get_coordinate()
     dense = torch.Generator().manual_seed(stage)

@@ -32,6 +32,23 @@ def _world_key() -> int:
     return id(dist.group.WORLD)
 
 
+def _agree_on_group_count(device: torch.device) -> None:
+    """Gives every rank the highest count of groups made so far, before groups all ranks create.
+
+    Torch names a group all ranks create by its count of groups made. From torch 2.14 a group
+    that only its members create (``new_group(..., use_local_synchronization=True)``) advances the
+    count on those members alone, so every group all ranks create afterwards gets different names
+    on different ranks and never forms (a timeout, 30 minutes by default). Names need only agree and
+    be unique, so every rank takes the highest count (one ``all_reduce``, when the groups are made).
+    Where torch keeps no such count, there is nothing to agree on."""
+    state = getattr(dist.distributed_c10d, "_world", None)
+    if not isinstance(getattr(state, "group_count", None), int):
+        return
+    count = torch.tensor([state.group_count], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    state.group_count = int(count.item())
+
+
 class MeshAxes:
     """The named axes of ``mesh``, this rank's coordinate on each, and groups over axis sets."""
 
@@ -66,7 +83,7 @@ class MeshAxes:
         Torch names a group by how many its creator has made, so groups created on demand would
         get different names on ranks whose histories differ (a stage that has made a group of its
         own, say), and their creation would hang. Made here, every rank makes every group, in mesh
-        order, like the mesh's own groups. A mesh over part of the world cannot do that (ranks
+        order, like the mesh's own groups, after the ranks agree on that count (:func:`_agree_on_group_count`). A mesh over part of the world cannot do that (ranks
         outside it never get here): its members create their groups on demand instead.
         """
         sized = [name for name in self.names if self.sizes[name] > 1]
@@ -74,6 +91,7 @@ class MeshAxes:
         if len(sized) < 2 or self._grid.numel() != world:
             return
         positions = {name: i for i, name in enumerate(self.names)}
+        created = False
         for count in range(2, len(sized) + 1):
             for axes in itertools.combinations(sized, count):
                 spanned = [positions[name] for name in axes]
@@ -82,6 +100,9 @@ class MeshAxes:
                 for block in blocks.tolist():
                     key = (_world_key(), tuple(sorted(block)))
                     if key not in _GROUPS:
+                        if not created and len(block) != world:
+                            _agree_on_group_count(self.device())
+                            created = True
                         _GROUPS[key] = dist.group.WORLD if len(block) == world else dist.new_group(sorted(block))
 
     def device(self) -> torch.device:
