@@ -91,7 +91,9 @@ class ShardingSpec:
         buffers, in eager mode; GPU collectives are not waited on by the host.
 
     Build the spec on every rank of the mesh, in the same order as other process groups, as a
-    ``DeviceMesh`` is built: it creates the groups its reductions span over several axes at once.
+    ``DeviceMesh`` is built: it creates the groups its reductions span over several axes at once
+    (on a mesh over every rank, after one ``all_reduce`` by which the ranks agree on torch's count
+    of groups made, which groups some ranks made alone can leave unequal).
 
     DTensor leaves take their layout from their placements (a rule matching one may add
     ``duplicate=True``; if it names other axes than the placements do, that is a ``ValueError``);
