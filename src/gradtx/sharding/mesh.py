@@ -83,7 +83,8 @@ class MeshAxes:
         Torch names a group by how many its creator has made, so groups created on demand would
         get different names on ranks whose histories differ (a stage that has made a group of its
         own, say), and their creation would hang. Made here, every rank makes every group, in mesh
-        order, like the mesh's own groups, after the ranks agree on that count (:func:`_agree_on_group_count`). A mesh over part of the world cannot do that (ranks
+        order, like the mesh's own groups, once the ranks agree on that count
+        (:func:`_agree_on_group_count`). A mesh over part of the world cannot do that (ranks
         outside it never get here): its members create their groups on demand instead.
         """
         sized = [name for name in self.names if self.sizes[name] > 1]
@@ -91,7 +92,7 @@ class MeshAxes:
         if len(sized) < 2 or self._grid.numel() != world:
             return
         positions = {name: i for i, name in enumerate(self.names)}
-        created = False
+        agreed = False
         for count in range(2, len(sized) + 1):
             for axes in itertools.combinations(sized, count):
                 spanned = [positions[name] for name in axes]
@@ -100,9 +101,9 @@ class MeshAxes:
                 for block in blocks.tolist():
                     key = (_world_key(), tuple(sorted(block)))
                     if key not in _GROUPS:
-                        if not created and len(block) != world:
+                        if not agreed and len(block) != world:
                             _agree_on_group_count(self.device())
-                            created = True
+                            agreed = True
                         _GROUPS[key] = dist.group.WORLD if len(block) == world else dist.new_group(sorted(block))
 
     def device(self) -> torch.device:
