@@ -1,0 +1,75 @@
+/* The elementwise Adam step of one float32 tensor in one pass over memory, with ATen's numbers.
+ *
+ * Each operation is the one ATen's CPU kernels perform for gradtx's eager Adam step, rounded the
+ * same way: lerp and addcmul and add(alpha=) as fused multiply-adds, the square root by the
+ * function torch's own sqrt kernel calls (passed in; NULL for sqrtf). Compiled with
+ * -ffp-contract=off, so the compiler fuses nothing else. gradtx checks the result against the
+ * ATen ops before it uses this code (gradtx/native/adam.py).
+ *
+ * Outputs may be the inputs' own buffers (mo == m, vo == v, uo == g): each element is read before
+ * it is written, and never again.
+ */
+#include <math.h>
+#include <stdint.h>
+
+typedef void (*vector_sqrt)(int n, const float *in, float *out, long long mode);
+/* MKL's mkl_set_num_threads_local (Fortran-style int pointer): a vector call on a thread of ours
+ * would otherwise fork MKL's own threads, once per block. */
+typedef int (*set_local_threads)(const int *n);
+
+#define BLOCK 2048
+
+static void adam_block(const float *g, const float *m, const float *v, const float *p, float *mo,
+                       float *vo, float *uo, int len, int small, float coeff, float b2, float c2,
+                       float eps, float step, float factor, int decay, vector_sqrt vsqrt,
+                       long long mode) {
+    float root[BLOCK];
+#pragma GCC ivdep
+    for (int i = 0; i < len; i++) {
+        float gi = g[i], mi = m[i];
+        /* lerp(m, g, w): m + w (g - m) for |w| < 0.5, else g - (1 - w)(g - m) */
+        mo[i] = fmaf(coeff, gi - mi, small ? mi : gi);
+        /* addcmul(v * b2, g, g, value=c2): (c2 g) g + v b2 */
+        vo[i] = fmaf(c2 * gi, gi, v[i] * b2);
+    }
+    if (vsqrt) {
+        vsqrt(len, vo, root, mode);
+    } else {
+#pragma GCC ivdep
+        for (int i = 0; i < len; i++) root[i] = sqrtf(vo[i]);
+    }
+    if (decay == 1) { /* add(u, p, alpha=factor): p factor + u, one rounding */
+#pragma GCC ivdep
+        for (int i = 0; i < len; i++) uo[i] = fmaf(p[i], factor, (mo[i] / (root[i] + eps)) * step);
+    } else if (decay == 2) { /* add(u, mul(p, factor)): a tensor factor, two roundings */
+#pragma GCC ivdep
+        for (int i = 0; i < len; i++) uo[i] = (mo[i] / (root[i] + eps)) * step + p[i] * factor;
+    } else {
+#pragma GCC ivdep
+        for (int i = 0; i < len; i++) uo[i] = (mo[i] / (root[i] + eps)) * step;
+    }
+}
+
+/* m' = lerp(m, g, w1); v' = addcmul(v * b2, g, g, value=c2); u = m' / (sqrt(v') + eps) * step,
+ * plus p * factor for decay 1 (one rounding) and 2 (the product rounded first). */
+void gradtx_adam_f32(const float *g, const float *m, const float *v, const float *p, float *mo,
+                     float *vo, float *uo, int64_t n, float w1, float b2, float c2, float eps,
+                     float step, float factor, int decay, vector_sqrt vsqrt, long long mode,
+                     set_local_threads set_local, int threads) {
+    const int small = fabsf(w1) < 0.5f;
+    const float coeff = small ? w1 : w1 - 1.0f;
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n >= 65536)
+    {
+        const int one = 1;
+        const int before = set_local ? set_local(&one) : 0;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t s = b * BLOCK;
+            const int len = (int)(n - s < BLOCK ? n - s : BLOCK);
+            adam_block(g + s, m + s, v + s, decay ? p + s : 0, mo + s, vo + s, uo + s, len, small,
+                       coeff, b2, c2, eps, step, factor, decay, vsqrt, mode);
+        }
+        if (set_local) set_local(&before);
+    }
+}

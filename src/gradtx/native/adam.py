@@ -1,0 +1,219 @@
+"""The eager Adam step of float32 CPU tensors in one pass over memory, with the ATen path's numbers.
+
+gradtx's eager Adam step runs one ATen kernel per operation: eight passes over memory for the
+moments, the direction and the decay. ``adam.c`` does the same operations per element in one pass,
+each rounded as ATen rounds it, and the square root by the very function torch's ``sqrt`` kernel
+calls (MKL's ``vmsSqrt`` where torch exports it). Before its first use, :func:`usable` runs both
+on probe values (normal and extreme magnitudes, zeros, infinities, NaNs, subnormals; both branches
+of ``lerp``; each kind of weight decay) and keeps the kernel only if every bit agrees; else, or
+where it cannot be built, gradtx keeps to the ATen ops and :func:`status` says why.
+
+Used only where it changes nothing but the speed: not while compiling or where a graph is
+recorded, and only for contiguous float32 CPU tensors (no subclasses) with float ``b1`` and ``b2``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from gradtx import tree as tree_lib
+from gradtx.native import build
+
+# MKL vector math mode of torch's own calls (ATen/cpu/vml.h): VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE
+_MKL_MODE = 0x2 | 0x140000 | 0x100
+DECAY_NONE, DECAY_FMA, DECAY_PRODUCT = 0, 1, 2
+
+_state = threading.local()  # ``reference``: the self-check's ATen run is under way on this thread
+_lock = threading.RLock()
+_checked: Optional[tuple[Any, str]] = None  # (kernel or None, why not)
+
+
+class _Kernel:
+    def __init__(self, lib: ctypes.CDLL, vector_sqrt: Optional[int]):
+        fn = lib.gradtx_adam_f32
+        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] + [ctypes.c_float] * 6 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int]
+        fn.restype = None
+        self.fn, self.vector_sqrt, self.calls = fn, vector_sqrt, 0
+        self.set_local_threads = _torch_symbol("mkl_set_num_threads_local") if vector_sqrt is not None else None
+
+    def __call__(self, g: Tensor, m: Tensor, v: Tensor, p: Optional[Tensor], mo: Tensor, vo: Tensor, uo: Tensor,
+                 w1: float, b2: float, c2: float, eps: float, step: float, factor: float, decay: int) -> None:
+        self.calls += 1
+        self.fn(
+            g.data_ptr(), m.data_ptr(), v.data_ptr(), p.data_ptr() if p is not None else None,
+            mo.data_ptr(), vo.data_ptr(), uo.data_ptr(), g.numel(),
+            w1, b2, c2, eps, step, factor, decay, self.vector_sqrt, _MKL_MODE, self.set_local_threads,
+            torch.get_num_threads(),
+        )
+
+
+def _torch_symbol(name: str) -> Optional[int]:
+    """The address of an MKL function in torch's CPU library, where torch links MKL and exports it."""
+    if not torch.backends.mkl.is_available():
+        return None
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+def _torch_vector_sqrt() -> Optional[int]:
+    """MKL's ``vmsSqrt``, which torch's CPU ``sqrt`` kernel calls where torch links MKL."""
+    return _torch_symbol("vmsSqrt")
+
+
+@contextlib.contextmanager
+def aten_only() -> Iterator[None]:
+    """Within it, this thread's Adam steps run the ATen ops (the kernel's check and its tests)."""
+    before = getattr(_state, "reference", False)
+    _state.reference = True
+    try:
+        yield
+    finally:
+        _state.reference = before
+
+
+def status() -> str:
+    """``"in use"``, or why the eager Adam step keeps to the ATen ops."""
+    kernel, why = _load()
+    return "in use" if kernel is not None else why
+
+
+def usable() -> Optional[_Kernel]:
+    """The checked kernel, or ``None``."""
+    if getattr(_state, "reference", False):
+        return None
+    return _load()[0]
+
+
+def _load() -> tuple[Optional[_Kernel], str]:
+    global _checked
+    if _checked is None:
+        with _lock:
+            if _checked is None:
+                _checked = _build_and_check()
+    return _checked
+
+
+def _build_and_check() -> tuple[Optional[_Kernel], str]:
+    lib, why = build.load("adam")
+    if lib is None:
+        return None, why
+    for vector_sqrt in dict.fromkeys((_torch_vector_sqrt(), None)):  # torch's own sqrt first
+        kernel = _Kernel(lib, vector_sqrt)
+        mismatch = _mismatch(kernel)
+        if not mismatch:
+            return kernel, ""
+    return None, f"its numbers differ from the ATen ops on this machine ({mismatch})"
+
+
+def step(
+    g: Sequence[Tensor], m: Sequence[Tensor], v: Sequence[Tensor], decayed: Sequence[bool], p: Sequence[Any], *,
+    b1: Any, b2: Any, eps: Tensor, step: Any, factor: Any, inplace: bool, own_updates: bool,
+) -> Optional[tuple[list[Tensor], list[Tensor], list[Tensor]]]:
+    """``(updates, mu, nu)`` of one group of a plain Adam step by the kernel, or ``None`` where it
+    does not apply (the caller then runs the ATen ops). Arguments as in ``gradtx.transforms.adam``."""
+    if not (isinstance(b1, float) and isinstance(b2, float)) or torch.compiler.is_compiling():
+        return None
+    kernel = getattr(_state, "kernel", None) or usable()  # the one under check, while it is checked
+    if kernel is None or not _plain(g, m, v, decayed, p):
+        return None
+    decay = DECAY_NONE if not any(decayed) else DECAY_PRODUCT if isinstance(factor, Tensor) else DECAY_FMA
+    scalars = (
+        1.0 - b1, b2, 1.0 - b2, _float32(eps), _float32(step), _float32(factor) if decay else 0.0, decay,
+    )
+    mo = list(m) if inplace else [torch.empty_like(x) for x in m]
+    vo = list(v) if inplace else [torch.empty_like(x) for x in v]
+    uo = list(g) if own_updates else [torch.empty_like(x) for x in g]
+    for i in range(len(g)):
+        kernel(g[i], m[i], v[i], p[i] if decayed[i] else None, mo[i], vo[i], uo[i], *scalars[:6], scalars[6] if decayed[i] else DECAY_NONE)
+    return uo, mo, vo
+
+
+def _float32(value: Any) -> float:
+    """The value ATen multiplies by: a 0-d tensor or a number, rounded to float32."""
+    if isinstance(value, Tensor):
+        return value.to(torch.float32).item()
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+def _plain(g, m, v, decayed, p) -> bool:
+    """Whether every position holds plain contiguous float32 CPU tensors of one size, and no
+    gradient or moment shares memory with any other tensor of the group (the ATen ops go a list
+    at a time, the kernel a position at a time: where a buffer one writes is read elsewhere, the
+    order would show). Params are only read: tied ones may repeat."""
+    if tree_lib.needs_graph(list(g), list(m), list(v), [x for x, d in zip(p, decayed) if d]):
+        return False
+    written: set[int] = set()
+    read: set[int] = set()
+    for i in range(len(g)):
+        n = g[i].numel()
+        roles = (g[i], m[i], v[i], p[i]) if decayed[i] else (g[i], m[i], v[i])
+        for x in roles:
+            if type(x) is not Tensor or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+                return False
+            if x.numel() != n:
+                return False
+        if n:
+            written.update(x.untyped_storage().data_ptr() for x in roles[:3])
+            if decayed[i]:
+                read.add(p[i].untyped_storage().data_ptr())
+    positions = sum(1 for x in g if x.numel())
+    return len(written) == 3 * positions and not written & read
+
+
+# --------------------------------------------------------------------------- the check
+
+
+def _probe(n: int, seed: int) -> Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 6)
+    extremes = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-44, 3e38, -3e38, 1e-19])
+    where = torch.randint(0, n, (n // 40,), generator=gen)
+    x[where] = extremes[torch.randint(0, len(extremes), (len(where),), generator=gen)]
+    return x
+
+
+def _mismatch(kernel: _Kernel) -> str:
+    """The first case where the kernel's step differs from the ATen ops' in any bit, or ``""``."""
+    from gradtx.transforms.adam import fused_adam
+
+    cases = [  # (b1, b2, eps, learning rate, weight decay): both lerp branches, each kind of decay
+        (0.9, 0.999, 1e-8, 1e-3, 0.1),
+        (0.3, 0.5, 1e-3, 0.5, None),
+        (0.0, 0.95, 1e-6, lambda count: 1e-2 / (1.0 + count), 0.05),
+    ]
+    for number, (b1, b2, eps, lr, wd) in enumerate(cases):
+        params = {"a": _probe(4099, number)}
+        if not number:  # one leaf long enough for the kernel's threads
+            params["b"] = _probe(66001, 10)
+        tx = fused_adam(lr, b1, b2, eps, weight_decay=wd)
+        results = []
+        for reference in (True, False):
+            _state.kernel = None if reference else kernel
+            try:
+                with aten_only() if reference else contextlib.nullcontext():
+                    state, out = tx.init(params), None
+                    for s in range(2):  # the second step starts from moments that are not 0
+                        grads = {k: _probe(x.numel(), 100 * s + number) for k, x in params.items()}
+                        out, state = tx.update(grads, state, params)
+                results.append((out, state[0].mu, state[0].nu))
+            finally:
+                _state.kernel = None
+        if not kernel.calls:
+            return "the check never reached the kernel"
+        for (want, got) in zip(results[0], results[1]):
+            for key in want:
+                same = (want[key] == got[key]) | (want[key].isnan() & got[key].isnan())
+                if not bool(same.all()):
+                    return f"b1={b1}, b2={b2}, eps={eps}: {int((~same).sum())} of {same.numel()} values of {key!r}"
+    return ""
+
