@@ -145,8 +145,17 @@ def _float32(value: Any) -> float:
     return float(torch.tensor(value, dtype=torch.float32))
 
 
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def _plain(g, m, v, decayed, p) -> bool:
-    """Whether every position holds plain contiguous float32 CPU tensors of one size, and no
+    """Whether every position holds plain float32 CPU tensors of one size with row-major strides
+    (a size-1 dimension's stride too: new outputs get those), and no
     gradient or moment shares memory with any other tensor of the group (the ATen ops go a list
     at a time, the kernel a position at a time: where a buffer one writes is read elsewhere, the
     order would show). Params are only read: tied ones may repeat."""
@@ -157,10 +166,11 @@ def _plain(g, m, v, decayed, p) -> bool:
     for i in range(len(g)):
         n = g[i].numel()
         roles = (g[i], m[i], v[i], p[i]) if decayed[i] else (g[i], m[i], v[i])
+        standard = _contiguous_strides(g[i].shape)
         for x in roles:
-            if type(x) is not Tensor or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+            if type(x) is not Tensor or x.dtype != torch.float32 or x.device.type != "cpu":
                 return False
-            if x.numel() != n:
+            if x.numel() != n or x.stride() != standard:  # the strides the ATen ops' outputs get
                 return False
         if n:
             written.update(x.untyped_storage().data_ptr() for x in roles[:3])

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from gradtx import tree as tree_lib
 from gradtx.base import EmptyState, GradientTransformation, donation, set_elementwise, supports_donated_updates
+from gradtx.native import adam as native_adam
 from gradtx.numerics import ScalarOrSchedule
 from gradtx.state_check import named
 from gradtx.state_signs import nonnegative
@@ -170,6 +171,14 @@ class _Adam:
         step, factor = fe.realized(step, factor)  # a scheduled learning rate joins them here
 
         def group(g, m, v, decayed, p):
+            if not (self.nesterov or s.root_shift is not None or torch.compiler.is_compiling()):
+                # one pass over memory for plain float32 CPU tensors, with the ATen ops' numbers
+                done = native_adam.step(
+                    g, m, v, decayed, p, b1=self.b1, b2=self.b2, eps=s.eps, step=step, factor=factor,
+                    inplace=inplace, own_updates=own_updates,
+                )
+                if done is not None:
+                    return done
             m = first_moment(m, g, self.b1, inplace=inplace)
             v = second_moment(v, g, self.b2, inplace=inplace)
             if self.nesterov:
