@@ -214,3 +214,37 @@ def test_the_library_is_built_once_per_cache_folder(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "_compile", lambda *args: pytest.fail("compiled again"))
     again, _ = build._build_and_load("adam")
     assert isinstance(again, ctypes.CDLL) and sorted(tmp_path.iterdir()) == built
+
+
+def test_threads_stepping_at_once_get_the_numbers_of_steps_one_after_another():
+    """The kernel keeps nothing between calls (its scratch is on the stack): several Python threads
+    may step at once, as the eager ATen ops may."""
+    import threading
+
+    trees = [({"w": _values(100_000, 20 + i)}, {"w": _values(100_000, 40 + i)}) for i in range(4)]
+    tx = gtx.adamw(1e-3, weight_decay=0.1)
+    alone = [_run(tx, params, [grads, grads], False) for params, grads in trees]
+    together: list = [None] * len(trees)
+
+    def run(i):
+        together[i] = _run(tx, trees[i][0], [trees[i][1], trees[i][1]], False)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(trees))]
+    before = _kernel_calls()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert _kernel_calls() >= before + 2 * len(trees)
+    for one, other in zip(alone, together):
+        for want, got in zip(one, other):
+            assert _equal(want["w"], got["w"])
+
+
+def test_another_cpu_gets_a_library_of_its_own(monkeypatch, tmp_path):
+    """``-march=native`` code may not run on another CPU: a cache shared with one builds anew."""
+    monkeypatch.setenv("GRADTX_CACHE_DIR", str(tmp_path))
+    assert build._build_and_load("adam")[0] is not None
+    monkeypatch.setattr(build, "_cpu", lambda: b"flags : another cpu")
+    assert build._build_and_load("adam")[0] is not None
+    assert len(list(tmp_path.glob("adam-*.so"))) == 2

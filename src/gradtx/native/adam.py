@@ -9,7 +9,8 @@ of ``lerp``; each kind of weight decay) and keeps the kernel only if every bit a
 where it cannot be built, gradtx keeps to the ATen ops and :func:`status` says why.
 
 Used only where it changes nothing but the speed: not while compiling or where a graph is
-recorded, and only for contiguous float32 CPU tensors (no subclasses) with float ``b1`` and ``b2``.
+recorded, and only for plain float32 CPU tensors with row-major strides, float ``b1`` and ``b2``,
+and no gradient or moment sharing memory with another tensor of the step.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from gradtx.native import build
 _MKL_MODE = 0x2 | 0x140000 | 0x100
 DECAY_NONE, DECAY_FMA, DECAY_PRODUCT = 0, 1, 2
 
-_state = threading.local()  # ``reference``: the self-check's ATen run is under way on this thread
+# Per thread: ``reference`` (ATen ops only, :func:`aten_only`), ``kernel`` (the one under check).
+_state = threading.local()
 _lock = threading.RLock()
 _checked: Optional[tuple[Any, str]] = None  # (kernel or None, why not)
 
@@ -126,15 +128,17 @@ def step(
     kernel = getattr(_state, "kernel", None) or usable()  # the one under check, while it is checked
     if kernel is None or not _plain(g, m, v, decayed, p):
         return None
-    decay = DECAY_NONE if not any(decayed) else DECAY_PRODUCT if isinstance(factor, Tensor) else DECAY_FMA
-    scalars = (
-        1.0 - b1, b2, 1.0 - b2, _float32(eps), _float32(step), _float32(factor) if decay else 0.0, decay,
-    )
+    decay = DECAY_PRODUCT if isinstance(factor, Tensor) else DECAY_FMA  # as ``_add_scaled`` adds it
+    factor = _float32(factor) if any(decayed) else 0.0
+    floats = (1.0 - b1, b2, 1.0 - b2, _float32(eps), _float32(step), factor)
     mo = list(m) if inplace else [torch.empty_like(x) for x in m]
     vo = list(v) if inplace else [torch.empty_like(x) for x in v]
     uo = list(g) if own_updates else [torch.empty_like(x) for x in g]
     for i in range(len(g)):
-        kernel(g[i], m[i], v[i], p[i] if decayed[i] else None, mo[i], vo[i], uo[i], *scalars[:6], scalars[6] if decayed[i] else DECAY_NONE)
+        if decayed[i]:
+            kernel(g[i], m[i], v[i], p[i], mo[i], vo[i], uo[i], *floats, decay)
+        else:
+            kernel(g[i], m[i], v[i], None, mo[i], vo[i], uo[i], *floats, DECAY_NONE)
     return uo, mo, vo
 
 

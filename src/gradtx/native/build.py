@@ -2,7 +2,9 @@
 
 Each ``<name>.c`` beside this module becomes a shared library in the cache folder
 (``$GRADTX_CACHE_DIR``, else ``$XDG_CACHE_HOME/gradtx``, else ``~/.cache/gradtx``), named by a hash
-of its source, the compiler and the flags, so a changed source or compiler builds anew and processes
+of its source, the compiler, the flags and this CPU's instruction sets (``-march=native``: a cache
+shared by machines of other CPUs never hands them code they cannot run), so a changed source or
+compiler builds anew and processes
 that build at once never see each other's half-written file. ``GRADTX_NATIVE=0`` turns the kernels
 off. Where no compiler works, :func:`load` says why and gradtx keeps to torch's ops (the same numbers).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -69,7 +72,8 @@ def _build_and_load(name: str) -> tuple[Optional[ctypes.CDLL], str]:
     source = (HERE / f"{name}.c").read_bytes()
     errors = []
     for flags in (FLAGS + (OPENMP,), FLAGS):  # without OpenMP where the compiler has none (one thread)
-        key = hashlib.sha256(b"\0".join([source, cc.encode(), _version(cc), " ".join(flags).encode()])).hexdigest()[:20]
+        parts = [source, cc.encode(), _version(cc), " ".join(flags).encode(), _cpu()]
+        key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
         target = cache_dir() / f"{name}-{key}.so"
         if not target.exists():
             error = _compile(cc, HERE / f"{name}.c", flags, target)
@@ -81,6 +85,18 @@ def _build_and_load(name: str) -> tuple[Optional[ctypes.CDLL], str]:
         except OSError as exc:
             errors.append(f"{target} does not load: {exc}")
     return None, "; ".join(errors)
+
+
+def _cpu() -> bytes:
+    """What ``-march=native`` compiles for: the CPU's feature flags (Linux), else its name."""
+    try:
+        with open("/proc/cpuinfo", "rb") as info:
+            for line in info:
+                if line.startswith((b"flags", b"Features")):
+                    return line
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}".encode()
 
 
 def _version(cc: str) -> bytes:
