@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import gradtx as gtx
 from gradtx.native import adam as native_adam
-from gradtx.native import build
+from gradtx.native import build, checks
 from gradtx.transforms.adam import fused_adam
 
 # Skipped only where nothing can be built; a kernel refused by its check fails the tests below.
@@ -37,7 +37,7 @@ def _kernel_calls() -> int:
 
 
 def _values(n: int, seed: int) -> torch.Tensor:
-    return native_adam._probe(n, seed) if n else torch.empty(0)
+    return checks.probe(n, seed) if n else torch.empty(0)
 
 
 def _equal(want: torch.Tensor, got: torch.Tensor) -> bool:
@@ -76,7 +76,7 @@ def test_the_kernels_steps_equal_the_aten_ops_bit_for_bit(sizes, b1, b2, eps, lr
     weight_decay = (lambda count: 0.01 * count) if wd == "schedule" else wd
     mask = {k: i % 2 == 0 for i, k in enumerate(params)} if masked and wd is not None else None
     make = lambda: fused_adam(learning_rate, b1, b2, eps, weight_decay=weight_decay, mask=mask)  # noqa: E731
-    with native_adam.aten_only():
+    with checks.aten_only():
         want = _run(make(), params, grads, inplace)
     before = _kernel_calls()
     got = _run(make(), params, grads, inplace)
@@ -98,7 +98,7 @@ def test_the_adamw_alias_chained_with_a_clip_and_applied_takes_the_kernel():
             p = gtx.apply_updates(p, updates)
         return p
 
-    with native_adam.aten_only():
+    with checks.aten_only():
         want = steps()
     before = _kernel_calls()
     got = steps()
@@ -166,7 +166,7 @@ def test_the_check_refuses_a_kernel_whose_numbers_differ():
             super().__call__(*args)
 
     assert "values of" in native_adam._mismatch(OffByOne(lib, native_adam.usable().vector_sqrt))
-    values = native_adam._probe(100_000, 0).abs()
+    values = checks.probe(100_000, 0).abs()
     if not torch.equal(torch.sqrt(values), torch.from_numpy(numpy.sqrt(values.numpy()))):
         # torch's sqrt is not the correctly rounded one (MKL's here): the kernel with sqrtf is refused
         assert "values of" in native_adam._mismatch(native_adam._Kernel(lib, None))

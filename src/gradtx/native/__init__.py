@@ -2,6 +2,8 @@
 
 Each gives exactly the numbers of the ATen ops it replaces (checked before first use) and only
 saves passes over memory; where a kernel cannot be built or its check fails, gradtx runs the ATen
-ops. ``GRADTX_NATIVE=0`` turns them off; :func:`gradtx.native.adam.status` says whether the Adam
-kernel is in use, and why not.
+ops. Kernels: :mod:`gradtx.native.adam` (the Adam step) and :mod:`gradtx.native.momentum` (the
+momentum trace, so ``sgd`` with momentum); :mod:`gradtx.native.checks` holds what they share.
+``GRADTX_NATIVE=0`` turns them off; each module's ``status()`` says whether its kernel is in use,
+and why not.
 """

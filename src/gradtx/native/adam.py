@@ -15,26 +15,19 @@ and no gradient or moment sharing memory with another tensor of the step.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import os
-import threading
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.native import build
+from gradtx.native import build, checks
 
 # MKL vector math mode of torch's own calls (ATen/cpu/vml.h): VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE
 _MKL_MODE = 0x2 | 0x140000 | 0x100
 DECAY_NONE, DECAY_FMA, DECAY_PRODUCT = 0, 1, 2
 
-# Per thread: ``reference`` (ATen ops only, :func:`aten_only`), ``kernel`` (the one under check).
-_state = threading.local()
-_lock = threading.RLock()
-_checked: Optional[tuple[Any, str]] = None  # (kernel or None, why not)
 
 
 class _Kernel:
@@ -43,7 +36,7 @@ class _Kernel:
         fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] + [ctypes.c_float] * 6 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int]
         fn.restype = None
         self.fn, self.vector_sqrt, self.calls = fn, vector_sqrt, 0
-        self.set_local_threads = _torch_symbol("mkl_set_num_threads_local") if vector_sqrt is not None else None
+        self.set_local_threads = checks.torch_symbol("mkl_set_num_threads_local") if vector_sqrt is not None else None
 
     def __call__(self, g: Tensor, m: Tensor, v: Tensor, p: Optional[Tensor], mo: Tensor, vo: Tensor, uo: Tensor,
                  w1: float, b2: float, c2: float, eps: float, step: float, factor: float, decay: int) -> None:
@@ -56,53 +49,19 @@ class _Kernel:
         )
 
 
-def _torch_symbol(name: str) -> Optional[int]:
-    """The address of an MKL function in torch's CPU library, where torch links MKL and exports it."""
-    if not torch.backends.mkl.is_available():
-        return None
-    try:
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-    except (OSError, AttributeError):
-        return None
-
-
 def _torch_vector_sqrt() -> Optional[int]:
     """MKL's ``vmsSqrt``, which torch's CPU ``sqrt`` kernel calls where torch links MKL."""
-    return _torch_symbol("vmsSqrt")
-
-
-@contextlib.contextmanager
-def aten_only() -> Iterator[None]:
-    """Within it, this thread's Adam steps run the ATen ops (the kernel's check and its tests)."""
-    before = getattr(_state, "reference", False)
-    _state.reference = True
-    try:
-        yield
-    finally:
-        _state.reference = before
+    return checks.torch_symbol("vmsSqrt")
 
 
 def status() -> str:
     """``"in use"``, or why the eager Adam step keeps to the ATen ops."""
-    kernel, why = _load()
-    return "in use" if kernel is not None else why
+    return _kernel.status()
 
 
 def usable() -> Optional[_Kernel]:
     """The checked kernel, or ``None``."""
-    if getattr(_state, "reference", False):
-        return None
-    return _load()[0]
-
-
-def _load() -> tuple[Optional[_Kernel], str]:
-    global _checked
-    if _checked is None:
-        with _lock:
-            if _checked is None:
-                _checked = _build_and_check()
-    return _checked
+    return _kernel.usable()
 
 
 def _build_and_check() -> tuple[Optional[_Kernel], str]:
@@ -117,6 +76,9 @@ def _build_and_check() -> tuple[Optional[_Kernel], str]:
     return None, f"its numbers differ from the ATen ops on this machine ({mismatch})"
 
 
+_kernel = checks.Lazy(_build_and_check)
+
+
 def step(
     g: Sequence[Tensor], m: Sequence[Tensor], v: Sequence[Tensor], decayed: Sequence[bool], p: Sequence[Any], *,
     b1: Any, b2: Any, eps: Tensor, step: Any, factor: Any, inplace: bool, own_updates: bool,
@@ -125,12 +87,12 @@ def step(
     does not apply (the caller then runs the ATen ops). Arguments as in ``gradtx.transforms.adam``."""
     if not (isinstance(b1, float) and isinstance(b2, float)) or torch.compiler.is_compiling():
         return None
-    kernel = getattr(_state, "kernel", None) or usable()  # the one under check, while it is checked
+    kernel = checks.under_check(_Kernel) or usable()
     if kernel is None or not _plain(g, m, v, decayed, p):
         return None
     decay = DECAY_PRODUCT if isinstance(factor, Tensor) else DECAY_FMA  # as ``_add_scaled`` adds it
-    factor = _float32(factor) if any(decayed) else 0.0
-    floats = (1.0 - b1, b2, 1.0 - b2, _float32(eps), _float32(step), factor)
+    factor = checks.float32(factor) if any(decayed) else 0.0
+    floats = (1.0 - b1, b2, 1.0 - b2, checks.float32(eps), checks.float32(step), factor)
     mo = list(m) if inplace else [torch.empty_like(x) for x in m]
     vo = list(v) if inplace else [torch.empty_like(x) for x in v]
     uo = list(g) if own_updates else [torch.empty_like(x) for x in g]
@@ -140,21 +102,6 @@ def step(
         else:
             kernel(g[i], m[i], v[i], None, mo[i], vo[i], uo[i], *floats, DECAY_NONE)
     return uo, mo, vo
-
-
-def _float32(value: Any) -> float:
-    """The value ATen multiplies by: a 0-d tensor or a number, rounded to float32."""
-    if isinstance(value, Tensor):
-        return value.to(torch.float32).item()
-    return float(torch.tensor(value, dtype=torch.float32))
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _plain(g, m, v, decayed, p) -> bool:
@@ -170,12 +117,8 @@ def _plain(g, m, v, decayed, p) -> bool:
     for i in range(len(g)):
         n = g[i].numel()
         roles = (g[i], m[i], v[i], p[i]) if decayed[i] else (g[i], m[i], v[i])
-        standard = _contiguous_strides(g[i].shape)
-        for x in roles:
-            if type(x) is not Tensor or x.dtype != torch.float32 or x.device.type != "cpu":
-                return False
-            if x.numel() != n or x.stride() != standard:  # the strides the ATen ops' outputs get
-                return False
+        if not checks.plain_float32(roles, n, checks.row_major(g[i].shape)):
+            return False
         if n:
             written.update(x.untyped_storage().data_ptr() for x in roles[:3])
             if decayed[i]:
@@ -185,15 +128,6 @@ def _plain(g, m, v, decayed, p) -> bool:
 
 
 # --------------------------------------------------------------------------- the check
-
-
-def _probe(n: int, seed: int) -> Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 6)
-    extremes = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-44, 3e38, -3e38, 1e-19])
-    where = torch.randint(0, n, (n // 40,), generator=gen)
-    x[where] = extremes[torch.randint(0, len(extremes), (len(where),), generator=gen)]
-    return x
 
 
 def _mismatch(kernel: _Kernel) -> str:
@@ -206,28 +140,21 @@ def _mismatch(kernel: _Kernel) -> str:
         (0.0, 0.95, 1e-6, lambda count: 1e-2 / (1.0 + count), 0.05),
     ]
     for number, (b1, b2, eps, lr, wd) in enumerate(cases):
-        params = {"a": _probe(4099, number)}
+        params = {"a": checks.probe(4099, number)}
         if not number:  # one leaf long enough for the kernel's threads
-            params["b"] = _probe(66001, 10)
+            params["b"] = checks.probe(66001, 10)
         tx = fused_adam(lr, b1, b2, eps, weight_decay=wd)
         results = []
         for reference in (True, False):
-            _state.kernel = None if reference else kernel
-            try:
-                with aten_only() if reference else contextlib.nullcontext():
-                    state, out = tx.init(params), None
-                    for s in range(2):  # the second step starts from moments that are not 0
-                        grads = {k: _probe(x.numel(), 100 * s + number) for k, x in params.items()}
-                        out, state = tx.update(grads, state, params)
-                results.append((out, state[0].mu, state[0].nu))
-            finally:
-                _state.kernel = None
+            with checks.aten_only() if reference else checks.checking(kernel):
+                state, out = tx.init(params), None
+                for s in range(2):  # the second step starts from moments that are not 0
+                    grads = {k: checks.probe(x.numel(), 100 * s + number) for k, x in params.items()}
+                    out, state = tx.update(grads, state, params)
+            results.append((out, state[0].mu, state[0].nu))
         if not kernel.calls:
             return "the check never reached the kernel"
-        for (want, got) in zip(results[0], results[1]):
-            for key in want:
-                same = (want[key] == got[key]) | (want[key].isnan() & got[key].isnan())
-                if not bool(same.all()):
-                    return f"b1={b1}, b2={b2}, eps={eps}: {int((~same).sum())} of {same.numel()} values of {key!r}"
+        difference = checks.first_difference(results[0], results[1])
+        if difference:
+            return f"b1={b1}, b2={b2}, eps={eps}: {difference}"
     return ""
-

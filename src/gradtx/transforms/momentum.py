@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from gradtx.base import GradientTransformation, set_elementwise
+from gradtx.native import momentum as native_momentum
 from gradtx.transforms import _foreach as fe
 
 
@@ -45,6 +46,10 @@ def trace(decay: float, nesterov: bool = False, accumulator_dtype: Optional[torc
         traces = leaves.aligned(state.trace, what="trace: state.trace")
 
         def group(g, t):
+            if not torch.compiler.is_compiling():  # one pass for plain float32 CPU tensors, the same numbers
+                done = native_momentum.step(g, t, decay=decay, nesterov=nesterov, inplace=inplace)
+                if done is not None:
+                    return done
             t = fe.add(fe.mul(t, fe.on(decay, t), inplace=inplace), fe.cast(g, t[0].dtype), inplace=True)
             if nesterov:
                 out = fe.add(g, fe.cast(t, g[0].dtype), alpha=decay, inplace=inplace)

@@ -1,0 +1,130 @@
+"""What every C kernel of gradtx shares: when it may run, and the check of its numbers.
+
+A kernel replaces a sequence of ATen ops only where that changes nothing but the speed; before its
+first use it runs beside those ops on probe values and is kept only if every bit agrees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+# Per thread: ``reference`` (ATen ops only, :func:`aten_only`), ``checking`` (the kernel under check).
+_state = threading.local()
+
+
+class Lazy:
+    """A kernel built and checked on first use, once per process: ``make()`` returns it and ``""``,
+    or ``None`` and why not."""
+
+    def __init__(self, make: Callable[[], tuple[Optional[Any], str]]):
+        self._make, self._lock, self._result = make, threading.RLock(), None
+
+    def result(self) -> tuple[Optional[Any], str]:
+        if self._result is None:
+            with self._lock:
+                if self._result is None:
+                    self._result = self._make()
+        return self._result
+
+    def status(self) -> str:
+        """``"in use"``, or why the step keeps to the ATen ops."""
+        kernel, why = self.result()
+        return "in use" if kernel is not None else why
+
+    def usable(self) -> Optional[Any]:
+        """The checked kernel, or ``None`` (also within :func:`aten_only`)."""
+        return None if reference_only() else self.result()[0]
+
+
+@contextlib.contextmanager
+def aten_only() -> Iterator[None]:
+    """Within it, this thread's steps run the ATen ops, never a kernel (the checks and the tests)."""
+    before = getattr(_state, "reference", False)
+    _state.reference = True
+    try:
+        yield
+    finally:
+        _state.reference = before
+
+
+def reference_only() -> bool:
+    return getattr(_state, "reference", False)
+
+
+@contextlib.contextmanager
+def checking(kernel: Any) -> Iterator[None]:
+    """Within it, this thread's steps run ``kernel``, before it is known to be right."""
+    _state.checking = kernel
+    try:
+        yield
+    finally:
+        _state.checking = None
+
+
+def under_check(kind: type) -> Optional[Any]:
+    kernel = getattr(_state, "checking", None)
+    return kernel if isinstance(kernel, kind) else None
+
+
+def float32(value: Any) -> float:
+    """The value ATen multiplies by: a 0-d tensor or a number, rounded to float32."""
+    if isinstance(value, Tensor):
+        return value.to(torch.float32).item()
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+def row_major(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a new tensor of ``shape`` (what the ATen ops' outputs get)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def plain_float32(tensors: Sequence[Any], n: int, strides: tuple[int, ...]) -> bool:
+    """Whether each of ``tensors`` is a plain float32 CPU tensor of ``n`` values with ``strides``."""
+    for x in tensors:
+        if type(x) is not Tensor or x.dtype != torch.float32 or x.device.type != "cpu":
+            return False
+        if x.numel() != n or x.stride() != strides:
+            return False
+    return True
+
+
+def torch_symbol(name: str) -> Optional[int]:
+    """The address of an MKL function in torch's CPU library, where torch links MKL and exports it."""
+    if not torch.backends.mkl.is_available():
+        return None
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+def probe(n: int, seed: int) -> Tensor:
+    """Check values: normal and extreme magnitudes, with zeros, infinities, NaNs and subnormals."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 6)
+    extremes = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-44, 3e38, -3e38, 1e-19])
+    where = torch.randint(0, n, (n // 40,), generator=gen)
+    x[where] = extremes[torch.randint(0, len(extremes), (len(where),), generator=gen)]
+    return x
+
+
+def first_difference(want: Sequence[Mapping[str, Tensor]], got: Sequence[Mapping[str, Tensor]]) -> str:
+    """``""`` where the trees of tensors agree in every bit (NaN where NaN), else what differs."""
+    for want_tree, got_tree in zip(want, got):
+        for key in want_tree:
+            same = (want_tree[key] == got_tree[key]) | (want_tree[key].isnan() & got_tree[key].isnan())
+            if not bool(same.all()):
+                return f"{int((~same).sum())} of {same.numel()} values of {key!r}"
+    return ""

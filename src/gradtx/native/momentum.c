@@ -1,0 +1,20 @@
+/* gradtx's eager momentum step (trace) of one float32 tensor in one pass, with ATen's numbers.
+ *
+ * t' = t * decay + g (ATen's mul, then add: two roundings); the update is t' itself, or
+ * g + decay * t' with Nesterov's momentum (ATen's add(alpha=): one fused multiply-add).
+ * Compiled with -ffp-contract=off, so the compiler fuses nothing else. Outputs may be the inputs'
+ * own buffers (to == t, uo == g): each element is read before it is written.
+ */
+#include <math.h>
+#include <stdint.h>
+
+void gradtx_trace_f32(const float *g, const float *t, float *to, float *uo, int64_t n, float decay,
+                      int nesterov, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n >= 65536)
+    for (int64_t i = 0; i < n; i++) {
+        const float gi = g[i];
+        const float tn = t[i] * decay + gi;
+        to[i] = tn;
+        uo[i] = nesterov ? fmaf(tn, decay, gi) : tn;
+    }
+}

@@ -1,0 +1,112 @@
+"""The eager momentum step (:func:`gradtx.trace`, so ``sgd`` with momentum) of float32 CPU tensors
+in one pass over memory, with the ATen path's numbers.
+
+The ATen path makes three: ``t * decay``, ``+ g``, and a copy for the update (or ``g + decay * t``
+with Nesterov). ``momentum.c`` does the same per element, each operation rounded as ATen rounds it;
+as for :mod:`gradtx.native.adam`, it is checked against the ATen ops on probe values before its
+first use, and used only for plain float32 CPU tensors with row-major strides, a float ``decay``,
+and no trace or gradient sharing memory with another tensor of the step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from gradtx import tree as tree_lib
+from gradtx.native import build, checks
+
+
+
+class _Kernel:
+    def __init__(self, lib: ctypes.CDLL):
+        fn = lib.gradtx_trace_f32
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        fn.restype = None
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, g: Tensor, t: Tensor, to: Tensor, uo: Tensor, decay: float, nesterov: bool) -> None:
+        self.calls += 1
+        self.fn(g.data_ptr(), t.data_ptr(), to.data_ptr(), uo.data_ptr(), g.numel(), decay, int(nesterov), torch.get_num_threads())
+
+
+def status() -> str:
+    """``"in use"``, or why the eager momentum step keeps to the ATen ops."""
+    return _kernel.status()
+
+
+def usable() -> Optional[_Kernel]:
+    """The checked kernel, or ``None``."""
+    return _kernel.usable()
+
+
+def _build_and_check() -> tuple[Optional[_Kernel], str]:
+    lib, why = build.load("momentum")
+    if lib is None:
+        return None, why
+    kernel = _Kernel(lib)
+    mismatch = _mismatch(kernel)
+    return (None, f"its numbers differ from the ATen ops on this machine ({mismatch})") if mismatch else (kernel, "")
+
+
+def step(g: Sequence[Tensor], t: Sequence[Tensor], *, decay: Any, nesterov: bool, inplace: bool) -> Optional[tuple[list[Tensor], list[Tensor]]]:
+    """``(updates, traces)`` of one group of a momentum step by the kernel, or ``None`` where it
+    does not apply (the caller then runs the ATen ops)."""
+    if not isinstance(decay, float) or torch.compiler.is_compiling():
+        return None
+    kernel = checks.under_check(_Kernel) or usable()
+    if kernel is None or not _plain(g, t):
+        return None
+    to = list(t) if inplace else [torch.empty_like(x) for x in t]
+    uo = list(g) if inplace else [torch.empty_like(x) for x in g]
+    factor = checks.float32(decay)
+    for i in range(len(g)):
+        kernel(g[i], t[i], to[i], uo[i], factor, nesterov)
+    return uo, to
+
+
+def _plain(g: Sequence[Any], t: Sequence[Any]) -> bool:
+    """Plain float32 CPU tensors with row-major strides, and no memory shared between any two of
+    them (the ATen ops go a list at a time, the kernel a position at a time)."""
+    if tree_lib.needs_graph(list(g), list(t)):
+        return False
+    storages: set[int] = set()
+    positions = 0
+    for gi, ti in zip(g, t):
+        n = gi.numel()
+        if not checks.plain_float32((gi, ti), n, checks.row_major(gi.shape)):
+            return False
+        if n:
+            positions += 1
+            storages.update((gi.untyped_storage().data_ptr(), ti.untyped_storage().data_ptr()))
+    return len(storages) == 2 * positions
+
+
+def _mismatch(kernel: _Kernel) -> str:
+    """The first case where the kernel's step differs from the ATen ops' in any bit, or ``""``."""
+    from gradtx.transforms.momentum import trace
+
+    for number, (decay, nesterov) in enumerate([(0.9, False), (0.9, True), (0.3, True), (0.0, False)]):
+        params = {"a": checks.probe(4099, number)}
+        if not number:  # one leaf long enough for the kernel's threads
+            params["b"] = checks.probe(66001, 10)
+        tx = trace(decay, nesterov)
+        results = []
+        for reference in (True, False):
+            with checks.aten_only() if reference else checks.checking(kernel):
+                state, out = tx.init(params), None
+                for s in range(2):  # the second step starts from a trace that is not 0
+                    out, state = tx.update({k: checks.probe(x.numel(), 100 * s + number) for k, x in params.items()}, state)
+            results.append((out, state.trace))
+        if not kernel.calls:
+            return "the check never reached the kernel"
+        difference = checks.first_difference(results[0], results[1])
+        if difference:
+            return f"decay={decay}, nesterov={nesterov}: {difference}"
+    return ""
+
+
+_kernel = checks.Lazy(_build_and_check)

@@ -1,0 +1,122 @@
+"""The C kernel of the eager momentum step (gradtx/native/momentum.c): the ATen ops' numbers.
+
+Checked: for random trees, decays, Nesterov or not and each donation mode, the kernel's updates
+and traces equal the ATen ops' bit for bit where the kernel is really used (``sgd`` with momentum
+too, chained with a clip and applied); where it must not be used it is not; its check refuses a
+kernel whose numbers differ.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gradtx as gtx
+from gradtx.native import build, checks
+from gradtx.native import momentum as native_momentum
+
+# Skipped only where nothing can be built; a kernel refused by its check fails the tests below.
+pytestmark = pytest.mark.skipif(
+    not build.enabled() or build.compiler() is None or sys.platform == "win32", reason="no C kernels here"
+)
+
+
+def _calls() -> int:
+    return native_momentum.usable().calls
+
+
+def _values(shape, seed: int) -> torch.Tensor:
+    n = int(torch.Size(shape).numel())
+    return (checks.probe(n, seed) if n else torch.empty(0)).reshape(shape)
+
+
+def _equal(want: torch.Tensor, got: torch.Tensor) -> bool:
+    return want.shape == got.shape and bool(((want == got) | (want.isnan() & got.isnan())).all())
+
+
+def _run(tx, params, grads_per_step, inplace):
+    state, out = tx.init(params), None
+    for grads in grads_per_step:
+        grads = {k: g.clone() for k, g in grads.items()}  # donated updates are overwritten
+        out, state = tx.update(grads, state, params, inplace=inplace)
+    return out, state
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shapes=st.lists(st.sampled_from([(), (0,), (1,), (7,), (3, 5, 11), (70_001,)]), min_size=1, max_size=3),
+    decay=st.sampled_from([0.0, 0.5, 0.9, 0.99]),
+    nesterov=st.booleans(),
+    inplace=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_the_kernels_steps_equal_the_aten_ops_bit_for_bit(shapes, decay, nesterov, inplace, seed):
+    params = {f"p{i}": _values(s, seed + i) for i, s in enumerate(shapes)}
+    grads = [{k: _values(p.shape, seed + 100 * t + i) for i, (k, p) in enumerate(params.items())} for t in range(3)]
+    with checks.aten_only():
+        want_out, want_state = _run(gtx.trace(decay, nesterov), params, grads, inplace)
+    before = _calls()
+    got_out, got_state = _run(gtx.trace(decay, nesterov), params, grads, inplace)
+    assert _calls() > before or not any(p.numel() for p in params.values())
+    for key in params:
+        assert _equal(want_out[key], got_out[key]) and _equal(want_state.trace[key], got_state.trace[key]), key
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_with_momentum_chained_with_a_clip_and_applied_takes_the_kernel(nesterov):
+    params = {"w": _values((100, 500), 1), "b": _values((500,), 2)}
+    grads = {"w": _values((100, 500), 3), "b": _values((500,), 4)}
+    tx = gtx.chain(gtx.clip_by_global_norm(1.0), gtx.sgd(1e-2, momentum=0.9, nesterov=nesterov))
+
+    def steps():
+        p, state = params, tx.init(params)
+        for _ in range(3):
+            updates, state = tx.update(grads, state, p)
+            p = gtx.apply_updates(p, updates)
+        return p
+
+    with checks.aten_only():
+        want = steps()
+    before = _calls()
+    got = steps()
+    assert _calls() == before + 6  # a call per leaf and step
+    assert all(_equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.parametrize(
+    "case", ["a recorded graph", "bfloat16 leaves", "a transposed leaf", "one gradient twice", "tensor decay", "bf16 trace"]
+)
+def test_the_kernel_is_not_used_where_it_could_change_a_number(case):
+    g = _values((8, 8), 8)
+    tx = gtx.trace(0.9)
+    grads = {"w": g}
+    if case == "a recorded graph":
+        grads = {"w": g.requires_grad_()}
+    elif case == "bfloat16 leaves":
+        grads = {"w": g.bfloat16()}
+    elif case == "a transposed leaf":
+        grads = {"w": g.t()}
+    elif case == "one gradient twice":  # donated: the first position's update would be the second's gradient
+        grads = {"w": g, "x": g}
+    elif case == "tensor decay":
+        tx = gtx.trace(torch.tensor(0.9))
+    elif case == "bf16 trace":
+        tx = gtx.trace(0.9, accumulator_dtype=torch.bfloat16)
+    before = _calls()
+    tx.update(grads, tx.init(grads), inplace=case == "one gradient twice")
+    assert _calls() == before
+
+
+def test_the_check_refuses_a_kernel_whose_numbers_differ():
+    lib, _ = build.load("momentum")
+
+    class OffByOne(native_momentum._Kernel):  # the decay one float32 step off
+        def __call__(self, g, t, to, uo, decay, nesterov):
+            super().__call__(g, t, to, uo, float(torch.nextafter(torch.tensor(decay), torch.tensor(0.0))), nesterov)
+
+    assert "values of" in native_momentum._mismatch(OffByOne(lib))
+    assert native_momentum._mismatch(native_momentum._Kernel(lib)) == ""
