@@ -20,7 +20,6 @@ from gradtx import tree as tree_lib
 from gradtx.native import build, checks
 
 
-
 class _Kernel:
     def __init__(self, lib: ctypes.CDLL):
         fn = lib.gradtx_trace_f32
