@@ -29,7 +29,6 @@ _MKL_MODE = 0x2 | 0x140000 | 0x100
 DECAY_NONE, DECAY_FMA, DECAY_PRODUCT = 0, 1, 2
 
 
-
 class _Kernel:
     def __init__(self, lib: ctypes.CDLL, vector_sqrt: Optional[int]):
         fn = lib.gradtx_adam_f32
@@ -140,21 +139,8 @@ def _mismatch(kernel: _Kernel) -> str:
         (0.0, 0.95, 1e-6, lambda count: 1e-2 / (1.0 + count), 0.05),
     ]
     for number, (b1, b2, eps, lr, wd) in enumerate(cases):
-        params = {"a": checks.probe(4099, number)}
-        if not number:  # one leaf long enough for the kernel's threads
-            params["b"] = checks.probe(66001, 10)
         tx = fused_adam(lr, b1, b2, eps, weight_decay=wd)
-        results = []
-        for reference in (True, False):
-            with checks.aten_only() if reference else checks.checking(kernel):
-                state, out = tx.init(params), None
-                for s in range(2):  # the second step starts from moments that are not 0
-                    grads = {k: checks.probe(x.numel(), 100 * s + number) for k, x in params.items()}
-                    out, state = tx.update(grads, state, params)
-            results.append((out, state[0].mu, state[0].nu))
-        if not kernel.calls:
-            return "the check never reached the kernel"
-        difference = checks.first_difference(results[0], results[1])
+        difference = checks.difference_from_aten(kernel, tx, number, lambda out, state: (out, state[0].mu, state[0].nu))
         if difference:
             return f"b1={b1}, b2={b2}, eps={eps}: {difference}"
     return ""

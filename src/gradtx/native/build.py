@@ -12,6 +12,7 @@ off. Where no compiler works, :func:`load` says why and gradtx keeps to torch's 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -87,6 +88,7 @@ def _build_and_load(name: str) -> tuple[Optional[ctypes.CDLL], str]:
     return None, "; ".join(errors)
 
 
+@functools.cache
 def _cpu() -> bytes:
     """What ``-march=native`` compiles for: the CPU's feature flags (Linux), else its name."""
     try:
@@ -99,6 +101,7 @@ def _cpu() -> bytes:
     return f"{platform.machine()} {platform.processor()}".encode()
 
 
+@functools.cache
 def _version(cc: str) -> bytes:
     try:
         return subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout

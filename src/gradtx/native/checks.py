@@ -128,3 +128,24 @@ def first_difference(want: Sequence[Mapping[str, Tensor]], got: Sequence[Mapping
             if not bool(same.all()):
                 return f"{int((~same).sum())} of {same.numel()} values of {key!r}"
     return ""
+
+
+def difference_from_aten(kernel: Any, tx: Any, case: int, read: Callable[[Any, Any], Sequence[Mapping[str, Tensor]]]) -> str:
+    """Two steps of the transformation ``tx`` on probe values (seeded by ``case``; case 0 adds a
+    leaf long enough for the kernel's threads; the second step starts from a state that is not 0),
+    once by the ATen ops and once by ``kernel``: ``""`` where every bit of ``read(updates, state)``
+    agrees, else what differs."""
+    params = {"a": probe(4099, case)}
+    if not case:
+        params["b"] = probe(66001, 10)
+    results = []
+    for reference in (True, False):
+        with aten_only() if reference else checking(kernel):
+            state, out = tx.init(params), None
+            for step in range(2):
+                grads = {k: probe(x.numel(), 100 * step + case) for k, x in params.items()}
+                out, state = tx.update(grads, state, params)
+        results.append(read(out, state))
+    if not kernel.calls:
+        return "the check never reached the kernel"
+    return first_difference(results[0], results[1])

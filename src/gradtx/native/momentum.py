@@ -89,20 +89,7 @@ def _mismatch(kernel: _Kernel) -> str:
     from gradtx.transforms.momentum import trace
 
     for number, (decay, nesterov) in enumerate([(0.9, False), (0.9, True), (0.3, True), (0.0, False)]):
-        params = {"a": checks.probe(4099, number)}
-        if not number:  # one leaf long enough for the kernel's threads
-            params["b"] = checks.probe(66001, 10)
-        tx = trace(decay, nesterov)
-        results = []
-        for reference in (True, False):
-            with checks.aten_only() if reference else checks.checking(kernel):
-                state, out = tx.init(params), None
-                for s in range(2):  # the second step starts from a trace that is not 0
-                    out, state = tx.update({k: checks.probe(x.numel(), 100 * s + number) for k, x in params.items()}, state)
-            results.append((out, state.trace))
-        if not kernel.calls:
-            return "the check never reached the kernel"
-        difference = checks.first_difference(results[0], results[1])
+        difference = checks.difference_from_aten(kernel, trace(decay, nesterov), number, lambda out, state: (out, state.trace))
         if difference:
             return f"decay={decay}, nesterov={nesterov}: {difference}"
     return ""
