@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from gradtx import torch_internals
+from gradtx.native import checks as native_checks
 
 # a non-negative float32's exponent and top 10 mantissa bits name its cell (see maps._NearestMagnitude)
 CELL_SHIFT = 13
@@ -50,8 +51,11 @@ def block_rows(x: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def absmax(x: Tensor) -> Tensor:
-    """Each block's absolute maximum, float32 ``(rows, blocks)``, of ``x`` (``(rows, blocks, block_size)``; NaN if it holds one)."""
-    return x.abs().amax(dim=-1).to(torch.float32)
+    """Each block's absolute maximum, float32 ``(rows, blocks)``, of ``x`` (``(rows, blocks, block_size)``;
+    NaN if it holds one). Its sign bit is clear, NaN's too: Inductor's ``amax`` returns a NaN with
+    the sign bit set, which would name the other map (see :func:`signed`) and order below every
+    number as a bit pattern (the all-reduce of shared blocks' absmax)."""
+    return x.abs().amax(dim=-1).to(torch.float32).abs()
 
 
 def signed(scales: Tensor) -> Tensor:
@@ -132,6 +136,8 @@ def _wanted(x: Tensor) -> bool:
     """Whether the compiled loop is used for the leaf ``x`` (see the module's docstring)."""
     setting = os.environ.get(ENVIRONMENT, "")
     if setting == "0" or torch.compiler.is_compiling() or type(x) is not torch.Tensor or x.requires_grad:
+        return False
+    if native_checks.reference_only():  # the eager ops are the reference of gradtx's C kernels
         return False
     return setting == "1" or x.numel() >= COMPILE_MIN_SIZE
 
