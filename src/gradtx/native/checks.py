@@ -45,7 +45,8 @@ class Lazy:
 
 @contextlib.contextmanager
 def aten_only() -> Iterator[None]:
-    """Within it, this thread's steps run the ATen ops, never a kernel (the checks and the tests)."""
+    """Within it, this thread's steps run the ATen ops one at a time, never a C kernel nor a loop
+    compiled by Inductor (the checks and the tests)."""
     before = getattr(_state, "reference", False)
     _state.reference = True
     try:

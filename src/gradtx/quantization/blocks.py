@@ -24,6 +24,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from gradtx.native import codebook as native_codebook
 from gradtx.quantization import kernels
 from gradtx.quantization.maps import Codec
 
@@ -91,6 +92,9 @@ def unblocked(y: Tensor, geo: Geometry, shape: torch.Size | tuple[int, ...]) -> 
 
 def block_absmax(x: Tensor, geo: Geometry) -> Tensor:
     """Each block's absolute maximum over this piece, float32 ``(rows, blocks)`` (NaN if it holds one)."""
+    native = native_codebook.absmax(x, geo)
+    if native is not None:
+        return native
     y = blocked(x, geo)
     return kernels.run(kernels.absmax, y.reshape(-1, geo.block_size)).view(y.shape[:-1])
 
@@ -109,12 +113,19 @@ def quantize(x: Tensor, scales: Tensor, geo: Geometry, codec: Codec, draws: Opti
     """The codes of ``x`` (a piece laid out as ``geo`` says) under the blocks' ``scales``: each value
     divided by its block's absmax, then encoded by ``codec`` (the nearest map value; with ``draws``,
     integers uniform in ``[0, 2**24)`` shaped as ``x``, one of the two around it, unbiased). Same shape as ``x``."""
+    if draws is None:
+        native = native_codebook.codes(x, scales, geo, codec)
+        if native is not None:
+            return native
     blocked_draws = None if draws is None else blocked(draws, geo)
     return unblocked(codec.codes(blocked(x.to(torch.float32), geo), scales, blocked_draws), geo, x.shape)
 
 
 def dequantize(codes: Tensor, scales: Tensor, geo: Geometry, codec: Codec, dtype: torch.dtype) -> Tensor:
     """The values ``codes`` stand for under the blocks' ``scales``, in ``dtype``, shaped as ``codes``."""
+    native = native_codebook.values(codes, scales, geo, codec)
+    if native is not None:
+        return native.to(dtype)
     return unblocked(codec.values(blocked(codes, geo), scales), geo, codes.shape).to(dtype)
 
 

@@ -7,6 +7,8 @@ whole leaf; ``torch.compile`` (Inductor) fuses them into one loop over it, sever
 on CPU. :func:`run` chooses: the compiled function for leaves of at least :data:`COMPILE_MIN_SIZE`
 values (one compilation, with dynamic shapes, serves every leaf size; below that size the eager calls are about as fast), the eager one for smaller
 leaves, inside a graph being traced (``compile_step``), or where ``GRADTX_QUANTIZE_COMPILE=0``.
+Eagerly, :mod:`gradtx.native.codebook` runs the same work in C before either is reached, where it
+can be built.
 ``GRADTX_QUANTIZE_COMPILE=1`` compiles for every size. Both give the same codes and values, bit
 for bit: the same float32 operations in the same order, and integer ones. The stochastic rounding
 of :func:`table_codes_stochastic` (4-bit first moments) always runs eagerly.

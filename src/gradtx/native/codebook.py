@@ -1,0 +1,242 @@
+"""The code books of :func:`gradtx.quantize_state` (block absmax, nearest-value codes, values read
+back) of float32 CPU tensors, each in one pass over memory, with the ATen ops' numbers.
+
+The ATen path (:mod:`gradtx.quantization.kernels`) runs a dozen elementwise ops per value, fused by
+Inductor into one compiled loop for large leaves; ``codebook.c`` runs the same integer operations,
+the same correctly rounded division and product, per value, without padding the piece into whole
+blocks. Before its first use it runs beside the ATen ops on probe values (normal and extreme
+magnitudes, zeros, infinities, NaNs, subnormals; both maps of the 8- and 4-bit code books; pieces
+that start and end inside blocks; one long enough for the threads) and is kept only if every bit
+agrees; else gradtx keeps to the ATen ops and :func:`status` says why.
+
+Used only where it changes nothing but the speed: not while compiling or where a graph is
+recorded, and only for plain contiguous CPU tensors (float32 values, ``uint8`` codes, float32 scales).
+The stochastic rounding of 4-bit first moments keeps to the ATen ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from gradtx.native import build, checks
+
+_INT64 = ctypes.c_int64
+SHIFT = 15  # a cell: a float32's exponent and top 8 mantissa bits (relative width 2**-8)
+
+
+class _Lookup(NamedTuple):
+    """A code book's nearest-value tables for ``codebook.c``, one per map (signed half, unsigned):
+    per cell from ``low`` to ``last`` (a float32 bit pattern shifted right by :data:`SHIFT`;
+    ``last`` takes every pattern above 1.0's cell, NaN's too; ``low`` every pattern below its
+    own, and holds no midpoint), an int32: how many of the map's midpoints lie below the cell's
+    start, plus 256 times the low :data:`SHIFT` bits of the pattern of the one midpoint inside the
+    cell, or of all ones where none is."""
+
+    signed: Tensor
+    unsigned: Tensor
+    low: int
+    last: int
+
+
+def _lookup_of(book: Any) -> Optional[_Lookup]:
+    """The tables of the ``TableCodec`` ``book``, or ``None`` where two of its midpoints share a cell
+    (one comparison per value would then not do) or a map has over 256 values."""
+    maps = (book._midpoints[: book._offset], book._midpoints[book._offset :])
+    finite = [m[:-1] for m in maps]  # the last is +inf
+    if any(len(m) > 255 or not len(m) for m in finite):
+        return None
+    low = min(int(m.min().view(torch.int32)) >> SHIFT for m in finite) - 1
+    last = (0x3F800000 >> SHIFT) + 1  # past 1.0's cell: above every midpoint
+    starts = (torch.arange(low, last + 1, dtype=torch.int32) << SHIFT).view(torch.float32)
+    ends = torch.cat([starts[1:], torch.tensor([float("inf")])])
+    within = (1 << SHIFT) - 1
+    tables = []
+    for m in finite:
+        first = torch.bucketize(starts, m, right=False)  # the midpoints below each cell's start
+        inside = torch.bucketize(ends, m, right=False) - first
+        if int(inside.max()) > 1 or int(inside[0]) or int(inside[-1]):
+            return None
+        low_bits = m.view(torch.int32)[first.clamp(max=len(m) - 1)] & within
+        tables.append((first + 256 * torch.where(inside > 0, low_bits, within)).to(torch.int32))
+    return _Lookup(*tables, low, last)
+
+
+_lookups: dict[int, tuple[Any, Optional[_Lookup]]] = {}
+_lookups_lock = threading.Lock()
+
+
+def lookup(book: Any) -> Optional[_Lookup]:
+    """:func:`_lookup_of` ``book``, made once per code book."""
+    found = _lookups.get(id(book))
+    if found is None or found[0] is not book:
+        with _lookups_lock:
+            found = _lookups[id(book)] = (book, _lookup_of(book))
+    return found[1]
+
+
+class _Kernel:
+    def __init__(self, lib: ctypes.CDLL):
+        piece = [ctypes.c_void_p, _INT64, _INT64, _INT64, _INT64, _INT64]  # data, rows, columns, lead, block size, blocks
+        self._absmax = lib.gradtx_absmax_f32
+        self._absmax.argtypes = piece + [ctypes.c_void_p, ctypes.c_int]
+        self._codes = lib.gradtx_table_codes_f32
+        self._codes.argtypes = piece + [ctypes.c_void_p] * 3 + [ctypes.c_int32] * 4 + [ctypes.c_void_p, ctypes.c_int]
+        self._values = lib.gradtx_table_values_f32
+        self._values.argtypes = piece + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int]
+        for fn in (self._absmax, self._codes, self._values):
+            fn.restype = None
+        self.calls = 0
+
+    def absmax(self, x: Tensor, geo: Any, out: Tensor) -> None:
+        self.calls += 1
+        self._absmax(x.data_ptr(), *_piece(x, geo), out.data_ptr(), torch.get_num_threads())
+
+    def codes(self, x: Tensor, scales: Tensor, geo: Any, codec: Any, tables: _Lookup, out: Tensor) -> None:
+        self.calls += 1
+        self._codes(
+            x.data_ptr(), *_piece(x, geo), scales.data_ptr(), tables.signed.data_ptr(), tables.unsigned.data_ptr(),
+            SHIFT, tables.low, tables.last, codec._zero,
+            out.data_ptr(), torch.get_num_threads(),
+        )
+
+    def values(self, codes: Tensor, scales: Tensor, geo: Any, codec: Any, out: Tensor) -> None:
+        self.calls += 1
+        self._values(codes.data_ptr(), *_piece(codes, geo), scales.data_ptr(), codec._joint.data_ptr(), 2**codec.bits,
+                     out.data_ptr(), torch.get_num_threads())
+
+
+def _piece(x: Tensor, geo: Any) -> tuple[int, int, int, int, int]:
+    """``rows, columns, lead, block_size, blocks`` of a piece laid out as ``geo`` says."""
+    columns = geo.columns
+    rows = x.numel() // columns if columns else 0
+    return rows, columns, geo.lead, geo.block_size, geo.blocks
+
+
+def status() -> str:
+    """``"in use"``, or why the code books keep to the ATen ops."""
+    return _kernel.status()
+
+
+def usable() -> Optional[_Kernel]:
+    """The checked kernel, or ``None``."""
+    return _kernel.usable()
+
+
+def _plain(x: Any, dtype: torch.dtype) -> bool:
+    return type(x) is Tensor and x.dtype == dtype and x.device.type == "cpu" and x.is_contiguous()
+
+
+def _kernel_for(*tensors: Any) -> Optional[_Kernel]:
+    """The kernel, where it may run on these tensors (else ``None``: the ATen ops)."""
+    if torch.compiler.is_compiling():
+        return None
+    if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors):
+        return None
+    return checks.under_check(_Kernel) or usable()
+
+
+def absmax(x: Tensor, geo: Any) -> Optional[Tensor]:
+    """Each block's absolute maximum over the piece ``x``, float32 ``(rows, blocks)``, or ``None``."""
+    kernel = _kernel_for(x)
+    if kernel is None or not _plain(x, torch.float32):
+        return None
+    rows = _piece(x, geo)[0]
+    out = torch.empty(rows, geo.blocks, dtype=torch.float32)
+    kernel.absmax(x, geo, out)
+    return out
+
+
+def codes(x: Tensor, scales: Tensor, geo: Any, codec: Any) -> Optional[Tensor]:
+    """The ``uint8`` codes of the float32 piece ``x`` under ``scales`` (``rows * blocks`` of them), or ``None``."""
+    from gradtx.quantization.maps import TableCodec
+
+    kernel = _kernel_for(x, scales)
+    if kernel is None or not isinstance(codec, TableCodec) or not _scales_fit(scales, x, geo) or not _plain(x, torch.float32):
+        return None
+    tables = lookup(codec)
+    if tables is None:
+        return None
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    kernel.codes(x, scales, geo, codec, tables, out)
+    return out
+
+
+def values(codes: Tensor, scales: Tensor, geo: Any, codec: Any) -> Optional[Tensor]:
+    """The float32 values of the ``uint8`` piece ``codes`` under ``scales``, or ``None``."""
+    from gradtx.quantization.maps import TableCodec
+
+    kernel = _kernel_for(scales)
+    if kernel is None or not isinstance(codec, TableCodec) or not _scales_fit(scales, codes, geo) or not _plain(codes, torch.uint8):
+        return None
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    kernel.values(codes, scales, geo, codec, out)
+    return out
+
+
+def _scales_fit(scales: Any, x: Tensor, geo: Any) -> bool:
+    """Contiguous float32 scales, one per block of every row of ``x``."""
+    return _plain(scales, torch.float32) and scales.numel() == _piece(x, geo)[0] * geo.blocks
+
+
+# --------------------------------------------------------------------------- the check
+
+
+def _build_and_check() -> tuple[Optional[_Kernel], str]:
+    lib, why = build.load("codebook")
+    if lib is None:
+        return None, why
+    kernel = _Kernel(lib)
+    mismatch = _mismatch(kernel)
+    return (None, f"its numbers differ from the ATen ops on this machine ({mismatch})") if mismatch else (kernel, "")
+
+
+def _mismatch(kernel: _Kernel) -> str:
+    """The first case where the kernel's absmax, codes or values differ from the ATen ops' in any bit, or ``""``."""
+    from gradtx.quantization import blocks
+    from gradtx.quantization.maps import codec
+
+    cases = [  # (bits, shape, block size, offset): whole blocks, pieces inside blocks, one for the threads
+        (8, (3, 1000), 256, 0),
+        (8, (2, 300), 256, 100),
+        (4, (5, 129), 128, 1),
+        (4, (1, 70001), 128, 0),
+        (8, (70001,), 256, 7),
+    ]
+    for number, (bits, shape, block_size, offset) in enumerate(cases):
+        book, geo, n = codec(bits), blocks.geometry(shape, block_size, offset), int(torch.Size(shape).numel())
+        gen = torch.Generator().manual_seed(number)
+        extreme = checks.probe(n, 30 + number).reshape(shape)  # most blocks hold an infinity or a NaN
+        extreme[..., : min(shape[-1], 300)] = 0.0  # an all-zero block
+        mild = (torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 2)).reshape(shape)
+        for x in (extreme, mild):
+            results = [_encode_and_decode(x, geo, book, under_check) for under_check in (None, kernel)]
+            difference = checks.first_difference([results[0]], [results[1]])
+            if difference:
+                return f"{bits} bits, shape {shape}, offset {offset}: {difference}"
+    if not kernel.calls:
+        return "the check never reached the kernel"
+    return ""
+
+
+def _encode_and_decode(x: Tensor, geo: Any, book: Any, kernel: Optional[_Kernel]) -> dict[str, Tensor]:
+    """The absmax, and with either map the codes and values, of ``x``: by the ATen ops (``kernel``
+    ``None``) or by ``kernel``, under check."""
+    from gradtx.quantization import blocks
+
+    with checks.aten_only() if kernel is None else checks.checking(kernel):
+        absmax = blocks.block_absmax(x, geo)
+        found = {"absmax": absmax}
+        for signed in (True, False):
+            scales = blocks.block_scales(absmax, torch.full_like(absmax, signed, dtype=torch.bool))
+            codes = blocks.quantize(x, scales, geo, book)
+            found[f"codes {signed}"] = codes.to(torch.int32)
+            found[f"values {signed}"] = blocks.dequantize(codes, scales, geo, book, torch.float32)
+    return found
+
+
+_kernel = checks.Lazy(_build_and_check)
