@@ -81,6 +81,26 @@ def test_a_step_in_groups_and_row_ranges_is_the_whole_tree_step_bit_for_bit(monk
     assert len(calls) > 20 and max(calls) <= 2  # one leaf or a piece of one per call, with "small" in a group
 
 
+@pytest.mark.parametrize("make", list(MAKERS))
+def test_a_donated_state_steps_its_counts_once_whatever_the_groups(monkeypatch, make):
+    # each group's inner update steps the counts of a donated state in place: every group must
+    # start from their values before the step, or Adam's count (its bias correction) runs ahead
+    monkeypatch.setattr(streaming, "GROUP_SIZE", 1000)
+    inner = MAKERS[make]()
+    streamed = gtx.quantize_state(gtx.GradientTransformation(inner.init, gtx.base.set_elementwise(inner.update)), 8, min_size=100)
+    params = _tree(0)
+    results = []
+    for inplace in (False, True):
+        state = streamed.init(params)
+        for k in range(3):
+            grads = {name: g * 1e-2 for name, g in _tree(k + 1).items()}
+            updates, state = streamed.update(grads, state, params, inplace=inplace)
+        results.append((updates, state))
+    _assert_identical(results[0], results[1])
+    counts = [int(x) for x in tree_lib.leaves(results[1][1].inner) if isinstance(x, torch.Tensor) and x.ndim == 0]
+    assert all(c == 3 for c in counts) and (counts or make != "adamw")
+
+
 def test_elementwise_marks():
     # what quantize_state may step a few leaves at a time, and what it must not: a global-norm
     # clip sees every leaf (a leaf at a time it would clip by each leaf's norm), a mask made from

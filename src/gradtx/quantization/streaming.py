@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
+from gradtx.base import donation
 from gradtx.quantization import blocks
 from gradtx.quantization.placement import WHOLE, Place
 from gradtx.quantization.storage import Rounding, StorageFormat, decode, encode_all
@@ -175,12 +176,17 @@ def update_in_groups(
         return None
     new_updates: list[Any] = [None] * count
     new_leaves = list(leaves)
+    # A donated state's counts are stepped in place by the group that gets them: every group after
+    # the first starts from a copy of their values before the step, so each steps them once, as a
+    # whole-tree step does (else Adam's count, and its bias correction, would advance per group)
+    _, state_donated = donation(inplace)
+    before = {k: leaf.clone() for k, leaf in enumerate(leaves) if k not in positions and isinstance(leaf, Tensor)} if state_donated else {}
     new_codes = [list(c) for c in codes]
     new_scales = [list(s) for s in scales]
-    for group in groups:
+    for number, group in enumerate(groups):
         sub_updates: list[Any] = [None] * count
         sub_params: list[Any] = [None] * count
-        sub_state = [None if k in positions else leaf for k, leaf in enumerate(leaves)]
+        sub_state = [None if k in positions else before[k].clone() if number and k in before else leaf for k, leaf in enumerate(leaves)]
         for i, chunk in group:
             sub_updates[i] = _rows(grads[i], chunk)
             if param_leaves is not None and isinstance(param_leaves[i], Tensor):
