@@ -12,6 +12,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "codebook.h"
+
 typedef void (*vector_sqrt)(int n, const float *in, float *out, long long mode);
 /* MKL's mkl_set_num_threads_local (Fortran-style int pointer): a vector call on a thread of ours
  * would otherwise fork MKL's own threads, once per block. */
@@ -69,6 +71,49 @@ void gradtx_adam_f32(const float *g, const float *m, const float *v, const float
             const int len = (int)(n - s < BLOCK ? n - s : BLOCK);
             adam_block(g + s, m + s, v + s, decay ? p + s : 0, mo + s, vo + s, uo + s, len, small,
                        coeff, b2, c2, eps, step, factor, decay, vsqrt, mode);
+        }
+        if (set_local) set_local(&before);
+    }
+}
+
+/* The same step on moments stored block-wise in 8 bits (quantize_state): per block of each row,
+ * the moments are read back from their codes (`mc`, `vc`, uint8, laid out as g) and scales (`ms`,
+ * `vs`, rows x blocks), stepped as above, and stored again: each block's absmax becomes its scale,
+ * negated where the moment's map is the signed one (`m_signed`, `v_signed`), and its values are
+ * encoded under it. The numbers of reading back, stepping with gradtx_adam_f32 and encoding; no
+ * moment ever exists in float32 outside a block. Blocks of at most BLOCK values. */
+void gradtx_adam_stored_f32(const float *g, const float *p, const uint8_t *mc, const float *ms, const uint8_t *vc,
+                            const float *vs, uint8_t *mco, float *mso, uint8_t *vco, float *vso, float *uo,
+                            int64_t rows, int64_t columns, int64_t block_size, int64_t blocks, float w1, float b2,
+                            float c2, float eps, float step, float factor, int decay, const float *joint, int32_t size,
+                            int m_signed, int v_signed, const int32_t *table_signed, const int32_t *table_unsigned,
+                            int32_t shift, int32_t low, int32_t last, int32_t zero, vector_sqrt vsqrt, long long mode,
+                            set_local_threads set_local, int threads) {
+    const int small = fabsf(w1) < 0.5f;
+    const float coeff = small ? w1 : w1 - 1.0f;
+    const codebook_lookup book = {table_signed, table_unsigned, shift, low, last, zero};
+    const int64_t pairs = rows * blocks;
+#pragma omp parallel num_threads(threads) if (threads > 1 && rows * columns >= 65536)
+    {
+        const int one = 1;
+        const int before = set_local ? set_local(&one) : 0;
+        float m[BLOCK], v[BLOCK], mn[BLOCK], vn[BLOCK];
+#pragma omp for schedule(static)
+        for (int64_t k = 0; k < pairs; k++) {
+            const int64_t r = k / blocks, b = k % blocks;
+            int64_t start, stop;
+            block_columns(b, 0, block_size, columns, &start, &stop);
+            const int64_t at = r * columns + start;
+            const int len = (int)(stop - start);
+            block_values(mc + at, len, ms[k], joint, size, m);
+            block_values(vc + at, len, vs[k], joint, size, v);
+            adam_block(g + at, m, v, decay ? p + at : 0, mn, vn, uo + at, len, small, coeff, b2, c2, eps, step,
+                       factor, decay, vsqrt, mode);
+            const float m_absmax = block_absmax(mn, len), v_absmax = block_absmax(vn, len);
+            mso[k] = m_signed ? -m_absmax : m_absmax;
+            vso[k] = v_signed ? -v_absmax : v_absmax;
+            block_codes(mn, len, mso[k], &book, mco + at);
+            block_codes(vn, len, vso[k], &book, vco + at);
         }
         if (set_local) set_local(&before);
     }

@@ -2,7 +2,7 @@
 
 Each ``<name>.c`` beside this module becomes a shared library in the cache folder
 (``$GRADTX_CACHE_DIR``, else ``$XDG_CACHE_HOME/gradtx``, else ``~/.cache/gradtx``), named by a hash
-of its source, the compiler, the flags and this CPU's instruction sets (``-march=native``: a cache
+of its source and the headers beside it, the compiler, the flags and this CPU's instruction sets (``-march=native``: a cache
 shared by machines of other CPUs never hands them code they cannot run), so a changed source or
 compiler builds anew and processes
 that build at once never see each other's half-written file. ``GRADTX_NATIVE=0`` turns the kernels
@@ -70,7 +70,7 @@ def _build_and_load(name: str) -> tuple[Optional[ctypes.CDLL], str]:
     cc = compiler()
     if cc is None:
         return None, "no C compiler ($CC, cc, gcc or clang) on the path"
-    source = (HERE / f"{name}.c").read_bytes()
+    source = (HERE / f"{name}.c").read_bytes() + b"".join(path.read_bytes() for path in sorted(HERE.glob("*.h")))
     errors = []
     for flags in (FLAGS + (OPENMP,), FLAGS):  # without OpenMP where the compiler has none (one thread)
         parts = [source, cc.encode(), _version(cc), " ".join(flags).encode(), _cpu()]

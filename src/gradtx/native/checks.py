@@ -61,12 +61,14 @@ def reference_only() -> bool:
 
 @contextlib.contextmanager
 def checking(kernel: Any) -> Iterator[None]:
-    """Within it, this thread's steps run ``kernel``, before it is known to be right."""
+    """Within it, this thread's steps run ``kernel``, before it is known to be right (another
+    kernel's check, started within it, leaves it as it was)."""
+    before = getattr(_state, "checking", None)
     _state.checking = kernel
     try:
         yield
     finally:
-        _state.checking = None
+        _state.checking = before
 
 
 def under_check(kind: type) -> Optional[Any]:

@@ -25,6 +25,8 @@ from gradtx.base import (
     takes_extra_args,
     with_inplace,
 )
+from gradtx.native import stored_adam
+from gradtx.quantization.direct import update_directly
 from gradtx.quantization.placement import place_of
 from gradtx.quantization.storage import Rounding, decode, encode_all, rounding_keys, storage_format
 from gradtx.quantization.streaming import update_in_groups
@@ -299,6 +301,7 @@ def quantize_state(
     inner_update = with_inplace(inner)
     extra = takes_extra_args(inner)
     elementwise = is_elementwise(inner)
+    direct = stored_adam.declared(inner.update) and fmt.storage == 8  # the Adam step on the codes themselves
 
     def layout_of(tree: PyTree) -> tuple[Optional[MeshAxes], list[Any]]:
         """The mesh and every leaf's :class:`~gradtx.sharding.edges.RowCuts` (``None``: unsharded)."""
@@ -406,7 +409,16 @@ def quantize_state(
             paths = tree_lib.paths(state.codes[0])
         # a piece at a time eagerly; traced, the compiler lays out loops and buffers itself, and each
         # piece's copy into its leaf's new tensors made Inductor's step of a large leaf 10x slower
-        if found and mesh is None and elementwise and _plain(updates, params) and not torch.compiler.is_compiling():
+        eager_plain = found and mesh is None and _plain(updates, params) and not torch.compiler.is_compiling()
+        if eager_plain and direct:
+            done = update_directly(
+                inner_update, updates, params, leaves, state_def, params_parts(state_def, tree_lib.structure(state.codes[0])),
+                code_leaves, scale_leaves, [not n for n in nonnegative], fmt, inplace, extra_args, lambda new: same_structure(new, state_def),
+            )
+            if done is not None:
+                new_updates, new_leaves, new_codes, new_scales = done
+                return new_updates, rebuild(state, new_leaves, state_def, new_codes, new_scales, count)
+        if eager_plain and elementwise:
             done = update_in_groups(
                 inner_update, updates, params, leaves, state_def, params_parts(state_def, tree_lib.structure(state.codes[0])),
                 code_leaves, scale_leaves, [not n for n in nonnegative], fmt, inplace, extra_args, lambda new: same_structure(new, state_def),

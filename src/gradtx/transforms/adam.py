@@ -21,6 +21,8 @@ from torch import Tensor
 from gradtx import tree as tree_lib
 from gradtx.base import EmptyState, GradientTransformation, donation, set_elementwise, supports_donated_updates
 from gradtx.native import adam as native_adam
+from gradtx.native import stored_adam
+from gradtx.native.checks import float32 as checks_float32
 from gradtx.numerics import ScalarOrSchedule
 from gradtx.state_check import named
 from gradtx.state_signs import nonnegative
@@ -198,9 +200,44 @@ class _Adam:
                     out[i] = value
             return fe.finish(out, g), m, v
 
+        stored = stored_adam.current()
+        if stored is not None:  # quantize_state's stored moments: stepped where they lie, the rest below
+            return self._update_stored(stored, leaves, state, count, group, mu, nu, flags, param_values, step, factor, s.eps, own_updates)
         new_updates, new_mu, new_nu = fe.map_groups(
             group, leaves.tensors, mu, nu, flags, param_values, outputs=3, pack=not (inplace or own_updates)
         )
+        new_state = ScaleByAdamState(
+            count=count, mu=leaves.rebuild(new_mu, like=state.mu), nu=leaves.rebuild(new_nu, like=state.nu)
+        )
+        return leaves.rebuild(new_updates), new_state
+
+
+    def _update_stored(self, stored, leaves, state, count, group, mu, nu, flags, param_values, step, factor, eps, own_updates):
+        """:meth:`update` where some moments are stored in 8 bits (:mod:`gradtx.native.stored_adam`):
+        their leaves' updates and new codes by its kernel, the other leaves' by ``group``."""
+        n = len(leaves.tensors)
+        new_updates, new_mu, new_nu = [None] * n, list(mu), list(nu)
+        decay_kind = native_adam.DECAY_PRODUCT if isinstance(factor, Tensor) else native_adam.DECAY_FMA
+        floats = (1.0 - self.b1, self.b2, 1.0 - self.b2, checks_float32(eps), checks_float32(step),
+                  checks_float32(factor) if any(flags) else 0.0)
+        rest = []
+        for i, g in enumerate(leaves.tensors):
+            entry = stored.moments.get(id(mu[i]))
+            if entry is None:
+                rest.append(i)
+                continue
+            moments, _, nu_placeholder = entry
+            if nu[i] is not nu_placeholder:
+                raise RuntimeError(f"{self.owner}: a stored first moment came without its second moment")
+            p = param_values[i] if flags[i] else None
+            new_updates[i], stored.results[id(mu[i])] = stored_adam.step(
+                g, p, moments, floats=floats, decay=decay_kind if flags[i] else native_adam.DECAY_NONE, own_update=own_updates
+            )
+        if rest:
+            pick = lambda values: [values[i] for i in rest]  # noqa: E731
+            outs = fe.map_groups(group, pick(leaves.tensors), pick(mu), pick(nu), pick(flags), pick(param_values), outputs=3, pack=False)
+            for j, i in enumerate(rest):
+                new_updates[i], new_mu[i], new_nu[i] = outs[0][j], outs[1][j], outs[2][j]
         new_state = ScaleByAdamState(
             count=count, mu=leaves.rebuild(new_mu, like=state.mu), nu=leaves.rebuild(new_nu, like=state.nu)
         )
@@ -314,6 +351,8 @@ def fused_adam(
         return new_updates, (new_adam_state, lr_state)
 
     update_fn = set_elementwise(supports_donated_updates(update_fn), not callable(mask))  # a mask made from the params sees them all
+    plain = not (adam.nesterov or adam.eps_root) and isinstance(adam.b1, float) and isinstance(adam.b2, float)
+    update_fn = stored_adam.declare(update_fn, plain and mu_dtype in (None, torch.float32))
     return GradientTransformation(init_fn, named(update_fn, adam.owner))
 
 

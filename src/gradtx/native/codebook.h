@@ -1,0 +1,109 @@
+/* One block of gradtx's block-wise code books (quantize_state's 8- and 4-bit state), shared by
+ * codebook.c (the code books alone) and adam.c (an Adam step on stored moments), with the numbers
+ * of the ATen ops of gradtx/quantization/kernels.py.
+ *
+ * absmax: max |x| over a block's values (NaN if it holds one).
+ * codes:  x / (absmax > 0 ? absmax : 1), its bit pattern's magnitude names a cell, the cell's
+ *         table entry the lowest code it can round to, one comparison with the midpoint inside the
+ *         cell finishes it; a signed block mirrors negative values below `zero`. Integer operations
+ *         and one correctly rounded division: the nearest value, as `bucketize` on the midpoints.
+ * values: joint[code (+ size for an unsigned block)] * absmax: one correctly rounded product.
+ */
+#ifndef GRADTX_CODEBOOK_H
+#define GRADTX_CODEBOOK_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define CODEBOOK_CHUNK 256
+
+static inline int32_t bits_of(float x) {
+    int32_t b;
+    memcpy(&b, &x, sizeof b);
+    return b;
+}
+
+static inline float float_of(int32_t b) {
+    float x;
+    memcpy(&x, &b, sizeof x);
+    return x;
+}
+
+/* The columns of block `b` of a row that a piece starting `lead` values into its first block
+ * holds: [*start, *stop). */
+static inline void block_columns(int64_t b, int64_t lead, int64_t block_size, int64_t columns, int64_t *start,
+                                 int64_t *stop) {
+    int64_t begin = b * block_size - lead, end = begin + block_size;
+    *start = begin < 0 ? 0 : begin;
+    *stop = end > columns ? columns : end;
+}
+
+/* |x|'s bit patterns order as its values, and a NaN's lies above infinity's: an integer max. */
+static inline float block_absmax(const float *x, int64_t n) {
+    const int32_t *bits = (const int32_t *)x;
+    int32_t most = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t magnitude = bits[i] & 0x7FFFFFFF;
+        most = magnitude > most ? magnitude : most;
+    }
+    return float_of(most);
+}
+
+/* The tables of a code book's nearest-value lookup. Per map (signed, unsigned), per cell of a
+ * magnitude's bit pattern (pattern >> shift, at most `last`, less `low`, at least 0): how many of
+ * the map's midpoints lie below the cell's start (low 8 bits), and above them the low `shift`
+ * bits of the pattern of the one midpoint inside the cell (the float32 at or below the exact
+ * one), or all ones where none is. Within a cell, non-negative floats order as the low bits of
+ * their patterns: one table read and one integer comparison per value. */
+typedef struct {
+    const int32_t *table_signed, *table_unsigned;
+    int32_t shift, low, last, zero;
+} codebook_lookup;
+
+/* The codes of n values under their block's scale (its sign bit names the map). */
+static inline void block_codes(const float *x, int64_t n, float scale, const codebook_lookup *book,
+                               uint8_t *codes) {
+    const int in_signed = bits_of(scale) < 0;
+    const float absmax = fabsf(scale);
+    const float divisor = absmax > 0.0f ? absmax : 1.0f;
+    const int32_t *table = in_signed ? book->table_signed : book->table_unsigned;
+    const int32_t shift = book->shift, low = book->low, last = book->last, zero = book->zero;
+    const int32_t within = (1 << shift) - 1;
+    int32_t bits[CODEBOOK_CHUNK], cell[CODEBOOK_CHUNK];
+    uint8_t index[CODEBOOK_CHUNK];
+    for (int64_t c0 = 0; c0 < n; c0 += CODEBOOK_CHUNK) {
+        const int m = (int)(n - c0 < CODEBOOK_CHUNK ? n - c0 : CODEBOOK_CHUNK);
+        for (int i = 0; i < m; i++) { /* vectorized: the quotient and its cell */
+            const int32_t q = bits_of(x[c0 + i] / divisor);
+            int32_t at = (q & 0x7FFFFFFF) >> shift;
+            at = at > last ? last : at;
+            at -= low;
+            bits[i] = q;
+            cell[i] = at > 0 ? at : 0;
+        }
+        for (int i = 0; i < m; i++) { /* the table reads */
+            const int32_t entry = table[cell[i]];
+            index[i] = (uint8_t)((entry & 0xFF) + ((bits[i] & within) > (entry >> 8)));
+        }
+        if (in_signed) {
+            for (int i = 0; i < m; i++)
+                codes[c0 + i] = (uint8_t)(bits[i] < 0 ? zero - 1 - index[i] : zero + index[i]);
+        } else {
+            for (int i = 0; i < m; i++)
+                codes[c0 + i] = index[i];
+        }
+    }
+}
+
+/* The values of n codes under their block's scale: `joint` holds the signed map, then from
+ * `size` the unsigned one. */
+static inline void block_values(const uint8_t *codes, int64_t n, float scale, const float *joint, int32_t size,
+                                float *values) {
+    const float absmax = fabsf(scale);
+    const float *table = joint + (bits_of(scale) < 0 ? 0 : size);
+    for (int64_t i = 0; i < n; i++)
+        values[i] = table[codes[i]] * absmax;
+}
+
+#endif
