@@ -84,6 +84,39 @@ def test_absmax_codes_and_values_equal_the_aten_ops_bit_for_bit(bits, rows, colu
     assert _calls() == before + 3
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    bits=st.sampled_from([8, 4]),
+    rows=st.integers(1, 4),
+    columns=st.integers(1, 700),
+    block_size=st.sampled_from([1, 7, 128, 256]),
+    offset=st.integers(0, 300),
+    kind=st.sampled_from(["extreme", "mild", "squares", "sparse zeros"]),
+    signed=st.booleans(),
+    key=st.integers(-(2**63), 2**63 - 1),
+    permuted=st.booleans(),
+    start=st.integers(0, 2**40),
+    seed=st.integers(0, 2**16),
+)
+def test_stochastically_rounded_codes_equal_the_aten_ops_bit_for_bit(bits, rows, columns, block_size, offset, kind, signed, key, permuted, start, seed):
+    from gradtx.transforms.low_precision import quick_draws
+
+    x = _values(rows * columns, seed, kind).reshape(rows, columns)
+    geo = blocks.geometry(x.shape, block_size, offset)
+    book, key = codec(bits), torch.tensor(key, dtype=torch.int64)
+    absmax = blocks.block_absmax(x, geo)
+    scales = blocks.block_scales(absmax, torch.full_like(absmax, signed, dtype=torch.bool))
+    gen = torch.Generator().manual_seed(seed)
+    index = (torch.randperm(rows * columns, generator=gen) + 2**40).reshape(x.shape) if permuted else None
+    with checks.aten_only():
+        logical = index if permuted else torch.arange(start, start + x.numel()).reshape(x.shape)
+        want = blocks.quantize(x, scales, geo, book, quick_draws(key, logical))
+    before = _calls()
+    got = native_codebook.stochastic_codes(x, scales, geo, book, key, index, 0 if permuted else start)
+    assert _calls() == before + 1
+    assert torch.equal(want, got)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_every_midpoint_and_its_neighbours_get_the_aten_ops_codes(bits):
     """Values at, just below and just above each midpoint of both maps (times a block's absmax),
@@ -178,6 +211,16 @@ def test_a_code_book_whose_midpoints_share_a_cell_keeps_to_the_aten_ops():
     assert torch.equal(blocks.quantize(x, scales, geo, crowded), want)
 
 
+def test_the_check_refuses_stochastic_rounding_with_other_draws():
+    lib, _ = build.load("codebook")
+
+    class OtherKey(native_codebook._Kernel):
+        def stochastic_codes(self, x, scales, geo, codec, tables, key, index, first_index, out):
+            super().stochastic_codes(x, scales, geo, codec, tables, key ^ 1, index, first_index, out)
+
+    assert "stochastic codes" in native_codebook._mismatch(OtherKey(lib))
+
+
 def test_the_check_refuses_tables_one_midpoint_off():
     lib, _ = build.load("codebook")
     kernel = native_codebook._Kernel(lib)
@@ -192,3 +235,21 @@ def test_the_check_refuses_tables_one_midpoint_off():
         assert "values of" in native_codebook._mismatch(kernel)
     finally:
         native_codebook._lookups[id(book)] = (book, good)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), shape=st.lists(st.integers(1, 5), min_size=1, max_size=3))
+def test_a_pieces_contiguous_start_is_its_first_logical_index_when_its_indices_run_on(data, shape):
+    from gradtx.sharding.elements import contiguous_start, logical_indices
+    from gradtx.sharding.matrices import Piece
+
+    offset = [data.draw(st.integers(0, n - 1)) for n in shape]
+    size = [data.draw(st.integers(1, n - o)) for n, o in zip(shape, offset)]
+    piece = Piece(tuple(shape), tuple(size), tuple(offset), ())
+    flat = logical_indices(piece, size, torch.device("cpu")).flatten()
+    runs_on = bool((flat.diff() == 1).all())
+    start = contiguous_start(piece)
+    assert (start is not None) == runs_on
+    if start is not None:
+        assert start == int(flat[0])
+    assert contiguous_start(None) == 0

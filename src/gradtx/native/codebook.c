@@ -32,6 +32,17 @@ void gradtx_table_codes_f32(const float *x, int64_t rows, int64_t columns, int64
     EACH_BLOCK(block_codes(x + at, n, scales[k], &book, out + at))
 }
 
+void gradtx_table_codes_stochastic_f32(const float *x, int64_t rows, int64_t columns, int64_t lead,
+                                       int64_t block_size, int64_t blocks, const float *scales,
+                                       const int32_t *table_signed, const int32_t *table_unsigned, int32_t shift,
+                                       int32_t low, int32_t last, int32_t zero, const float *magnitudes, int32_t offset,
+                                       int32_t count, uint64_t key, const int64_t *index, int64_t first_index,
+                                       uint8_t *out, int threads) {
+    const codebook_lookup book = {table_signed, table_unsigned, shift, low, last, zero};
+    EACH_BLOCK(block_codes_stochastic(x + at, n, scales[k], &book, magnitudes, offset, count, key,
+                                      index ? index + at : 0, first_index + at, out + at))
+}
+
 void gradtx_table_values_f32(const uint8_t *codes, int64_t rows, int64_t columns, int64_t lead, int64_t block_size,
                              int64_t blocks, const float *scales, const float *joint, int32_t size, float *out,
                              int threads) {

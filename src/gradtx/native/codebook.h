@@ -96,6 +96,73 @@ static inline void block_codes(const float *x, int64_t n, float scale, const cod
     }
 }
 
+/* gradtx.transforms.low_precision.quick_draws: an integer uniform in [0, 2**24) per element, a
+ * bijective mix of its leaf's key and its logical index (xorshift-multiply, 32 bits). */
+static inline uint32_t quick_draw(uint64_t key, uint64_t index) {
+    uint32_t x = (uint32_t)((key ^ index ^ (index >> 32)) & 0xFFFFFFFFu);
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x5BD1E995u;
+    x ^= x >> 16;
+    return x >> 8;
+}
+
+/* The codes of n values rounded stochastically: each takes the code of the lower or the upper of
+ * the two map magnitudes around it, the upper iff (|x| - lo) * 2**24 > draw * (hi - lo), so the
+ * value read back is unbiased (gradtx/quantization/kernels.py, table_codes_stochastic).
+ * `magnitudes`: the signed map's non-negative half, then from `offset` the unsigned map, `count` in
+ * all; `index`: the values' logical indices (NULL: first_index, first_index + 1, ...). */
+static inline void block_codes_stochastic(const float *x, int64_t n, float scale, const codebook_lookup *book,
+                                          const float *magnitudes, int32_t offset, int32_t count, uint64_t key,
+                                          const int64_t *index, int64_t first_index, uint8_t *codes) {
+    const int in_signed = bits_of(scale) < 0;
+    const float absmax = fabsf(scale);
+    const float divisor = absmax > 0.0f ? absmax : 1.0f;
+    const int32_t *table = in_signed ? book->table_signed : book->table_unsigned;
+    const int32_t shift = book->shift, low = book->low, last = book->last, zero = book->zero;
+    const int32_t within = (1 << shift) - 1;
+    const int32_t base = in_signed ? 0 : offset, start = base, end = in_signed ? offset - 1 : count - 1;
+    int32_t bits[CODEBOOK_CHUNK], cell[CODEBOOK_CHUNK], nearest[CODEBOOK_CHUNK], other[CODEBOOK_CHUNK];
+    float draw[CODEBOOK_CHUNK], here[CODEBOOK_CHUNK], beside[CODEBOOK_CHUNK];
+    for (int64_t c0 = 0; c0 < n; c0 += CODEBOOK_CHUNK) {
+        const int m = (int)(n - c0 < CODEBOOK_CHUNK ? n - c0 : CODEBOOK_CHUNK);
+        for (int i = 0; i < m; i++) { /* vectorized: the quotient, its cell, the draw */
+            const int32_t q = bits_of(x[c0 + i] / divisor);
+            int32_t at = (q & 0x7FFFFFFF) >> shift;
+            at = at > last ? last : at;
+            at -= low;
+            bits[i] = q;
+            cell[i] = at > 0 ? at : 0;
+            const uint64_t element = index ? (uint64_t)index[c0 + i] : (uint64_t)(first_index + c0 + i);
+            draw[i] = (float)quick_draw(key, element);
+        }
+        for (int i = 0; i < m; i++) { /* the table reads: the nearest magnitude and the one beside it */
+            const int32_t pattern = bits[i] & 0x7FFFFFFF;
+            const int32_t entry = table[cell[i]];
+            const int32_t j = base + (entry & 0xFF) + ((pattern & within) > (entry >> 8));
+            const float at = magnitudes[j];
+            const int above = at > float_of(pattern); /* the nearest value is the upper neighbour */
+            int32_t k = j + 1 - 2 * above;
+            k = k < start ? start : k; /* itself at a table's end */
+            k = k > end ? end : k;
+            nearest[i] = j;
+            other[i] = k;
+            here[i] = at;
+            beside[i] = magnitudes[k];
+        }
+        for (int i = 0; i < m; i++) { /* vectorized: lower or upper, and the code */
+            const float magnitude = float_of(bits[i] & 0x7FFFFFFF);
+            const int above = here[i] > magnitude;
+            const float lo = above ? beside[i] : here[i], hi = above ? here[i] : beside[i];
+            const int away = (magnitude - lo) * 16777216.0f > draw[i] * (hi - lo);
+            const int32_t chosen = (away == above ? nearest[i] : other[i]) - base;
+            const int32_t code = in_signed ? (bits[i] < 0 ? zero - 1 - chosen : zero + chosen) : chosen;
+            codes[c0 + i] = (uint8_t)code;
+        }
+    }
+}
+
 /* The values of n codes under their block's scale: `joint` holds the signed map, then from
  * `size` the unsigned one. */
 static inline void block_values(const uint8_t *codes, int64_t n, float scale, const float *joint, int32_t size,

@@ -86,9 +86,11 @@ class _Kernel:
         self._absmax.argtypes = piece + [ctypes.c_void_p, ctypes.c_int]
         self._codes = lib.gradtx_table_codes_f32
         self._codes.argtypes = piece + [ctypes.c_void_p] * 3 + [ctypes.c_int32] * 4 + [ctypes.c_void_p, ctypes.c_int]
+        self._stochastic = lib.gradtx_table_codes_stochastic_f32
+        self._stochastic.argtypes = piece + [ctypes.c_void_p] * 3 + [ctypes.c_int32] * 4 + [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_uint64, ctypes.c_void_p, _INT64, ctypes.c_void_p, ctypes.c_int]
         self._values = lib.gradtx_table_values_f32
         self._values.argtypes = piece + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int]
-        for fn in (self._absmax, self._codes, self._values):
+        for fn in (self._absmax, self._codes, self._stochastic, self._values):
             fn.restype = None
         self.calls = 0
 
@@ -102,6 +104,15 @@ class _Kernel:
             x.data_ptr(), *_piece(x, geo), scales.data_ptr(), tables.signed.data_ptr(), tables.unsigned.data_ptr(),
             SHIFT, tables.low, tables.last, codec._zero,
             out.data_ptr(), torch.get_num_threads(),
+        )
+
+    def stochastic_codes(self, x: Tensor, scales: Tensor, geo: Any, codec: Any, tables: _Lookup, key: int,
+                         index: Optional[Tensor], first_index: int, out: Tensor) -> None:
+        self.calls += 1
+        self._stochastic(
+            x.data_ptr(), *_piece(x, geo), scales.data_ptr(), tables.signed.data_ptr(), tables.unsigned.data_ptr(),
+            SHIFT, tables.low, tables.last, codec._zero, codec._magnitudes.data_ptr(), codec._offset, len(codec._magnitudes),
+            key, index.data_ptr() if index is not None else None, first_index, out.data_ptr(), torch.get_num_threads(),
         )
 
     def values(self, codes: Tensor, scales: Tensor, geo: Any, codec: Any, out: Tensor) -> None:
@@ -166,6 +177,29 @@ def codes(x: Tensor, scales: Tensor, geo: Any, codec: Any) -> Optional[Tensor]:
     return out
 
 
+def stochastic_codes(
+    x: Tensor, scales: Tensor, geo: Any, codec: Any, key: Tensor, index: Optional[Tensor], first_index: int = 0
+) -> Optional[Tensor]:
+    """The ``uint8`` codes of the float32 piece ``x`` rounded stochastically, its draws those of
+    ``quick_draws(key, index)`` (``index``: the values' logical indices, int64 shaped as ``x``;
+    ``None``: ``first_index``, ``first_index + 1``, ... in row-major order), or ``None``."""
+    from gradtx.quantization.maps import TableCodec
+
+    kernel = _kernel_for(x, scales)
+    if kernel is None or not isinstance(codec, TableCodec) or not _scales_fit(scales, x, geo) or not _plain(x, torch.float32):
+        return None
+    if index is not None and (not _plain(index, torch.int64) or index.shape != x.shape):
+        return None
+    if type(key) is not Tensor or key.dtype != torch.int64 or key.numel() != 1 or codec._magnitudes.dtype != torch.float32:
+        return None
+    tables = lookup(codec)
+    if tables is None:
+        return None
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    kernel.stochastic_codes(x, scales, geo, codec, tables, int(key.item()), index, first_index, out)
+    return out
+
+
 def values(codes: Tensor, scales: Tensor, geo: Any, codec: Any) -> Optional[Tensor]:
     """The float32 values of the ``uint8`` piece ``codes`` under ``scales``, or ``None``."""
     from gradtx.quantization.maps import TableCodec
@@ -224,9 +258,10 @@ def _mismatch(kernel: _Kernel) -> str:
 
 
 def _encode_and_decode(x: Tensor, geo: Any, book: Any, kernel: Optional[_Kernel]) -> dict[str, Tensor]:
-    """The absmax, and with either map the codes and values, of ``x``: by the ATen ops (``kernel``
-    ``None``) or by ``kernel``, under check."""
+    """The absmax, and with either map the codes (to nearest and stochastically rounded) and values,
+    of ``x``: by the ATen ops (``kernel`` ``None``) or by ``kernel``, under check."""
     from gradtx.quantization import blocks
+    from gradtx.transforms.low_precision import quick_draws
 
     with checks.aten_only() if kernel is None else checks.checking(kernel):
         absmax = blocks.block_absmax(x, geo)
@@ -236,6 +271,13 @@ def _encode_and_decode(x: Tensor, geo: Any, book: Any, kernel: Optional[_Kernel]
             codes = blocks.quantize(x, scales, geo, book)
             found[f"codes {signed}"] = codes.to(torch.int32)
             found[f"values {signed}"] = blocks.dequantize(codes, scales, geo, book, torch.float32)
+            key = torch.tensor(0x5DEECE66D + 977 * signed, dtype=torch.int64)
+            if kernel is None:
+                draws = quick_draws(key, torch.arange(x.numel()).reshape(x.shape))
+                rounded = blocks.quantize(x, scales, geo, book, draws)
+            else:
+                rounded = stochastic_codes(x, scales, geo, book, key, None)
+            found[f"stochastic codes {signed}"] = rounded.to(torch.int32) if rounded is not None else torch.full_like(codes, -1, dtype=torch.int32)
     return found
 
 

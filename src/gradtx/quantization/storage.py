@@ -13,11 +13,12 @@ from typing import Any, NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from gradtx.native import codebook as native_codebook
 from gradtx.quantization import blocks
 from gradtx.quantization.maps import Codec, codec
 from gradtx.quantization.placement import WHOLE, Place, scales_of
 from gradtx.sharding import dtensor as dtensor_lib
-from gradtx.sharding.elements import logical_indices
+from gradtx.sharding.elements import contiguous_start, logical_indices
 from gradtx.sharding.matrices import Piece
 from gradtx.sharding.mesh import MeshAxes
 from gradtx.transforms.low_precision import leaf_keys, quick_draws, stream_key
@@ -105,7 +106,14 @@ def _rounded_stochastically(leaf: Tensor, scales: Tensor, geo: blocks.Geometry, 
     unrolled into the graph (128 ranges for an 8192 x 256 leaf), each copied into place."""
     rows = leaf.reshape(blocks.row_count(leaf.shape), geo.columns)
     scale_rows = scales.reshape(rows.shape[0], geo.blocks)
-    index = None if rounding.piece is None else logical_indices(rounding.piece, leaf.shape, leaf.device).reshape(rows.shape)
+    start = contiguous_start(rounding.piece)
+    if start is not None or rounding.piece is None:  # the draws and the rounding in one pass, in C, with the same numbers
+        native = native_codebook.stochastic_codes(rows, scale_rows, geo, codec, rounding.key, None, start)
+    else:
+        native = native_codebook.stochastic_codes(rows, scale_rows, geo, codec, rounding.key, _indices(rounding, leaf, rows), 0)
+    if native is not None:
+        return native.reshape(leaf.shape)
+    index = None if rounding.piece is None else _indices(rounding, leaf, rows)
 
     def codes(r0: int, r1: int) -> Tensor:
         if index is None:
@@ -122,6 +130,11 @@ def _rounded_stochastically(leaf: Tensor, scales: Tensor, geo: blocks.Geometry, 
         r1 = min(r0 + step, rows.shape[0])
         out[r0:r1] = codes(r0, r1)
     return out.reshape(leaf.shape)
+
+
+def _indices(rounding: Rounding, leaf: Tensor, rows: Tensor) -> Tensor:
+    """The logical index of every element of ``leaf``'s piece, shaped as its ``rows``."""
+    return logical_indices(rounding.piece, leaf.shape, leaf.device).reshape(rows.shape)
 
 
 def rounding_keys(seed: int, count: Tensor, keys: Sequence[str], pieces: Sequence[Optional[Piece]]) -> list[Rounding]:

@@ -177,6 +177,22 @@ def element_grid(tree: Any, spec: Optional[ShardingSpec] = None, *, what: str) -
     return grid
 
 
+def contiguous_start(piece: Optional[Piece]) -> Optional[int]:
+    """The row-major index in its logical tensor of a local piece's first element where the piece's
+    elements are one run of consecutive indices (its dims after the first one longer than 1 are
+    whole), else ``None``. ``piece`` ``None``: the whole tensor, from 0."""
+    if piece is None:
+        return 0
+    longer = [d for d, n in enumerate(piece.size) if n > 1]
+    if longer and any(piece.size[d] != piece.shape[d] for d in range(longer[0] + 1, len(piece.shape))):
+        return None
+    start, stride = 0, 1
+    for dim in range(len(piece.shape) - 1, -1, -1):
+        start += piece.offset[dim] * stride
+        stride *= piece.shape[dim]
+    return start
+
+
 def logical_indices(piece: Optional[Piece], shape: Sequence[int], device: torch.device) -> Tensor:
     """The row-major index of every element of a local piece in its logical tensor (int64, of the
     local ``shape``; a flat piece's indices are its start plus ``arange``). ``piece`` ``None``:
