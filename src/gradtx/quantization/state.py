@@ -224,13 +224,17 @@ def quantize_state(
     step holds the new updates, the new codes and one group's float32 moments, below a pure fp32
     step's new moments and updates; otherwise (a global-norm clip inside ``inner``, a sharded
     tree, a traced step such as ``compile_step``'s) it decodes every stored leaf, runs
-    ``inner.update`` once, and encodes them all, with the same numbers either way. Eagerly, the
-    code books' per-value work (block absmax, codes, values) runs in a C kernel, one pass each
+    ``inner.update`` once, and encodes them all, with the same numbers either way. An eager
+    8-bit ``adam``/``adamw`` (no Nesterov, no ``eps_root``) steps its stored moments where they lie,
+    a block at a time in C (:mod:`~gradtx.quantization.direct`): no float32 moment outside a
+    block, one ``inner.update`` for the tree. Eagerly, the code books' per-value work (block
+    absmax, codes to nearest or stochastically rounded, values) runs in a C kernel, one pass each
     (:mod:`gradtx.native.codebook`, built on first use); where it cannot be built, or with
     ``GRADTX_NATIVE=0``, as one compiled loop (``torch.compile``) for leaves of 2**16 values or
     more: ``GRADTX_QUANTIZE_COMPILE=0`` keeps it eager, ``=1`` compiles it for every leaf
-    (:mod:`~gradtx.quantization.kernels`). The codes are the same every way. The stochastic rounding of 4-bit first moments runs eagerly, 2**14 values at a time (its
-    draws are int64; a traced step takes each leaf whole).
+    (:mod:`~gradtx.quantization.kernels`), and the stochastic rounding of 4-bit first moments
+    eagerly, 2**14 values at a time (its draws are int64; a traced step takes each leaf whole).
+    The codes are the same every way.
 
     Args:
       inner: the transformation whose state is stored quantized (``adamw(...)``, a chain, ...).
