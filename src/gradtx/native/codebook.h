@@ -61,27 +61,48 @@ typedef struct {
     int32_t shift, low, last, zero;
 } codebook_lookup;
 
+/* A block under its scale: whether it uses the signed map, what its values are divided by, its
+ * map's table. */
+typedef struct {
+    int in_signed;
+    float divisor;
+    const int32_t *table;
+} codebook_block;
+
+static inline codebook_block block_of(float scale, const codebook_lookup *book) {
+    const float absmax = fabsf(scale);
+    const int in_signed = bits_of(scale) < 0;
+    const codebook_block block = {in_signed, absmax > 0.0f ? absmax : 1.0f,
+                                  in_signed ? book->table_signed : book->table_unsigned};
+    return block;
+}
+
+/* Vectorized: the bit pattern of each of m values over the divisor, and its cell in the tables. */
+static inline void quotients_and_cells(const float *x, int m, float divisor, const codebook_lookup *book,
+                                       int32_t *bits, int32_t *cell) {
+    const int32_t shift = book->shift, low = book->low, last = book->last;
+    for (int i = 0; i < m; i++) {
+        const int32_t q = bits_of(x[i] / divisor);
+        int32_t at = (q & 0x7FFFFFFF) >> shift;
+        at = at > last ? last : at;
+        at -= low;
+        bits[i] = q;
+        cell[i] = at > 0 ? at : 0;
+    }
+}
+
 /* The codes of n values under their block's scale (its sign bit names the map). */
 static inline void block_codes(const float *x, int64_t n, float scale, const codebook_lookup *book,
                                uint8_t *codes) {
-    const int in_signed = bits_of(scale) < 0;
-    const float absmax = fabsf(scale);
-    const float divisor = absmax > 0.0f ? absmax : 1.0f;
-    const int32_t *table = in_signed ? book->table_signed : book->table_unsigned;
-    const int32_t shift = book->shift, low = book->low, last = book->last, zero = book->zero;
-    const int32_t within = (1 << shift) - 1;
+    const codebook_block block = block_of(scale, book);
+    const int in_signed = block.in_signed;
+    const int32_t *table = block.table;
+    const int32_t zero = book->zero, within = (1 << book->shift) - 1;
     int32_t bits[CODEBOOK_CHUNK], cell[CODEBOOK_CHUNK];
     uint8_t index[CODEBOOK_CHUNK];
     for (int64_t c0 = 0; c0 < n; c0 += CODEBOOK_CHUNK) {
         const int m = (int)(n - c0 < CODEBOOK_CHUNK ? n - c0 : CODEBOOK_CHUNK);
-        for (int i = 0; i < m; i++) { /* vectorized: the quotient and its cell */
-            const int32_t q = bits_of(x[c0 + i] / divisor);
-            int32_t at = (q & 0x7FFFFFFF) >> shift;
-            at = at > last ? last : at;
-            at -= low;
-            bits[i] = q;
-            cell[i] = at > 0 ? at : 0;
-        }
+        quotients_and_cells(x + c0, m, block.divisor, book, bits, cell);
         for (int i = 0; i < m; i++) { /* the table reads */
             const int32_t entry = table[cell[i]];
             index[i] = (uint8_t)((entry & 0xFF) + ((bits[i] & within) > (entry >> 8)));
@@ -116,24 +137,17 @@ static inline uint32_t quick_draw(uint64_t key, uint64_t index) {
 static inline void block_codes_stochastic(const float *x, int64_t n, float scale, const codebook_lookup *book,
                                           const float *magnitudes, int32_t offset, int32_t count, uint64_t key,
                                           const int64_t *index, int64_t first_index, uint8_t *codes) {
-    const int in_signed = bits_of(scale) < 0;
-    const float absmax = fabsf(scale);
-    const float divisor = absmax > 0.0f ? absmax : 1.0f;
-    const int32_t *table = in_signed ? book->table_signed : book->table_unsigned;
-    const int32_t shift = book->shift, low = book->low, last = book->last, zero = book->zero;
-    const int32_t within = (1 << shift) - 1;
+    const codebook_block block = block_of(scale, book);
+    const int in_signed = block.in_signed;
+    const int32_t *table = block.table;
+    const int32_t zero = book->zero, within = (1 << book->shift) - 1;
     const int32_t base = in_signed ? 0 : offset, start = base, end = in_signed ? offset - 1 : count - 1;
     int32_t bits[CODEBOOK_CHUNK], cell[CODEBOOK_CHUNK], nearest[CODEBOOK_CHUNK], other[CODEBOOK_CHUNK];
     float draw[CODEBOOK_CHUNK], here[CODEBOOK_CHUNK], beside[CODEBOOK_CHUNK];
     for (int64_t c0 = 0; c0 < n; c0 += CODEBOOK_CHUNK) {
         const int m = (int)(n - c0 < CODEBOOK_CHUNK ? n - c0 : CODEBOOK_CHUNK);
-        for (int i = 0; i < m; i++) { /* vectorized: the quotient, its cell, the draw */
-            const int32_t q = bits_of(x[c0 + i] / divisor);
-            int32_t at = (q & 0x7FFFFFFF) >> shift;
-            at = at > last ? last : at;
-            at -= low;
-            bits[i] = q;
-            cell[i] = at > 0 ? at : 0;
+        quotients_and_cells(x + c0, m, block.divisor, book, bits, cell);
+        for (int i = 0; i < m; i++) { /* vectorized: the draws */
             const uint64_t element = index ? (uint64_t)index[c0 + i] : (uint64_t)(first_index + c0 + i);
             draw[i] = (float)quick_draw(key, element);
         }
