@@ -211,7 +211,6 @@ class _Adam:
         )
         return leaves.rebuild(new_updates), new_state
 
-
     def _update_stored(self, stored, leaves, state, count, group, mu, nu, flags, param_values, step, factor, eps, own_updates):
         """:meth:`update` where some moments are stored in 8 bits (:mod:`gradtx.native.stored_adam`):
         their leaves' updates and new codes by its kernel, the other leaves' by ``group``."""
@@ -351,7 +350,8 @@ def fused_adam(
         return new_updates, (new_adam_state, lr_state)
 
     update_fn = set_elementwise(supports_donated_updates(update_fn), not callable(mask))  # a mask made from the params sees them all
-    plain = not (adam.nesterov or adam.eps_root) and isinstance(adam.b1, float) and isinstance(adam.b2, float)
+    no_root_shift = isinstance(adam.eps_root, float) and adam.eps_root == 0.0
+    plain = no_root_shift and not adam.nesterov and isinstance(adam.b1, float) and isinstance(adam.b2, float)
     update_fn = stored_adam.declare(update_fn, plain and mu_dtype in (None, torch.float32))
     return GradientTransformation(init_fn, named(update_fn, adam.owner))
 
