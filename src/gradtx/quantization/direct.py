@@ -12,36 +12,20 @@ bit for bit; the memory a step adds is its new updates and codes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
 from gradtx import tree as tree_lib
 from gradtx.native import stored_adam
-from gradtx.quantization.storage import StorageFormat
+from gradtx.quantization.streaming import Step
 
 
-def update_directly(
-    inner_update: Callable,
-    updates: Any,
-    params: Any,
-    leaves: list[Any],
-    state_def: Any,
-    starts: Sequence[int],
-    codes: list[list[Any]],
-    scales: list[list[Any]],
-    signed: Sequence[bool],
-    fmt: StorageFormat,
-    inplace: Any,
-    extra_args: dict,
-    check: Callable[[Any], list[Any]],
-) -> Optional[tuple[Any, list[Any], list[list[Any]], list[list[Any]]]]:
-    """The step of :func:`gradtx.quantize_state` of a declared Adam step (see the module's
+def update_directly(step: Step) -> Optional[tuple[Any, list[Any], list[list[Any]], list[list[Any]]]]:
+    """The ``step`` of :func:`gradtx.quantize_state` of a declared Adam step (see the module's
     docstring), or ``None`` where it does not apply (the caller then reads the moments back).
-
-    Arguments as :func:`~gradtx.quantization.streaming.update_in_groups` takes them; ``check``
-    returns the leaves of the new inner state, or raises if its structure is not ``state_def``.
     Returns the new updates, the new inner state's leaves, codes and scales."""
+    inner_update, updates, params, leaves, state_def, starts, codes, scales, signed, fmt, inplace, extra_args, check = step
     if len(starts) != 2 or stored_adam.usable() is None or torch.is_grad_enabled() and _any_grad(updates, params):
         return None
     grads = tree_lib.leaves(updates)
@@ -65,10 +49,10 @@ def update_directly(
     params_read = {p.untyped_storage().data_ptr() for p in param_leaves if isinstance(p, torch.Tensor)}
     if not moments or len(written) != len(moments) or written & params_read:
         return None  # a gradient twice, or one sharing memory with a param: the order of the leaves would show
-    with stored_adam.stored_moments(moments) as step:
+    with stored_adam.stored_moments(moments) as stepped:
         new_updates, new_inner = inner_update(updates, tree_lib.unflatten(state_def, leaves), params, inplace=inplace, **extra_args)
     new_leaves = check(new_inner)
-    if set(step.results) != set(moments):
+    if set(stepped.results) != set(moments):
         raise RuntimeError("quantize_state: the Adam step left stored moments unstepped")
     new_codes = [list(c) for c in codes]
     new_scales = [list(s) for s in scales]
@@ -76,7 +60,7 @@ def update_directly(
         if codes[0][i] is None:
             continue
         mu_placeholder = leaves[starts[0] + i]
-        mu_codes, mu_scales, nu_codes, nu_scales = step.results[id(mu_placeholder)]
+        mu_codes, mu_scales, nu_codes, nu_scales = stepped.results[id(mu_placeholder)]
         new_codes[0][i], new_scales[0][i], new_codes[1][i], new_scales[1][i] = mu_codes, mu_scales, nu_codes, nu_scales
         new_leaves[starts[0] + i], new_leaves[starts[1] + i] = mu_placeholder, leaves[starts[1] + i]
     return new_updates, new_leaves, new_codes, new_scales

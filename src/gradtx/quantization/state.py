@@ -29,7 +29,7 @@ from gradtx.native import stored_adam
 from gradtx.quantization.direct import update_directly
 from gradtx.quantization.placement import place_of
 from gradtx.quantization.storage import Rounding, decode, encode_all, rounding_keys, storage_format
-from gradtx.quantization.streaming import update_in_groups
+from gradtx.quantization.streaming import Step, update_in_groups
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding.edges import row_cuts
 from gradtx.sharding.mesh import MeshAxes
@@ -414,20 +414,14 @@ def quantize_state(
         # a piece at a time eagerly; traced, the compiler lays out loops and buffers itself, and each
         # piece's copy into its leaf's new tensors made Inductor's step of a large leaf 10x slower
         eager_plain = found and mesh is None and _plain(updates, params) and not torch.compiler.is_compiling()
-        if eager_plain and direct:
-            done = update_directly(
+        if eager_plain and (direct or elementwise):
+            step = Step(
                 inner_update, updates, params, leaves, state_def, params_parts(state_def, tree_lib.structure(state.codes[0])),
                 code_leaves, scale_leaves, [not n for n in nonnegative], fmt, inplace, extra_args, lambda new: same_structure(new, state_def),
             )
-            if done is not None:
-                new_updates, new_leaves, new_codes, new_scales = done
-                return new_updates, rebuild(state, new_leaves, state_def, new_codes, new_scales, count)
-        if eager_plain and elementwise:
-            done = update_in_groups(
-                inner_update, updates, params, leaves, state_def, params_parts(state_def, tree_lib.structure(state.codes[0])),
-                code_leaves, scale_leaves, [not n for n in nonnegative], fmt, inplace, extra_args, lambda new: same_structure(new, state_def),
-                functools.partial(rounding_of, count, paths),
-            )
+            done = update_directly(step) if direct else None
+            if done is None and elementwise:
+                done = update_in_groups(step, functools.partial(rounding_of, count, paths))
             if done is not None:
                 new_updates, new_leaves, new_codes, new_scales = done
                 return new_updates, rebuild(state, new_leaves, state_def, new_codes, new_scales, count)

@@ -14,7 +14,7 @@ share across ranks after every leaf is updated (one all-reduce), so it takes the
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -135,33 +135,43 @@ class _Stored:
             scales_view.copy_(scales.reshape(scales_view.shape))  # type: ignore[union-attr]
 
 
-def update_in_groups(
-    inner_update: Callable,
-    updates: Any,
-    params: Any,
-    leaves: list[Any],
-    state_def: Any,
-    starts: Sequence[int],
-    codes: list[list[Any]],
-    scales: list[list[Any]],
-    signed: Sequence[bool],
-    fmt: StorageFormat,
-    inplace: Any,
-    extra_args: dict,
-    check: Callable[[Any], None],
-    rounding_of: Callable[..., list[Optional[Rounding]]],
-) -> Optional[tuple[Any, list[Any], list[list[Any]], list[list[Any]]]]:
-    """The step of :func:`gradtx.quantize_state` on unsharded leaves, a group at a time (see the
-    module's docstring), or ``None`` when no leaf has a gradient (the caller then takes the whole tree).
+class Step(NamedTuple):
+    """One eager step of :func:`gradtx.quantize_state` on unsharded leaves, as its routes
+    (:func:`update_in_groups`, :func:`gradtx.quantization.direct.update_directly`) take it.
 
-    ``leaves``: the inner state's leaves (placeholders where stored), ``starts``: where each
-    params-shaped part begins among them, ``codes`` and ``scales``: per part, per param, the stored
-    ones (``None`` where not stored), ``signed``: per part, whether it uses the signed map. ``check``
-    raises if an inner state's structure is not ``state_def``. ``rounding_of(which, pieces, signed)``:
-    what the stochastic rounding of leaves ``which`` (``(part, param index)``) draws from (or
-    ``None``s), ``pieces`` where each lies in its logical tensor (``None``: the whole of it), so a
-    range of rows draws the whole leaf's bits for its elements. Returns the new
-    updates, the new inner state's leaves, codes and scales."""
+    ``inner_update``: the inner transformation's update; ``updates``, ``params``: the step's trees;
+    ``leaves``: the inner state's leaves (placeholders where stored), of structure ``state_def``;
+    ``starts``: where each params-shaped part begins among them; ``codes`` and ``scales``: per part,
+    per param, the stored ones (``None`` where not stored); ``signed``: per part, whether it uses the
+    signed map; ``fmt``: the storage; ``inplace`` and ``extra_args``: as ``update`` got them;
+    ``check``: the leaves of a new inner state, or an error if its structure is not ``state_def``."""
+
+    inner_update: Callable
+    updates: Any
+    params: Any
+    leaves: list[Any]
+    state_def: Any
+    starts: Sequence[int]
+    codes: list[list[Any]]
+    scales: list[list[Any]]
+    signed: Sequence[bool]
+    fmt: StorageFormat
+    inplace: Any
+    extra_args: dict
+    check: Callable[[Any], list[Any]]
+
+
+def update_in_groups(
+    step: Step, rounding_of: Callable[..., list[Optional[Rounding]]]
+) -> Optional[tuple[Any, list[Any], list[list[Any]], list[list[Any]]]]:
+    """The ``step`` of :func:`gradtx.quantize_state`, a group at a time (see the module's docstring),
+    or ``None`` when no leaf has a gradient (the caller then takes the whole tree).
+
+    ``rounding_of(which, pieces, signed)``: what the stochastic rounding of leaves ``which``
+    (``(part, param index)``) draws from (or ``None``s), ``pieces`` where each lies in its logical
+    tensor (``None``: the whole of it), so a range of rows draws the whole leaf's bits for its
+    elements. Returns the new updates, the new inner state's leaves, codes and scales."""
+    inner_update, updates, params, leaves, state_def, starts, codes, scales, signed, fmt, inplace, extra_args, check = step
     grads, updates_def = tree_lib.flatten(updates)
     param_leaves = tree_lib.flatten(params)[0] if params is not None else None
     count = len(grads)
