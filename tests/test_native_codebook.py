@@ -253,3 +253,24 @@ def test_a_pieces_contiguous_start_is_its_first_logical_index_when_its_indices_r
     if start is not None:
         assert start == int(flat[0])
     assert contiguous_start(None) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 9), min_size=0, max_size=3),
+    offset=st.integers(0, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_nibbles_packed_and_unpacked_as_the_aten_ops_pack_them(shape, offset, seed):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, tuple(shape), generator=gen, dtype=torch.uint8)
+    columns = codes.shape[-1] if codes.ndim else 1
+    with checks.aten_only():
+        want = blocks.pack_nibbles(codes, offset)
+        want_back = blocks.unpack_nibbles(want, columns, offset)
+    before = _calls()
+    got = blocks.pack_nibbles(codes, offset)
+    got_back = blocks.unpack_nibbles(got, columns, offset)
+    assert _calls() == before + 2
+    assert got.shape == want.shape and torch.equal(got, want)
+    assert torch.equal(got_back, want_back) and torch.equal(got_back, codes.reshape(want_back.shape))

@@ -48,3 +48,33 @@ void gradtx_table_values_f32(const uint8_t *codes, int64_t rows, int64_t columns
                              int threads) {
     EACH_BLOCK(block_values(codes + at, n, scales[k], joint, size, out + at))
 }
+
+/* 4-bit codes two per byte along the last dim (gradtx/quantization/blocks.py, pack_nibbles):
+ * logical columns 2j and 2j + 1 share byte j, low nibble first; a piece at an odd offset (`lead`
+ * 1) starts with a high nibble, and the missing halves are zero. */
+void gradtx_pack_nibbles(const uint8_t *codes, int64_t rows, int64_t columns, int64_t lead, uint8_t *out,
+                         int64_t packed_columns) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = codes + r * columns;
+        uint8_t *packed = out + r * packed_columns;
+        for (int64_t j = 0; j < packed_columns; j++) {
+            const int64_t low = 2 * j - lead, high = low + 1;
+            const uint8_t a = low >= 0 && low < columns ? row[low] : 0;
+            const uint8_t b = high >= 0 && high < columns ? row[high] : 0;
+            packed[j] = (uint8_t)(a | (b << 4));
+        }
+    }
+}
+
+/* The inverse: `columns` codes per row from `packed_columns` bytes, the first at nibble `lead`. */
+void gradtx_unpack_nibbles(const uint8_t *packed, int64_t rows, int64_t packed_columns, int64_t columns, int64_t lead,
+                           uint8_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = packed + r * packed_columns;
+        uint8_t *codes = out + r * columns;
+        for (int64_t c = 0; c < columns; c++) {
+            const int64_t at = c + lead;
+            codes[c] = (uint8_t)((row[at >> 1] >> ((at & 1) * 4)) & 0x0F);
+        }
+    }
+}

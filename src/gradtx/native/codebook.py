@@ -1,5 +1,6 @@
-"""The code books of :func:`gradtx.quantize_state` (block absmax, nearest-value codes, values read
-back) of float32 CPU tensors, each in one pass over memory, with the ATen ops' numbers.
+"""The code books of :func:`gradtx.quantize_state` (block absmax, codes rounded to nearest or
+stochastically, values read back, 4-bit codes packed two per byte) of float32 CPU tensors, each in
+one pass over memory, with the ATen ops' numbers.
 
 The ATen path (:mod:`gradtx.quantization.kernels`) runs a dozen elementwise ops per value, fused by
 Inductor into one compiled loop for large leaves; ``codebook.c`` runs the same integer operations,
@@ -11,7 +12,6 @@ agrees; else gradtx keeps to the ATen ops and :func:`status` says why.
 
 Used only where it changes nothing but the speed: not while compiling or where a graph is
 recorded, and only for plain contiguous CPU tensors (float32 values, ``uint8`` codes, float32 scales).
-The stochastic rounding of 4-bit first moments keeps to the ATen ops.
 """
 
 from __future__ import annotations
@@ -90,7 +90,11 @@ class _Kernel:
         self._stochastic.argtypes = piece + [ctypes.c_void_p] * 3 + [ctypes.c_int32] * 4 + [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_uint64, ctypes.c_void_p, _INT64, ctypes.c_void_p, ctypes.c_int]
         self._values = lib.gradtx_table_values_f32
         self._values.argtypes = piece + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int]
-        for fn in (self._absmax, self._codes, self._stochastic, self._values):
+        self._pack = lib.gradtx_pack_nibbles
+        self._pack.argtypes = [ctypes.c_void_p, _INT64, _INT64, _INT64, ctypes.c_void_p, _INT64]
+        self._unpack = lib.gradtx_unpack_nibbles
+        self._unpack.argtypes = [ctypes.c_void_p, _INT64, _INT64, _INT64, _INT64, ctypes.c_void_p]
+        for fn in (self._absmax, self._codes, self._stochastic, self._values, self._pack, self._unpack):
             fn.restype = None
         self.calls = 0
 
@@ -114,6 +118,14 @@ class _Kernel:
             SHIFT, tables.low, tables.last, codec._zero, codec._magnitudes.data_ptr(), codec._offset, len(codec._magnitudes),
             key, index.data_ptr() if index is not None else None, first_index, out.data_ptr(), torch.get_num_threads(),
         )
+
+    def pack(self, codes: Tensor, rows: int, columns: int, lead: int, out: Tensor) -> None:
+        self.calls += 1
+        self._pack(codes.data_ptr(), rows, columns, lead, out.data_ptr(), out.shape[-1] if out.ndim else 1)
+
+    def unpack(self, packed: Tensor, rows: int, columns: int, lead: int, out: Tensor) -> None:
+        self.calls += 1
+        self._unpack(packed.data_ptr(), rows, packed.shape[-1] if packed.ndim else 1, columns, lead, out.data_ptr())
 
     def values(self, codes: Tensor, scales: Tensor, geo: Any, codec: Any, out: Tensor) -> None:
         self.calls += 1
@@ -200,6 +212,34 @@ def stochastic_codes(
     return out
 
 
+def pack_nibbles(codes: Tensor, offset: int) -> Optional[Tensor]:
+    """:func:`gradtx.quantization.blocks.pack_nibbles` of contiguous ``uint8`` CPU codes, or ``None``."""
+    kernel = _kernel_for(codes)
+    if kernel is None or not _plain(codes, torch.uint8):
+        return None
+    columns = codes.shape[-1] if codes.ndim else 1
+    lead = offset % 2 if columns else 0
+    rows = codes.numel() // columns if columns else int(torch.Size(codes.shape[:-1]).numel())
+    out = torch.empty(*codes.shape[:-1], (lead + columns + 1) // 2, dtype=torch.uint8)
+    kernel.pack(codes, rows, columns, lead, out)
+    return out
+
+
+def unpack_nibbles(packed: Tensor, columns: int, offset: int) -> Optional[Tensor]:
+    """:func:`gradtx.quantization.blocks.unpack_nibbles` of contiguous ``uint8`` CPU bytes, or ``None``."""
+    kernel = _kernel_for(packed)
+    if kernel is None or not _plain(packed, torch.uint8):
+        return None
+    lead = offset % 2
+    width = packed.shape[-1] if packed.ndim else 1
+    if columns and lead + columns > 2 * width:
+        return None
+    rows = packed.numel() // width if width else int(torch.Size(packed.shape[:-1]).numel())
+    out = torch.empty(*packed.shape[:-1], columns, dtype=torch.uint8)
+    kernel.unpack(packed, rows, columns, lead, out)
+    return out
+
+
 def values(codes: Tensor, scales: Tensor, geo: Any, codec: Any) -> Optional[Tensor]:
     """The float32 values of the ``uint8`` piece ``codes`` under ``scales``, or ``None``."""
     from gradtx.quantization.maps import TableCodec
@@ -278,6 +318,10 @@ def _encode_and_decode(x: Tensor, geo: Any, book: Any, kernel: Optional[_Kernel]
             else:
                 rounded = stochastic_codes(x, scales, geo, book, key, None)
             found[f"stochastic codes {signed}"] = rounded.to(torch.int32) if rounded is not None else torch.full_like(codes, -1, dtype=torch.int32)
+        nibbles = codes & 0x0F
+        packed = blocks.pack_nibbles(nibbles, geo.offset)
+        found["packed"] = packed.to(torch.int32)
+        found["unpacked"] = blocks.unpack_nibbles(packed, nibbles.shape[-1] if nibbles.ndim else 1, geo.offset).to(torch.int32)
     return found
 
 

@@ -136,6 +136,9 @@ def pack_nibbles(codes: Tensor, offset: int = 0) -> Tensor:
     odd ``offset`` starts with a high nibble and a piece of odd extent ends with a low one; the
     missing halves are zero. Result: ``(..., ceil((offset % 2 + columns) / 2))`` ``uint8``.
     """
+    native = native_codebook.pack_nibbles(codes, offset)
+    if native is not None:
+        return native
     columns = codes.shape[-1] if codes.ndim else 1
     lead = offset % 2 if columns else 0
     rows = codes.reshape(row_count(codes.shape), columns)
@@ -149,6 +152,9 @@ def pack_nibbles(codes: Tensor, offset: int = 0) -> Tensor:
 
 def unpack_nibbles(packed: Tensor, columns: int, offset: int = 0) -> Tensor:
     """The inverse of :func:`pack_nibbles`: ``(..., columns)`` ``uint8`` codes."""
+    native = native_codebook.unpack_nibbles(packed, columns, offset)
+    if native is not None:
+        return native
     lead = offset % 2
     rows = packed.reshape(row_count(packed.shape), packed.shape[-1] if packed.ndim else 1)
     both = torch.stack((rows & 0x0F, rows >> 4), dim=-1).reshape(rows.shape[0], 2 * rows.shape[1])
