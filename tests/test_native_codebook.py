@@ -23,6 +23,7 @@ from gradtx.native import build, checks
 from gradtx.native import codebook as native_codebook
 from gradtx.quantization import blocks
 from gradtx.quantization.maps import TableCodec, codec
+from native_helpers import equal_bits
 
 pytestmark = pytest.mark.skipif(
     not build.enabled() or build.compiler() is None or sys.platform == "win32", reason="no C kernels here"
@@ -31,10 +32,6 @@ pytestmark = pytest.mark.skipif(
 
 def _calls() -> int:
     return native_codebook.usable().calls
-
-
-def _equal(want: torch.Tensor, got: torch.Tensor) -> bool:
-    return want.shape == got.shape and want.dtype == got.dtype and bool(((want == got) | (want.isnan() & got.isnan())).all())
 
 
 def _values(n: int, seed: int, kind: str) -> torch.Tensor:
@@ -80,7 +77,7 @@ def test_absmax_codes_and_values_equal_the_aten_ops_bit_for_bit(bits, rows, colu
     before = _calls()
     want, got = _both_ways(x, geo, codec(bits), signed)
     for key in want:
-        assert _equal(want[key], got[key]), key
+        assert equal_bits(want[key], got[key]), key
     assert _calls() == before + 3
 
 
@@ -131,7 +128,7 @@ def test_every_midpoint_and_its_neighbours_get_the_aten_ops_codes(bits):
         for signed in (True, False):
             want, got = _both_ways(block, geo, book, signed)
             for key in want:
-                assert _equal(want[key], got[key]), (absmax, signed, key)
+                assert equal_bits(want[key], got[key]), (absmax, signed, key)
 
 
 def test_a_quantized_adamw_and_lion_step_take_the_kernel_and_the_aten_ops_numbers():
@@ -153,7 +150,7 @@ def test_a_quantized_adamw_and_lion_step_take_the_kernel_and_the_aten_ops_number
         leaves = [[x for x in tree_lib.leaves(tree) if x is not None] for tree in ((p0, s0), (p1, s1))]
         assert len(leaves[0]) == len(leaves[1])
         for a, b in zip(*leaves):
-            assert _equal(a, b)
+            assert equal_bits(a, b)
 
 
 def test_the_same_codes_at_one_and_two_threads():
@@ -169,7 +166,7 @@ def test_the_same_codes_at_one_and_two_threads():
     finally:
         torch.set_num_threads(threads)
     for key in found[0]:
-        assert _equal(found[0][key], found[1][key])
+        assert equal_bits(found[0][key], found[1][key])
 
 
 @pytest.mark.parametrize("case", ["a recorded graph", "bfloat16 values", "a transposed piece"])

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import gradtx as gtx
 from gradtx.native import build, checks
 from gradtx.native import momentum as native_momentum
+from native_helpers import applied, equal_bits
 
 # Skipped only where nothing can be built; a kernel refused by its check fails the tests below.
 pytestmark = pytest.mark.skipif(
@@ -32,10 +33,6 @@ def _calls() -> int:
 def _values(shape, seed: int) -> torch.Tensor:
     n = int(torch.Size(shape).numel())
     return (checks.probe(n, seed) if n else torch.empty(0)).reshape(shape)
-
-
-def _equal(want: torch.Tensor, got: torch.Tensor) -> bool:
-    return want.shape == got.shape and bool(((want == got) | (want.isnan() & got.isnan())).all())
 
 
 def _run(tx, params, grads_per_step, inplace):
@@ -63,7 +60,7 @@ def test_the_kernels_steps_equal_the_aten_ops_bit_for_bit(shapes, decay, nestero
     got_out, got_state = _run(gtx.trace(decay, nesterov), params, grads, inplace)
     assert _calls() > before or not any(p.numel() for p in params.values())
     for key in params:
-        assert _equal(want_out[key], got_out[key]) and _equal(want_state.trace[key], got_state.trace[key]), key
+        assert equal_bits(want_out[key], got_out[key]) and equal_bits(want_state.trace[key], got_state.trace[key]), key
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
@@ -72,19 +69,12 @@ def test_sgd_with_momentum_chained_with_a_clip_and_applied_takes_the_kernel(nest
     grads = {"w": _values((100, 500), 3), "b": _values((500,), 4)}
     tx = gtx.chain(gtx.clip_by_global_norm(1.0), gtx.sgd(1e-2, momentum=0.9, nesterov=nesterov))
 
-    def steps():
-        p, state = params, tx.init(params)
-        for _ in range(3):
-            updates, state = tx.update(grads, state, p)
-            p = gtx.apply_updates(p, updates)
-        return p
-
     with checks.aten_only():
-        want = steps()
+        want = applied(tx, params, grads)
     before = _calls()
-    got = steps()
+    got = applied(tx, params, grads)
     assert _calls() == before + 6  # a call per leaf and step
-    assert all(_equal(want[k], got[k]) for k in want)
+    assert all(equal_bits(want[k], got[k]) for k in want)
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from gradtx import tree as tree_lib
 from gradtx.native import adam as native_adam
 from gradtx.native import build, checks, stored_adam
 from gradtx.transforms.adam import fused_adam
+from native_helpers import equal_bits
 
 pytestmark = pytest.mark.skipif(
     not build.enabled() or build.compiler() is None or sys.platform == "win32", reason="no C kernels here"
@@ -36,10 +37,6 @@ def _calls() -> int:
 def _values(shape, seed: int) -> torch.Tensor:
     n = int(torch.Size(shape).numel())
     return (checks.probe(n, seed) if n else torch.empty(0)).reshape(shape)
-
-
-def _equal(want: torch.Tensor, got: torch.Tensor) -> bool:
-    return want.shape == got.shape and want.dtype == got.dtype and bool(((want == got) | (want.isnan() & got.isnan())).all())
 
 
 def _run(tx, params, grads_per_step, inplace):
@@ -83,7 +80,7 @@ def test_the_steps_equal_the_aten_ops_bit_for_bit(shapes, b1, b2, lr, wd, masked
     assert _calls() == before + 3 * stored
     assert len(want) == len(got)
     for a, b in zip(want, got):
-        assert _equal(a, b)
+        assert equal_bits(a, b)
 
 
 def test_adamw_applied_over_steps_takes_the_route_and_keeps_the_numbers():
@@ -104,7 +101,7 @@ def test_adamw_applied_over_steps_takes_the_route_and_keeps_the_numbers():
     got = train()
     assert _calls() == before + 4 * 2  # "b" (512 values) stays in float32
     for a, b in zip(want, got):
-        assert _equal(a, b)
+        assert equal_bits(a, b)
 
 
 def test_the_same_numbers_at_one_and_two_threads():
@@ -120,7 +117,7 @@ def test_the_same_numbers_at_one_and_two_threads():
     finally:
         torch.set_num_threads(threads)
     for one, two in zip(*results):
-        assert _equal(one, two)
+        assert equal_bits(one, two)
 
 
 @pytest.mark.parametrize(
@@ -217,4 +214,4 @@ def test_threads_stepping_at_once_get_the_numbers_of_steps_one_after_another():
     for one, other in zip(alone, together):
         assert len(one) == len(other)
         for want, got in zip(one, other):
-            assert _equal(want, got)
+            assert equal_bits(want, got)

@@ -15,6 +15,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
+from gradtx.native import build
+
 # Per thread: ``reference`` (ATen ops only, :func:`aten_only`), ``checking`` (the kernel under check).
 _state = threading.local()
 
@@ -44,31 +46,43 @@ class Lazy:
 
 
 @contextlib.contextmanager
-def aten_only() -> Iterator[None]:
-    """Within it, this thread's steps run the ATen ops one at a time, never a C kernel nor a loop
-    compiled by Inductor (the checks and the tests)."""
-    before = getattr(_state, "reference", False)
-    _state.reference = True
+def _setting(name: str, value: Any, default: Any) -> Iterator[None]:
+    """This thread's ``name`` set to ``value`` within it, and as it was after."""
+    before = getattr(_state, name, default)
+    setattr(_state, name, value)
     try:
         yield
     finally:
-        _state.reference = before
+        setattr(_state, name, before)
+
+
+def aten_only() -> contextlib.AbstractContextManager:
+    """Within it, this thread's steps run the ATen ops one at a time, never a C kernel nor a loop
+    compiled by Inductor (the checks and the tests)."""
+    return _setting("reference", True, False)
 
 
 def reference_only() -> bool:
     return getattr(_state, "reference", False)
 
 
-@contextlib.contextmanager
-def checking(kernel: Any) -> Iterator[None]:
+def checking(kernel: Any) -> contextlib.AbstractContextManager:
     """Within it, this thread's steps run ``kernel``, before it is known to be right (another
     kernel's check, started within it, leaves it as it was)."""
-    before = getattr(_state, "checking", None)
-    _state.checking = kernel
-    try:
-        yield
-    finally:
-        _state.checking = before
+    return _setting("checking", kernel, None)
+
+
+def built_and_checked(
+    source: str, make: Callable[[Any], Any], mismatch: Callable[[Any], str], against: str = "the ATen ops"
+) -> tuple[Optional[Any], str]:
+    """The kernel ``make(library)`` of ``<source>.c`` and ``""`` when ``mismatch(kernel)`` finds no
+    difference from ``against``, else ``None`` and why (no library, or the first difference)."""
+    lib, why = build.load(source)
+    if lib is None:
+        return None, why
+    kernel = make(lib)
+    difference = mismatch(kernel)
+    return (None, f"its numbers differ from {against} on this machine ({difference})") if difference else (kernel, "")
 
 
 def under_check(kind: type) -> Optional[Any]:

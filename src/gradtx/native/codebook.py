@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from gradtx.native import build, checks
+from gradtx.native import checks
 
 _INT64 = ctypes.c_int64
 SHIFT = 15  # a cell: a float32's exponent and top 8 mantissa bits (relative width 2**-8)
@@ -261,12 +261,7 @@ def _scales_fit(scales: Any, x: Tensor, geo: Any) -> bool:
 
 
 def _build_and_check() -> tuple[Optional[_Kernel], str]:
-    lib, why = build.load("codebook")
-    if lib is None:
-        return None, why
-    kernel = _Kernel(lib)
-    mismatch = _mismatch(kernel)
-    return (None, f"its numbers differ from the ATen ops on this machine ({mismatch})") if mismatch else (kernel, "")
+    return checks.built_and_checked("codebook", _Kernel, _mismatch)
 
 
 def _mismatch(kernel: _Kernel) -> str:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.native import build, checks
+from gradtx.native import checks
 
 
 class _Kernel:
@@ -43,12 +43,7 @@ def usable() -> Optional[_Kernel]:
 
 
 def _build_and_check() -> tuple[Optional[_Kernel], str]:
-    lib, why = build.load("momentum")
-    if lib is None:
-        return None, why
-    kernel = _Kernel(lib)
-    mismatch = _mismatch(kernel)
-    return (None, f"its numbers differ from the ATen ops on this machine ({mismatch})") if mismatch else (kernel, "")
+    return checks.built_and_checked("momentum", _Kernel, _mismatch)
 
 
 def step(g: Sequence[Tensor], t: Sequence[Tensor], *, decay: Any, nesterov: bool, inplace: bool) -> Optional[tuple[list[Tensor], list[Tensor]]]:

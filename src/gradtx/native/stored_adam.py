@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from gradtx.native import adam as native_adam
-from gradtx.native import build, checks
+from gradtx.native import checks
 from gradtx.native import codebook as native_codebook
 
 MAX_BLOCK = 2048  # the kernel's block buffers
@@ -176,12 +176,7 @@ def _build_and_check() -> tuple[Optional[_Kernel], str]:
     adam = native_adam.usable()
     if adam is None:
         return None, f"the Adam kernel is not in use ({native_adam.status()})"
-    lib, why = build.load("adam")
-    if lib is None:
-        return None, why
-    kernel = _Kernel(lib, adam)
-    mismatch = _mismatch(kernel)
-    return (None, f"its numbers differ from reading back, stepping and storing on this machine ({mismatch})") if mismatch else (kernel, "")
+    return checks.built_and_checked("adam", lambda lib: _Kernel(lib, adam), _mismatch, "reading back, stepping and storing")
 
 
 def _mismatch(kernel: _Kernel) -> str:
