@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
@@ -81,15 +80,10 @@ def worker(candidate: str, optimizer: str, threads: int, warmup: int, steps: int
 
     if threads:
         torch.set_num_threads(threads)
+    from benchmarks.common import interleaved
+
     step = _step(candidate, optimizer)
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    print(json.dumps({"times": times}))
+    print(json.dumps({"times": interleaved({candidate: step}, rounds=steps, warmup=warmup)[candidate]}))
 
 
 def main() -> None:

@@ -331,17 +331,13 @@ def bandwidth(steps: int) -> dict[str, float]:
     extra cost of writing into a fresh allocation instead of an existing buffer."""
     import torch
 
+    from benchmarks.common import interleaved
+
     n = 41_680_896
     a, b, c = torch.rand(n), torch.rand(n), torch.rand(n)
 
     def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return statistics.median(interleaved({"fn": fn}, rounds=steps, warmup=1)["fn"])
 
     pass_bytes = 4 * n
     read = best(lambda: a.sum())

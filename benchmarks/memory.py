@@ -267,7 +267,7 @@ def profile(config: str, threads: int, bits_list: list) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     import gradtx as gtx
-    from benchmarks.common import make_tree
+    from benchmarks.common import interleaved, make_tree
     from gradtx.quantization import blocks
     from gradtx.quantization.placement import WHOLE
     from gradtx.quantization.storage import decode, encode_all, storage_format
@@ -283,13 +283,7 @@ def profile(config: str, threads: int, bits_list: list) -> None:
     moments = [t for t in (*inner_state[0].mu.values(), *inner_state[0].nu.values()) if t.numel() >= 4096]
 
     def timed(fn: Callable[[], object], repeat: int = 3) -> float:
-        fn()
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times) * 1e3
+        return statistics.median(interleaved({"fn": fn}, rounds=repeat, warmup=1)["fn"]) * 1e3
 
     print(f"\nwhere a quantized AdamW step's time goes ({config}, {threads} thread(s), ms, median of 3; "
           f"{len(moments)} stored moments, {sum(m.numel() for m in moments) / 1e6:.1f}M values)")

@@ -1,10 +1,26 @@
-"""What the tests of gradtx's C kernels share: a bit-for-bit comparison and a clipped, applied run."""
+"""What the tests of gradtx's C kernels share: the skip mark, probe values, a bit-for-bit
+comparison, a run with donated updates and an applied run."""
 
 from __future__ import annotations
 
+import sys
+
+import pytest
 import torch
 
 import gradtx as gtx
+from gradtx.native import build, checks
+
+# Skipped only where nothing can be built; a kernel refused by its check fails the tests.
+NEEDS_KERNELS = pytest.mark.skipif(
+    not build.enabled() or build.compiler() is None or sys.platform == "win32", reason="no C kernels here"
+)
+
+
+def probe_values(shape, seed: int) -> torch.Tensor:
+    """:func:`gradtx.native.checks.probe` values (extremes included) of ``shape``."""
+    n = int(torch.Size(shape).numel())
+    return (checks.probe(n, seed) if n else torch.empty(0)).reshape(shape)
 
 
 def equal_bits(want: torch.Tensor, got: torch.Tensor) -> bool:
@@ -19,3 +35,13 @@ def applied(tx: gtx.GradientTransformation, params: dict, grads: dict, steps: in
         updates, state = tx.update(grads, state, p)
         p = gtx.apply_updates(p, updates)
     return p
+
+
+def donated_run(tx: gtx.GradientTransformation, params: dict, grads_per_step: list, inplace) -> tuple:
+    """The last ``(updates, state)`` of one step of ``tx`` per gradient tree, each a fresh copy
+    (donated updates are overwritten), with ``inplace`` as ``update`` takes it."""
+    state, out = tx.init(params), None
+    for grads in grads_per_step:
+        grads = {k: g.clone() for k, g in grads.items()}
+        out, state = tx.update(grads, state, params, inplace=inplace)
+    return out, state

@@ -25,12 +25,9 @@ import gradtx as gtx
 from gradtx.native import adam as native_adam
 from gradtx.native import build, checks
 from gradtx.transforms.adam import fused_adam
-from native_helpers import applied, equal_bits
+from native_helpers import NEEDS_KERNELS, applied, donated_run, equal_bits
 
-# Skipped only where nothing can be built; a kernel refused by its check fails the tests below.
-pytestmark = pytest.mark.skipif(
-    not build.enabled() or build.compiler() is None or sys.platform == "win32", reason="no C kernels here"
-)
+pytestmark = NEEDS_KERNELS
 
 
 def _kernel_calls() -> int:
@@ -42,13 +39,8 @@ def _values(n: int, seed: int) -> torch.Tensor:
 
 
 def _run(tx, params, grads_per_step, inplace):
-    state = tx.init(params)
-    out = None
-    for grads in grads_per_step:
-        grads = {k: g.clone() for k, g in grads.items()}  # donated updates are overwritten
-        out, state = tx.update(grads, state, params, inplace=inplace)
-    adam_state = state[0]
-    return out, adam_state.mu, adam_state.nu
+    out, state = donated_run(tx, params, grads_per_step, inplace)
+    return out, state[0].mu, state[0].nu
 
 
 _SIZES = st.sampled_from([(), (0,), (1,), (7,), (2047,), (2049,), (3, 5, 11), (70_001,)])

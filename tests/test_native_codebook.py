@@ -10,7 +10,6 @@ not; its tables and its check refuse what would change a code.
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import pytest
 import torch
@@ -23,11 +22,9 @@ from gradtx.native import build, checks
 from gradtx.native import codebook as native_codebook
 from gradtx.quantization import blocks
 from gradtx.quantization.maps import TableCodec, codec
-from native_helpers import equal_bits
+from native_helpers import NEEDS_KERNELS, equal_bits
 
-pytestmark = pytest.mark.skipif(
-    not build.enabled() or build.compiler() is None or sys.platform == "win32", reason="no C kernels here"
-)
+pytestmark = NEEDS_KERNELS
 
 
 def _calls() -> int:

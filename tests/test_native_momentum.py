@@ -8,7 +8,6 @@ kernel whose numbers differ.
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
@@ -18,29 +17,13 @@ from hypothesis import strategies as st
 import gradtx as gtx
 from gradtx.native import build, checks
 from gradtx.native import momentum as native_momentum
-from native_helpers import applied, equal_bits
+from native_helpers import NEEDS_KERNELS, applied, donated_run, equal_bits, probe_values
 
-# Skipped only where nothing can be built; a kernel refused by its check fails the tests below.
-pytestmark = pytest.mark.skipif(
-    not build.enabled() or build.compiler() is None or sys.platform == "win32", reason="no C kernels here"
-)
+pytestmark = NEEDS_KERNELS
 
 
 def _calls() -> int:
     return native_momentum.usable().calls
-
-
-def _values(shape, seed: int) -> torch.Tensor:
-    n = int(torch.Size(shape).numel())
-    return (checks.probe(n, seed) if n else torch.empty(0)).reshape(shape)
-
-
-def _run(tx, params, grads_per_step, inplace):
-    state, out = tx.init(params), None
-    for grads in grads_per_step:
-        grads = {k: g.clone() for k, g in grads.items()}  # donated updates are overwritten
-        out, state = tx.update(grads, state, params, inplace=inplace)
-    return out, state
 
 
 @settings(max_examples=25, deadline=None)
@@ -52,12 +35,12 @@ def _run(tx, params, grads_per_step, inplace):
     seed=st.integers(0, 2**16),
 )
 def test_the_kernels_steps_equal_the_aten_ops_bit_for_bit(shapes, decay, nesterov, inplace, seed):
-    params = {f"p{i}": _values(s, seed + i) for i, s in enumerate(shapes)}
-    grads = [{k: _values(p.shape, seed + 100 * t + i) for i, (k, p) in enumerate(params.items())} for t in range(3)]
+    params = {f"p{i}": probe_values(s, seed + i) for i, s in enumerate(shapes)}
+    grads = [{k: probe_values(p.shape, seed + 100 * t + i) for i, (k, p) in enumerate(params.items())} for t in range(3)]
     with checks.aten_only():
-        want_out, want_state = _run(gtx.trace(decay, nesterov), params, grads, inplace)
+        want_out, want_state = donated_run(gtx.trace(decay, nesterov), params, grads, inplace)
     before = _calls()
-    got_out, got_state = _run(gtx.trace(decay, nesterov), params, grads, inplace)
+    got_out, got_state = donated_run(gtx.trace(decay, nesterov), params, grads, inplace)
     assert _calls() > before or not any(p.numel() for p in params.values())
     for key in params:
         assert equal_bits(want_out[key], got_out[key]) and equal_bits(want_state.trace[key], got_state.trace[key]), key
@@ -65,8 +48,8 @@ def test_the_kernels_steps_equal_the_aten_ops_bit_for_bit(shapes, decay, nestero
 
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_sgd_with_momentum_chained_with_a_clip_and_applied_takes_the_kernel(nesterov):
-    params = {"w": _values((100, 500), 1), "b": _values((500,), 2)}
-    grads = {"w": _values((100, 500), 3), "b": _values((500,), 4)}
+    params = {"w": probe_values((100, 500), 1), "b": probe_values((500,), 2)}
+    grads = {"w": probe_values((100, 500), 3), "b": probe_values((500,), 4)}
     tx = gtx.chain(gtx.clip_by_global_norm(1.0), gtx.sgd(1e-2, momentum=0.9, nesterov=nesterov))
 
     with checks.aten_only():
@@ -81,7 +64,7 @@ def test_sgd_with_momentum_chained_with_a_clip_and_applied_takes_the_kernel(nest
     "case", ["a recorded graph", "bfloat16 leaves", "a transposed leaf", "one gradient twice", "tensor decay", "bf16 trace"]
 )
 def test_the_kernel_is_not_used_where_it_could_change_a_number(case):
-    g = _values((8, 8), 8)
+    g = probe_values((8, 8), 8)
     tx = gtx.trace(0.9)
     grads = {"w": g}
     if case == "a recorded graph":

@@ -11,7 +11,6 @@ refuses a kernel one float32 step off.
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
@@ -23,27 +22,17 @@ from gradtx import tree as tree_lib
 from gradtx.native import adam as native_adam
 from gradtx.native import build, checks, stored_adam
 from gradtx.transforms.adam import fused_adam
-from native_helpers import equal_bits
+from native_helpers import NEEDS_KERNELS, donated_run, equal_bits, probe_values
 
-pytestmark = pytest.mark.skipif(
-    not build.enabled() or build.compiler() is None or sys.platform == "win32", reason="no C kernels here"
-)
+pytestmark = NEEDS_KERNELS
 
 
 def _calls() -> int:
     return stored_adam.usable().calls
 
 
-def _values(shape, seed: int) -> torch.Tensor:
-    n = int(torch.Size(shape).numel())
-    return (checks.probe(n, seed) if n else torch.empty(0)).reshape(shape)
-
-
 def _run(tx, params, grads_per_step, inplace):
-    state, out = tx.init(params), None
-    for grads in grads_per_step:
-        grads = {k: g.clone() for k, g in grads.items()}  # donated updates are overwritten
-        out, state = tx.update(grads, state, params, inplace=inplace)
+    out, state = donated_run(tx, params, grads_per_step, inplace)
     return [x for x in tree_lib.leaves((out, state)) if x is not None]
 
 
@@ -64,8 +53,8 @@ _SHAPES = st.sampled_from([(), (5,), (300,), (3, 700), (2049,), (4, 3, 100), (70
     seed=st.integers(0, 2**16),
 )
 def test_the_steps_equal_the_aten_ops_bit_for_bit(shapes, b1, b2, lr, wd, masked, block_size, min_size, inplace, seed):
-    params = {f"p{i}": _values(s, seed + i) for i, s in enumerate(shapes)}
-    grads = [{k: _values(p.shape, seed + 100 * t + i) for i, (k, p) in enumerate(params.items())} for t in range(3)]
+    params = {f"p{i}": probe_values(s, seed + i) for i, s in enumerate(shapes)}
+    grads = [{k: probe_values(p.shape, seed + 100 * t + i) for i, (k, p) in enumerate(params.items())} for t in range(3)]
     learning_rate = (lambda count: 0.1 / (1.0 + count)) if lr == "schedule" else lr
     weight_decay = (lambda count: 0.01 * count) if wd == "schedule" else wd
     mask = {k: i % 2 == 0 for i, k in enumerate(params)} if masked and wd is not None else None
@@ -84,13 +73,13 @@ def test_the_steps_equal_the_aten_ops_bit_for_bit(shapes, b1, b2, lr, wd, masked
 
 
 def test_adamw_applied_over_steps_takes_the_route_and_keeps_the_numbers():
-    params = {"w": _values((64, 512), 1), "b": _values((512,), 2), "e": _values((1000, 96), 3)}
+    params = {"w": probe_values((64, 512), 1), "b": probe_values((512,), 2), "e": probe_values((1000, 96), 3)}
     tx = gtx.quantize_state(gtx.adamw(1e-2, weight_decay=0.1), 8)
 
     def train():
         p, state = dict(params), tx.init(params)
         for t in range(4):
-            grads = {k: _values(v.shape, 10 * t + i) * 1e-2 for i, (k, v) in enumerate(p.items())}
+            grads = {k: probe_values(v.shape, 10 * t + i) * 1e-2 for i, (k, v) in enumerate(p.items())}
             updates, state = tx.update(grads, state, p)
             p = gtx.apply_updates(p, updates)
         return [x for x in tree_lib.leaves((p, state)) if x is not None]
@@ -105,8 +94,8 @@ def test_adamw_applied_over_steps_takes_the_route_and_keeps_the_numbers():
 
 
 def test_the_same_numbers_at_one_and_two_threads():
-    params = {"w": _values((300, 1000), 5)}
-    grads = [{"w": _values((300, 1000), 6)}] * 2
+    params = {"w": probe_values((300, 1000), 5)}
+    grads = [{"w": probe_values((300, 1000), 6)}] * 2
     tx = gtx.quantize_state(gtx.adamw(1e-3, weight_decay=0.1), 8)
     threads = torch.get_num_threads()
     results = []
@@ -126,8 +115,8 @@ def test_the_same_numbers_at_one_and_two_threads():
      "bfloat16 gradients", "a transposed gradient", "one gradient twice", "a gradient that is the param"],
 )
 def test_the_route_is_not_taken_where_it_could_change_a_number(case):
-    w = _values((64, 128), 7)
-    g = _values((64, 128), 8)
+    w = probe_values((64, 128), 7)
+    g = probe_values((64, 128), 8)
     params, grads = {"w": w, "v": w + 1}, {"w": g, "v": g + 1}
     inner, bits, block_size = gtx.adamw(1e-3, weight_decay=0.1), 8, None
     if case == "4 bits":
@@ -196,7 +185,7 @@ def test_threads_stepping_at_once_get_the_numbers_of_steps_one_after_another():
     states at once, each with its own placeholders and results."""
     import threading
 
-    trees = [({"w": _values((100, 1000), 20 + i)}, {"w": _values((100, 1000), 40 + i)}) for i in range(4)]
+    trees = [({"w": probe_values((100, 1000), 20 + i)}, {"w": probe_values((100, 1000), 40 + i)}) for i in range(4)]
     tx = gtx.quantize_state(gtx.adamw(1e-3, weight_decay=0.1), 8)
     alone = [_run(tx, params, [grads, grads], False) for params, grads in trees]
     together: list = [None] * len(trees)
