@@ -131,23 +131,30 @@ def returns_new_updates(tx: GradientTransformation) -> bool:
     return bool(getattr(tx.update, _RETURNS_NEW, False))
 
 
+# ``scale(tensors, coefficient, inplace) -> tensors * coefficient`` (in place into ``tensors`` when ``inplace``)
+Scaling = Callable[[list[Any], Any, bool], list[Any]]
+
+
 class LeadingClip(NamedTuple):
     """The ``clip_by_global_norm`` that is the first to see a transformation's updates (the
     transformation itself, or the first member of a chain), as :func:`leading_clip` finds it.
 
     ``spec`` and ``norm_type``: the clip's; ``norm_of(state)``: the norm it recorded in the
     transformation's state; ``coefficient(state, norm)``: the factor it scales by for that norm;
-    ``given(norm)``: the transformation's ``update`` (taking ``inplace`` and extra arguments as
-    :func:`with_inplace` gives it) with that clip taking ``norm`` as its global norm instead of
-    computing it: the same numbers, without the clip's reduction. A caller that has reduced the
-    norm already (``gradtx.observe``, in the all-reduce of its statistics) passes it on this way.
+    ``given(norm, scale=None)``: the transformation's ``update`` (taking ``inplace`` and extra
+    arguments as :func:`with_inplace` gives it) with that clip taking ``norm`` as its global norm
+    instead of computing it: the same numbers, without the clip's reduction. A caller that has
+    reduced the norm already (``gradtx.observe``, in the all-reduce of its statistics) passes it on
+    this way. ``scale`` (a :data:`Scaling`), when given, multiplies the gradients by the clip's
+    coefficient in place of the clip's own product, and must return the same numbers: ``observe``
+    reads its statistics of the gradients in that pass.
     """
 
     spec: Any
     norm_type: float
     norm_of: Callable[[Any], Any]
     coefficient: Callable[[Any, Any], Any]
-    given: Callable[[Any], Callable]
+    given: Callable[..., Callable]
 
 
 _LEADING_CLIP = "leading_clip"

@@ -73,8 +73,8 @@ def _leading_clip(first: Optional[GradientTransformation], members: tuple, first
     if clip is None:
         return None
 
-    def given(norm):
-        replaced = ((clip.given(norm),) + members[0][1:],) + members[1:]
+    def given(norm, scale=None):
+        replaced = ((clip.given(norm, scale),) + members[0][1:],) + members[1:]
 
         def update_given(updates, state, params=None, *, inplace=False, **extra_args):
             return run(replaced, updates, state, params, inplace, extra_args)

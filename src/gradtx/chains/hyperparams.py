@@ -147,7 +147,7 @@ def inject_hyperparams(
             inner = inner_factory(**other, **hyperparams)
             return InjectHyperparamsState(count=count, hyperparams=hyperparams, inner_state=inner.init(params))
 
-        def step(updates, state, params, inplace, extra_args, norm=None):
+        def step(updates, state, params, inplace, extra_args, norm=None, scale=None):
             missing = set(numeric) - set(state.hyperparams)
             if missing:
                 raise ValueError(f"inject_hyperparams: state.hyperparams lacks {sorted(missing)}")
@@ -163,7 +163,7 @@ def inject_hyperparams(
             if not extra:
                 extra_args = {}
             if norm is not None:  # the inner's leading clip takes a norm reduced by the caller
-                new_updates, inner_state = leading_clip(inner).given(norm)(updates, state.inner_state, params, inplace=inplace, **extra_args)
+                new_updates, inner_state = leading_clip(inner).given(norm, scale)(updates, state.inner_state, params, inplace=inplace, **extra_args)
             elif takes_inplace:
                 new_updates, inner_state = inner.update(updates, state.inner_state, params, inplace=inplace, **extra_args)
             else:
@@ -177,9 +177,9 @@ def inject_hyperparams(
         clip = None
         if probe_clip is not None:
 
-            def given(norm):
+            def given(norm, scale=None):
                 def update_given(updates, state, params=None, *, inplace=False, **extra_args):
-                    return step(updates, state, params, inplace, extra_args, norm)
+                    return step(updates, state, params, inplace, extra_args, norm, scale)
 
                 return update_given
 

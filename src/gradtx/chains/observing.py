@@ -22,6 +22,7 @@ norm from the statistics' per-leaf norms, the gradients being read for the norm 
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 import re
@@ -43,6 +44,7 @@ from gradtx.base import (
     takes_extra_args,
     with_inplace,
 )
+from gradtx.native import observed as native_observed
 from gradtx.sharding import statistics as stats_lib
 from gradtx.sharding.plan import _layout_key
 from gradtx.sharding.spec import nearest_paths
@@ -218,6 +220,41 @@ def _clip_stats(found: Any, inner_state: Any, dtype: torch.dtype, norm: Optional
 # --------------------------------------------------------------------------- the transformation
 
 
+def _param_sq(layout: stats_lib.GroupLayout, counted_params: Optional[list[Any]], like: Tensor, device: torch.device, tally: Any = None) -> Tensor:
+    """The params' ``[total, per group]`` sums of squares (NaN when no params were given)."""
+    if counted_params is None:
+        return torch.full_like(like, float("nan"))
+    return stats_lib.squared_sums(layout, counted_params, device, tally)
+
+
+class _Extremes:
+    """``max |g|`` and the non-finite counts of the gradients, read where a leading clip scales them:
+    :meth:`scale` is the clip's :data:`gradtx.base.Scaling`, :meth:`of` gives them afterwards."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.found: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+
+    def scale(self, tensors: list[Tensor], coefficient: Tensor, inplace: bool) -> list[Tensor]:
+        done = native_observed.scale_observed(tensors, coefficient, inplace=inplace)
+        if done is None:  # the ATen ops: the extremes first, before any gradient is overwritten
+            maxima, counts = stats_lib.extremes_of(list(tensors), self.device)
+            scaled = tree_lib.scale_(tensors, coefficient, inplace=inplace)
+        else:
+            scaled, maxima, counts = done
+        for i, t in enumerate(tensors):
+            self.found[id(t)] = (t, maxima[i], counts[i])
+        return scaled
+
+    def of(self, tensors: list[Tensor]) -> tuple[Tensor, Tensor]:
+        found = [self.found.get(id(t)) for t in tensors]
+        if any(f is None or f[0] is not t for f, t in zip(found, tensors)):
+            raise RuntimeError("observe: the leading clip scaled other tensors than the gradients observe was given")
+        maxima = torch.stack([f[1] for f in found])  # type: ignore[index]
+        counts = torch.stack([f[2] for f in found])  # type: ignore[index]
+        return maxima.to(self.device), counts.to(device=self.device, dtype=torch.float64)
+
+
 def _stats_of(sums: Tensor, maxima: Tensor, column: int, dtype: torch.dtype, previous: ObservedStats) -> ObservedStats:
     grad, update, param = (sums[k, column].sqrt().to(dtype) for k in range(3))
     ratio = update / previous.param_norm.to(dtype)
@@ -285,7 +322,10 @@ def observe(
 
     def layout_of(tree: PyTree) -> stats_lib.GroupLayout:
         tree_leaves = tree_lib.leaves(tree)
-        key = (tree_lib._structure_paths.__wrapped__(tree_lib.structure(tree)), _layout_key(tree_leaves))
+        structure = tree_lib.structure(tree)
+        # eagerly through the paths' cache; traced, built anew (Dynamo traces through the cache)
+        paths = tree_lib._structure_paths.__wrapped__(structure) if torch.compiler.is_compiling() else tree_lib._structure_paths(structure)
+        key = (paths, _layout_key(tree_leaves))
         layout = layouts.get(key)
         if layout is None:
             if torch.compiler.is_compiling():
@@ -317,35 +357,53 @@ def observe(
         grads = tree_lib.leaves(updates)
         device = stats_lib.local_device(grads, layout.plan)
         dtype = tree_lib.accumulation_dtype(tree_lib.real_dtypes(updates))
-        partials = stats_lib.gradient_partials(layout, grads, device)
-        grad_sq = partials.sq
-        if params is None:
-            param_sq = torch.full_like(grad_sq, float("nan"))
-        else:
+        forwarded = extra_args if extra else {}
+        counted_params = None
+        if params is not None:
             param_leaves = tree_lib.flatten_like(params, tree_lib.structure(updates), updates, what="observe: params", like="updates")
-            param_sq = stats_lib.squared_sums(layout, [p if g is not None else None for p, g in zip(param_leaves, grads)], device)
+            counted_params = [p if g is not None else None for p, g in zip(param_leaves, grads)]
         pending = state.pending_update_sq
-        if pending.shape != grad_sq.shape:  # a new tree structure: no update of its own before
-            pending = torch.full_like(grad_sq, float("nan"))
+        if pending.shape != (len(layout.names) + 1,):  # a new tree structure: no update of its own before
+            pending = torch.full((len(layout.names) + 1,), float("nan"), dtype=torch.float64, device=device)
         fused = _fusable(lead, layout, spec)
         p = lead.norm_type if fused else 2.0  # type: ignore[union-attr]
-        share = stats_lib.norm_share(layout, grads, p) if fused == "reduced" else None
-        rows = torch.stack([grad_sq, pending.to(device), param_sq, partials.nonfinite]).reshape(-1)
-        buffer = rows if share is None else torch.cat([rows, share.reshape(1)])
-        buffer, maxima = stats_lib.reduce_statistics(layout, buffer, partials.max, what="observe")
-        sums = buffer[: rows.numel()].reshape(4, -1)
-        forwarded = extra_args if extra else {}
-        clip_norm = None
-        if fused == "reduced":
-            reduced_share = None if share is None else buffer[rows.numel():]
-            clip_norm = stats_lib.global_norm_from(layout, grads, p, sums, maxima, reduced_share)
-        elif fused == "local" and partials.maxima is not None:
-            # the clip's own number (per-leaf norms stacked as it stacks them), from norms taken once
-            norms = partials.norms if p == 2.0 else list(partials.maxima.unbind())
-            clip_norm = tree_lib.total_norm([g for g in grads if isinstance(g, Tensor)], p, norms=norms)
-        run = inner_update if clip_norm is None else lead.given(clip_norm)  # type: ignore[union-attr]
-        new_updates, inner_state = run(updates, state.inner_state, params, inplace=inplace, **forwarded)
-        pending_update_sq = stats_lib.squared_sums(layout, tree_lib.leaves(new_updates), device)
+        eager = not torch.compiler.is_compiling()
+        if fused == "local" and p == 2.0 and eager and native_observed.usable() is not None:
+            # nothing is sharded, so no statistic waits for a collective: all are read in the passes
+            # the step makes (the clip's norm, its scaling, the Adam kernel's tally), none of their own
+            norms = stats_lib.counted_norms(layout, grads)
+            clip_norm = tree_lib.total_norm([g for g in grads if isinstance(g, Tensor)], 2.0, norms=norms)
+            extremes = _Extremes(device)
+            with native_observed.tallying() as tally:
+                run = lead.given(clip_norm, extremes.scale)  # type: ignore[union-attr]
+                new_updates, inner_state = run(updates, state.inner_state, params, inplace=inplace, **forwarded)
+            partials = stats_lib.gradient_partials(layout, grads, device, norms, extremes.of)
+            sums = torch.stack([partials.sq, pending.to(device), _param_sq(layout, counted_params, partials.sq, device, tally), partials.nonfinite])
+            maxima = partials.max
+        else:
+            partials = stats_lib.gradient_partials(layout, grads, device)
+            # without a collective the params' sums may wait for the step's tally; with one they ride in it
+            late = eager and (layout.plan is None or layout.plan.global_group() is None)
+            param_sq = torch.full_like(partials.sq, float("nan")) if late else _param_sq(layout, counted_params, partials.sq, device)
+            share = stats_lib.norm_share(layout, grads, p) if fused == "reduced" else None
+            rows = torch.stack([partials.sq, pending.to(device), param_sq, partials.nonfinite]).reshape(-1)
+            buffer = rows if share is None else torch.cat([rows, share.reshape(1)])
+            buffer, maxima = stats_lib.reduce_statistics(layout, buffer, partials.max, what="observe")
+            sums = buffer[: rows.numel()].reshape(4, -1)
+            clip_norm = None
+            if fused == "reduced":
+                reduced_share = None if share is None else buffer[rows.numel():]
+                clip_norm = stats_lib.global_norm_from(layout, grads, p, sums, maxima, reduced_share)
+            elif fused == "local" and partials.maxima is not None:
+                # the clip's own number (per-leaf norms stacked as it stacks them), from norms taken once
+                norms = partials.norms if p == 2.0 else list(partials.maxima.unbind())
+                clip_norm = tree_lib.total_norm([g for g in grads if isinstance(g, Tensor)], p, norms=norms)
+            run = inner_update if clip_norm is None else lead.given(clip_norm)  # type: ignore[union-attr]
+            with native_observed.tallying() if eager else contextlib.nullcontext() as tally:
+                new_updates, inner_state = run(updates, state.inner_state, params, inplace=inplace, **forwarded)
+            if late:
+                sums = torch.stack([sums[0], sums[1], _param_sq(layout, counted_params, partials.sq, device, tally), sums[3]])
+        pending_update_sq = stats_lib.squared_sums(layout, tree_lib.leaves(new_updates), device, tally)
         total = _stats_of(sums, maxima, 0, dtype, state.total)
         per_group = {
             name: _stats_of(sums, maxima, i + 1, dtype, state.groups.get(name, _empty_stats(device, dtype)))

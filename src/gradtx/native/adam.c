@@ -12,7 +12,10 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <stdlib.h>
+
 #include "codebook.h"
+#include "squares.h"
 
 typedef void (*vector_sqrt)(int n, const float *in, float *out, long long mode);
 /* MKL's mkl_set_num_threads_local (Fortran-style int pointer): a vector call on a thread of ours
@@ -20,11 +23,12 @@ typedef void (*vector_sqrt)(int n, const float *in, float *out, long long mode);
 typedef int (*set_local_threads)(const int *n);
 
 #define BLOCK 2048
+_Static_assert(BLOCK == SQUARES_BLOCK, "the tally sums the blocks squares.h sums");
 
 static void adam_block(const float *g, const float *m, const float *v, const float *p, float *mo,
                        float *vo, float *uo, int len, int small, float coeff, float b2, float c2,
                        float eps, float step, float factor, int decay, vector_sqrt vsqrt,
-                       long long mode) {
+                       long long mode, double *sums) {
     float root[BLOCK];
 #pragma GCC ivdep
     for (int i = 0; i < len; i++) {
@@ -40,7 +44,26 @@ static void adam_block(const float *g, const float *m, const float *v, const flo
 #pragma GCC ivdep
         for (int i = 0; i < len; i++) root[i] = sqrtf(vo[i]);
     }
-    if (decay == 1) { /* add(u, p, alpha=factor): p factor + u, one rounding */
+    if (decay == 1 && sums) { /* as below, with both sums of squares in the same loop */
+        float su[SQUARES_LANES] = {0}, sp[SQUARES_LANES] = {0};
+        int i = 0;
+        for (; i + SQUARES_LANES <= len; i += SQUARES_LANES)
+#pragma GCC ivdep
+            for (int j = 0; j < SQUARES_LANES; j++) {
+                const float pi = p[i + j], ui = fmaf(pi, factor, (mo[i + j] / (root[i + j] + eps)) * step);
+                uo[i + j] = ui;
+                su[j] = fmaf(ui, ui, su[j]);
+                sp[j] = fmaf(pi, pi, sp[j]);
+            }
+        for (int j = 0; i < len; i++, j++) {
+            const float pi = p[i], ui = fmaf(pi, factor, (mo[i] / (root[i] + eps)) * step);
+            uo[i] = ui;
+            su[j] = fmaf(ui, ui, su[j]);
+            sp[j] = fmaf(pi, pi, sp[j]);
+        }
+        sums[0] = lanes_total(su);
+        sums[1] = lanes_total(sp);
+    } else if (decay == 1) { /* add(u, p, alpha=factor): p factor + u, one rounding */
 #pragma GCC ivdep
         for (int i = 0; i < len; i++) uo[i] = fmaf(p[i], factor, (mo[i] / (root[i] + eps)) * step);
     } else if (decay == 2) { /* add(u, mul(p, factor)): a tensor factor, two roundings */
@@ -53,14 +76,18 @@ static void adam_block(const float *g, const float *m, const float *v, const flo
 }
 
 /* m' = lerp(m, g, w1); v' = addcmul(v * b2, g, g, value=c2); u = m' / (sqrt(v') + eps) * step,
- * plus p * factor for decay 1 (one rounding) and 2 (the product rounded first). */
+ * plus p * factor for decay 1 (one rounding) and 2 (the product rounded first). p is read for the
+ * decay, and for the tally. With `sums` (else NULL), the tally: sums[0] = sum of u^2 and sums[1] =
+ * sum of p^2 (0 without p), in float64, in squares.h's order (gradtx.observe's statistics, read
+ * in this same pass); -1 in sums[0] where the tally could not be taken. */
 void gradtx_adam_f32(const float *g, const float *m, const float *v, const float *p, float *mo,
                      float *vo, float *uo, int64_t n, float w1, float b2, float c2, float eps,
                      float step, float factor, int decay, vector_sqrt vsqrt, long long mode,
-                     set_local_threads set_local, int threads) {
+                     set_local_threads set_local, int threads, double *sums) {
     const int small = fabsf(w1) < 0.5f;
     const float coeff = small ? w1 : w1 - 1.0f;
     const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+    double *partial = sums && blocks ? malloc(sizeof(double) * 2 * (size_t)blocks) : 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && n >= 65536)
     {
         const int one = 1;
@@ -69,10 +96,27 @@ void gradtx_adam_f32(const float *g, const float *m, const float *v, const float
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t s = b * BLOCK;
             const int len = (int)(n - s < BLOCK ? n - s : BLOCK);
+            if (partial && decay == 1) { /* the sums in the update's own loop */
+                double both[2];
+                adam_block(g + s, m + s, v + s, p + s, mo + s, vo + s, uo + s, len, small, coeff, b2, c2, eps,
+                           step, factor, decay, vsqrt, mode, both);
+                partial[b] = both[0];
+                partial[blocks + b] = both[1];
+                continue;
+            }
             adam_block(g + s, m + s, v + s, decay ? p + s : 0, mo + s, vo + s, uo + s, len, small,
-                       coeff, b2, c2, eps, step, factor, decay, vsqrt, mode);
+                       coeff, b2, c2, eps, step, factor, decay, vsqrt, mode, 0);
+            if (partial) {
+                partial[b] = block_squares(uo + s, len);
+                partial[blocks + b] = p ? block_squares(p + s, len) : 0.0;
+            }
         }
         if (set_local) set_local(&before);
+    }
+    if (sums) {
+        sums[0] = partial ? blocks_total(partial, blocks) : (blocks ? -1.0 : 0.0);
+        sums[1] = partial ? blocks_total(partial + blocks, blocks) : 0.0;
+        free(partial);
     }
 }
 
@@ -108,7 +152,7 @@ void gradtx_adam_stored_f32(const float *g, const float *p, const uint8_t *mc, c
             block_values(mc + at, len, ms[k], joint, size, m);
             block_values(vc + at, len, vs[k], joint, size, v);
             adam_block(g + at, m, v, decay ? p + at : 0, mn, vn, uo + at, len, small, coeff, b2, c2, eps, step,
-                       factor, decay, vsqrt, mode);
+                       factor, decay, vsqrt, mode, 0);
             const float m_absmax = block_absmax(mn, len), v_absmax = block_absmax(vn, len);
             mso[k] = m_signed ? -m_absmax : m_absmax;
             vso[k] = v_signed ? -v_absmax : v_absmax;

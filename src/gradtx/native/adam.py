@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.native import build, checks
+from gradtx.native import build, checks, observed
 
 # MKL vector math mode of torch's own calls (ATen/cpu/vml.h): VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE
 _MKL_MODE = 0x2 | 0x140000 | 0x100
@@ -32,19 +32,22 @@ DECAY_NONE, DECAY_FMA, DECAY_PRODUCT = 0, 1, 2
 class _Kernel:
     def __init__(self, lib: ctypes.CDLL, vector_sqrt: Optional[int]):
         fn = lib.gradtx_adam_f32
-        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] + [ctypes.c_float] * 6 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] + [ctypes.c_float] * 6 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         fn.restype = None
         self.fn, self.vector_sqrt, self.calls = fn, vector_sqrt, 0
         self.set_local_threads = checks.torch_symbol("mkl_set_num_threads_local") if vector_sqrt is not None else None
 
     def __call__(self, g: Tensor, m: Tensor, v: Tensor, p: Optional[Tensor], mo: Tensor, vo: Tensor, uo: Tensor,
-                 w1: float, b2: float, c2: float, eps: float, step: float, factor: float, decay: int) -> None:
+                 w1: float, b2: float, c2: float, eps: float, step: float, factor: float, decay: int,
+                 sums: Optional[ctypes.Array] = None) -> None:
+        """One leaf's step; with ``sums`` (two doubles), also the tally of ``uo`` and ``p`` (``p`` is
+        then read even without decay)."""
         self.calls += 1
         self.fn(
             g.data_ptr(), m.data_ptr(), v.data_ptr(), p.data_ptr() if p is not None else None,
             mo.data_ptr(), vo.data_ptr(), uo.data_ptr(), g.numel(),
             w1, b2, c2, eps, step, factor, decay, self.vector_sqrt, _MKL_MODE, self.set_local_threads,
-            torch.get_num_threads(),
+            torch.get_num_threads(), sums,
         )
 
 
@@ -95,12 +98,36 @@ def step(
     mo = list(m) if inplace else [torch.empty_like(x) for x in m]
     vo = list(v) if inplace else [torch.empty_like(x) for x in v]
     uo = list(g) if own_updates else [torch.empty_like(x) for x in g]
+    tally = observed.current_tally()
+    sums = (ctypes.c_double * 2)() if tally is not None else None
+    written = {x.untyped_storage().data_ptr() for x in (*g, *m, *v) if x.numel()} if tally is not None else set()
     for i in range(len(g)):
-        if decayed[i]:
-            kernel(g[i], m[i], v[i], p[i], mo[i], vo[i], uo[i], *floats, decay)
-        else:
-            kernel(g[i], m[i], v[i], None, mo[i], vo[i], uo[i], *floats, DECAY_NONE)
+        read = p[i] if decayed[i] or (tally is not None and _tallied_param(p[i], g[i], written)) else None
+        kernel(g[i], m[i], v[i], read, mo[i], vo[i], uo[i], *floats, decay if decayed[i] else DECAY_NONE, sums)
+        if tally is not None and g[i].numel():
+            _bump([x for x, written in ((mo[i], inplace), (vo[i], inplace), (uo[i], own_updates)) if written])
+            tally.record(uo[i], sums[0])
+            if read is not None:
+                tally.record(read, sums[1])
+        elif g[i].numel() and (inplace or own_updates):
+            _bump([x for x, written in ((mo[i], inplace), (vo[i], inplace), (uo[i], own_updates)) if written])
     return uo, mo, vo
+
+
+def _bump(written: Sequence[Tensor]) -> None:
+    """Marks tensors the kernel wrote in place as changed, as ATen's in-place ops do (autograd, and
+    :class:`gradtx.native.observed.Tally`, read the version counter)."""
+    for x in written:
+        torch.autograd.graph.increment_version(x)
+
+
+def _tallied_param(p: Any, g: Tensor, written: set[int]) -> bool:
+    """Whether ``p``, not otherwise read, may be read for the tally: a plain float32 tensor laid out
+    as ``g``, sharing no memory with what the step writes."""
+    return (
+        isinstance(p, Tensor) and not p.requires_grad and checks.plain_float32((p,), g.numel(), g.stride())
+        and p.untyped_storage().data_ptr() not in written
+    )
 
 
 def _plain(g, m, v, decayed, p) -> bool:

@@ -59,6 +59,9 @@ def step(g: Sequence[Tensor], t: Sequence[Tensor], *, decay: Any, nesterov: bool
     factor = checks.float32(decay)
     for i in range(len(g)):
         kernel(g[i], t[i], to[i], uo[i], factor, nesterov)
+        if inplace and g[i].numel():  # written in place: changed, as ATen's in-place ops mark it
+            torch.autograd.graph.increment_version(to[i])
+            torch.autograd.graph.increment_version(uo[i])
     return uo, to
 
 

@@ -141,6 +141,8 @@ def step(g: Tensor, p: Optional[Tensor], moments: Stored, *, floats: tuple[float
     out = tuple(torch.empty_like(x) for x in (moments.mu_codes, moments.mu_scales, moments.nu_codes, moments.nu_scales))
     uo = g if own_update else torch.empty_like(g)
     kernel(g, p, moments, out, uo, floats, decay, tables)
+    if own_update and g.numel():  # written in place: changed, as ATen's in-place ops mark it
+        torch.autograd.graph.increment_version(uo)
     return uo, out  # type: ignore[return-value]
 
 

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from gradtx import torch_internals
 from gradtx import tree as tree_lib
+from gradtx.native import observed as native_observed
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding import waiting
 from gradtx.sharding.plan import Plan, plan_for
@@ -223,13 +224,34 @@ def _fusable_norms(tensors: list[Tensor]) -> list[Tensor]:
     return [torch.linalg.vector_norm(t, 2.0, dtype=tree_lib.accumulation_dtype([t.dtype])).to(dtype) for t in tensors]
 
 
-def squared_sums(layout: GroupLayout, tree_leaves: Sequence[Any], device: torch.device) -> Tensor:
-    """This rank's ``[total, per group]`` sums of squares of ``tree_leaves`` (laid out as the layout's tree)."""
+def squared_sums(layout: GroupLayout, tree_leaves: Sequence[Any], device: torch.device, tally: Optional[native_observed.Tally] = None) -> Tensor:
+    """This rank's ``[total, per group]`` sums of squares of ``tree_leaves`` (laid out as the layout's
+    tree); ``tally``: sums a kernel already took in a pass of the step (see :func:`leaf_squares`)."""
     counted = _counted(layout, tree_leaves)
     if not counted:
         return _per_group(layout, None, None, "sum", device)
     groups = _group_index(layout, [i for i, _ in counted], device)
-    return _per_group(layout, groups, _squares(_fusable_norms([t for _, t in counted]), device), "sum", device)
+    return _per_group(layout, groups, leaf_squares([t for _, t in counted], device, tally), "sum", device)
+
+
+def leaf_squares(tensors: list[Tensor], device: torch.device, tally: Optional[native_observed.Tally] = None) -> Tensor:
+    """Per-tensor sums of squares (float64, on ``device``). Eagerly, for plain float32 CPU tensors,
+    float64 sums by :mod:`gradtx.native.observed` (from ``tally`` where the step's own pass took
+    them, else a pass of their own: the same bits either way); else the squares of the tensors'
+    2-norms (:func:`_fusable_norms`)."""
+    if torch.compiler.is_compiling() or native_observed.usable() is None:
+        return _squares(_fusable_norms(tensors), device)
+    found: list[Optional[float]] = []
+    for t in tensors:
+        total = tally.squares(t) if tally is not None else None
+        found.append(native_observed.squares(t) if total is None else total)
+    rest = [i for i, total in enumerate(found) if total is None]
+    if len(rest) == len(tensors):
+        return _squares(_fusable_norms(tensors), device)
+    out = torch.tensor([0.0 if total is None else total for total in found], dtype=_DTYPE, device=device)
+    if rest:
+        out[rest] = _squares(_fusable_norms([tensors[i] for i in rest]), device)
+    return out
 
 
 class GradientPartials(NamedTuple):
@@ -245,25 +267,50 @@ class GradientPartials(NamedTuple):
     maxima: Optional[Tensor]
 
 
-def gradient_partials(layout: GroupLayout, tree_leaves: Sequence[Any], device: torch.device) -> GradientPartials:
+def gradient_partials(
+    layout: GroupLayout,
+    tree_leaves: Sequence[Any],
+    device: torch.device,
+    norms: Optional[list[Tensor]] = None,
+    extremes: Optional[Callable[[list[Tensor]], tuple[Tensor, Tensor]]] = None,
+) -> GradientPartials:
     """The gradients' statistics on this rank, reading each gradient twice: one 2-norm and one
     ``aminmax`` (non-finite elements are counted only in a leaf whose maximum is not finite, where
-    that can be known without a host sync: see :func:`_nonfinite_counts`)."""
+    that can be known without a host sync: see :func:`_nonfinite_counts`). ``norms`` (of the
+    counted tensors, as :func:`counted_norms` takes them) and ``extremes(tensors)`` (their
+    ``max |g|`` and non-finite counts), when given, are taken instead of reading the gradients."""
     counted = _counted(layout, tree_leaves)
     if not counted:
         zeros = _per_group(layout, None, None, "sum", device)
         return GradientPartials(zeros, zeros, zeros, [], None)
     indices, tensors = [i for i, _ in counted], [t for _, t in counted]
     groups = _group_index(layout, indices, device)
-    norms = _local_norms(tensors, 2.0)
-    maxima = leaf_maxima(tensors, device)
+    if norms is None:
+        norms = _local_norms(tensors, 2.0)
+    if extremes is None:
+        maxima = leaf_maxima(tensors, device)
+        counts = _nonfinite_counts(tensors, maxima, device)
+    else:
+        maxima, counts = extremes(tensors)
     return GradientPartials(
         _per_group(layout, groups, _squares(norms, device), "sum", device),
-        _per_group(layout, groups, _nonfinite_counts(tensors, maxima, device), "sum", device),
+        _per_group(layout, groups, counts, "sum", device),
         _per_group(layout, groups, maxima.to(_DTYPE), "max", device),
         norms,
         maxima,
     )
+
+
+def counted_norms(layout: GroupLayout, tree_leaves: Sequence[Any]) -> list[Tensor]:
+    """The 2-norms :func:`gradient_partials` takes of the leaves it counts (none when none counts)."""
+    tensors = [t for _, t in _counted(layout, tree_leaves)]
+    return _local_norms(tensors, 2.0) if tensors else []
+
+
+def extremes_of(tensors: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Per-tensor ``max |x|`` (as :func:`leaf_maxima`) and non-finite counts (float64)."""
+    maxima = leaf_maxima(tensors, device)
+    return maxima, _nonfinite_counts(tensors, maxima, device)
 
 
 def reduce_statistics(layout: GroupLayout, sums: Tensor, maxima: Tensor, *, what: str) -> tuple[Tensor, Tensor]:

@@ -21,6 +21,7 @@ from gradtx.base import (
     EmptyState,
     GradientTransformation,
     LeadingClip,
+    Scaling,
     donation,
     init_empty_state,
     real_empty_state,
@@ -132,7 +133,7 @@ def clip_by_global_norm(
             sharding.global_norm(updates, spec, norm_type=norm_type)
             raise
 
-    def clipped_by(updates, inplace, given: Optional[Tensor] = None):
+    def clipped_by(updates, inplace, given: Optional[Tensor] = None, scale: Optional[Scaling] = None):
         own_updates, _ = donation(inplace)  # the state is new either way
         tree_leaves, treedef, present = leaves_of(updates)
         grads = tree_leaves if len(present) == len(tree_leaves) else [tree_leaves[i] for i in present]
@@ -140,11 +141,11 @@ def clip_by_global_norm(
             # plain tensors: one grouping serves the norm and the scaling
             groups = tree_lib.torch_groups(grads)
             coef, norm = coefficient(updates, grads, groups, given)
-            clipped = tree_lib.scale_(grads, coef, inplace=own_updates, groups=groups)
+            clipped = scale(grads, coef, own_updates) if scale is not None else tree_lib.scale_(grads, coef, inplace=own_updates, groups=groups)
         else:
             coef, norm = coefficient(updates, grads, given=given)
             local_grads, rewrap = sharding.locals_of(grads)
-            clipped = rewrap(tree_lib.scale_(local_grads, coef, inplace=own_updates))
+            clipped = rewrap(scale(local_grads, coef, own_updates) if scale is not None else tree_lib.scale_(local_grads, coef, inplace=own_updates))
         new_updates = tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, clipped))
         return new_updates, ClipByGlobalNormState(norm=norm)
 
@@ -152,13 +153,14 @@ def clip_by_global_norm(
         del params, state
         return clipped_by(updates, inplace)
 
-    def given(norm: Tensor):
+    def given(norm: Tensor, scale: Optional[Scaling] = None):
         """``update`` with ``norm`` (reduced by the caller, as :func:`gradtx.sharding.global_norm`
-        would reduce it) taken as the global norm: no reduction of its own."""
+        would reduce it) taken as the global norm: no reduction of its own; and ``scale``, when
+        given, multiplying the gradients by the coefficient (see :class:`gradtx.base.LeadingClip`)."""
 
         def update_given(updates, state, params=None, *, inplace=False, **extra_args):
             del params, state, extra_args
-            return clipped_by(updates, inplace, norm)
+            return clipped_by(updates, inplace, norm, scale)
 
         return update_given
 

@@ -1,0 +1,43 @@
+/* Sums of squares, in one fixed order, shared by observed.c (gradtx.observe's own pass) and adam.c
+ * (the Adam step's tally of the params it reads and the updates it writes): whichever computes a
+ * tensor's sum, the bits are the same.
+ *
+ * The order: blocks of SQUARES_BLOCK values; within a block SQUARES_LANES float32 running sums
+ * (value i into sum i % SQUARES_LANES, by fused multiply-adds: at most 64 terms each, as vector
+ * lanes add them), added in lane order in float64; the blocks' sums added in float64 in block
+ * order, whatever the number of threads.
+ */
+#ifndef GRADTX_SQUARES_H
+#define GRADTX_SQUARES_H
+
+#include <math.h>
+#include <stdint.h>
+
+#define SQUARES_BLOCK 2048
+#define SQUARES_LANES 32 /* four vectors of running sums: a chain of additions each, in flight at once */
+
+/* The lanes' running sums added in lane order, in float64. */
+static inline double lanes_total(const float *acc) {
+    double sum = 0.0;
+    for (int j = 0; j < SQUARES_LANES; j++) sum += (double)acc[j];
+    return sum;
+}
+
+/* One block's sum (a loop that computes its values, as adam.c's, may add them the same way). */
+static inline double block_squares(const float *x, int len) {
+    float acc[SQUARES_LANES] = {0};
+    int i = 0;
+    for (; i + SQUARES_LANES <= len; i += SQUARES_LANES)
+        for (int j = 0; j < SQUARES_LANES; j++) acc[j] = fmaf(x[i + j], x[i + j], acc[j]);
+    for (int j = 0; i < len; i++, j++) acc[j] = fmaf(x[i], x[i], acc[j]);
+    return lanes_total(acc);
+}
+
+/* The blocks' sums (`partial`, one per block) added in block order. */
+static inline double blocks_total(const double *partial, int64_t blocks) {
+    double sum = 0.0;
+    for (int64_t b = 0; b < blocks; b++) sum += partial[b];
+    return sum;
+}
+
+#endif

@@ -1,0 +1,209 @@
+"""What gradtx.observe reads in the step's own passes (gradtx/native/observed.c, squares.h and the
+Adam kernel's tally).
+
+Checked: the observed scaling gives ATen's products bit for bit, with ``aminmax``'s ``max |x|`` and
+the exact non-finite count; the Adam kernel's tally equals the standalone sums bit for bit (every
+decay, sizes around the blocks, one or two threads); a tally is not read for a tensor changed
+since; observe's statistics with the kernels match dense float64 references and leave the updates
+untouched; the statistics take no pass of their own over the gradients, params or updates of a
+``chain(clip, adamw)`` step; the check refuses a kernel whose product is off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gradtx as gtx
+from gradtx.native import adam as native_adam
+from gradtx.native import checks
+from gradtx.native import observed
+from gradtx.sharding import statistics as stats_lib
+from native_helpers import NEEDS_KERNELS, equal_bits, probe_values
+
+pytestmark = NEEDS_KERNELS
+
+
+def _kernel():
+    kernel = observed.usable()
+    assert kernel is not None, observed.status()
+    return kernel
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shapes=st.lists(st.sampled_from([(), (0,), (1,), (31,), (2049,), (3, 700), (70_001,)]), min_size=1, max_size=3),
+    factor=st.sampled_from([0.0, 1.0, 0.37, 1e-30, 3.5e-5, float("nan")]),
+    inplace=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_observed_scaling_is_atens_product_with_its_extremes(shapes, factor, inplace, seed):
+    tensors = [probe_values(s, seed + i) for i, s in enumerate(shapes)]
+    coef = torch.tensor(factor, dtype=torch.float32)
+    want = [torch.mul(t, coef) for t in tensors]
+    want_max, want_count = stats_lib.extremes_of(tensors, torch.device("cpu"))
+    want_count = torch.tensor([float((~torch.isfinite(t)).sum()) for t in tensors], dtype=torch.float64)
+    given_tensors = [t.clone() for t in tensors]
+    out, maxima, counts = observed.scale_observed(given_tensors, coef, inplace=inplace)
+    for w, o, g in zip(want, out, given_tensors):
+        assert equal_bits(w, o)
+        assert (o is g) == inplace
+    assert equal_bits(want_max, maxima) and torch.equal(counts, want_count)
+
+
+def test_observed_scaling_declines_what_it_cannot_take():
+    coef = torch.tensor(0.5)
+    x = torch.randn(8, 4)
+    assert observed.scale_observed([x.t()], coef, inplace=False) is None  # not row-major
+    assert observed.scale_observed([x.double()], coef.double(), inplace=False) is None
+    assert observed.scale_observed([x, x[1]], coef, inplace=True) is None  # shared memory
+    assert observed.scale_observed([x], coef.double(), inplace=False) is None  # a float64 factor
+    assert observed.scale_observed([x.requires_grad_()], coef, inplace=False) is None
+    with checks.aten_only():
+        assert observed.scale_observed([torch.randn(3)], coef, inplace=False) is None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("decay", [native_adam.DECAY_NONE, native_adam.DECAY_FMA, native_adam.DECAY_PRODUCT])
+def test_the_adam_kernels_tally_is_the_standalone_sum_bit_for_bit(decay, threads):
+    kernel, before = native_adam.usable(), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in (0, 1, 31, 33, 2047, 2048, 2049, 70_001):
+            g, m, v, p = (probe_values((n,), 10 * n + k) for k in range(4))
+            v = v.abs()
+            outs = [torch.empty(n) for _ in range(3)]
+            sums = (ctypes.c_double * 2)()
+            kernel(g, m, v, p, *outs, 0.1, 0.999, 0.001, 1e-8, -1e-3, 0.01, decay, sums)
+            plain = [torch.empty(n) for _ in range(3)]
+            kernel(g, m, v, p if decay else None, *plain, 0.1, 0.999, 0.001, 1e-8, -1e-3, 0.01, decay)
+            assert all(equal_bits(a, b) for a, b in zip(outs, plain)), n  # the tally changes no number
+            for total, x in zip(sums, (outs[2], p)):
+                standalone = observed.squares(x)
+                assert total == standalone or (math.isnan(total) and math.isnan(standalone)), (n, total, standalone)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_sums_of_squares_are_float64_references_to_float32_rounding_whatever_the_threads():
+    x = torch.randn(1_000_003) * torch.exp(torch.randn(1_000_003) * 3)
+    before, totals = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            totals.append(observed.squares(x))
+    finally:
+        torch.set_num_threads(before)
+    assert totals[0] == totals[1]
+    exact = float(x.double().square().sum())
+    assert abs(totals[0] - exact) <= 4e-6 * exact
+
+
+def test_a_tally_holds_only_for_the_same_unchanged_tensor():
+    tally = observed.Tally()
+    x = torch.ones(4)
+    tally.record(x, 4.0)
+    assert tally.squares(x) == 4.0
+    assert tally.squares(torch.ones(4)) is None  # another tensor, equal or not
+    x.mul_(2.0)
+    assert tally.squares(x) is None
+    tally.record(x, -1.0)  # the kernel could not take it
+    assert tally.squares(x) is None
+
+
+def test_kernels_writing_in_place_mark_the_tensor_changed():
+    g, m, v = torch.randn(5000), torch.randn(5000), torch.rand(5000)
+    versions = [t._version for t in (g, m, v)]
+    tx = gtx.scale_by_adam()
+    state = tx.init({"w": g})
+    state = state._replace(mu={"w": m}, nu={"w": v})
+    calls = native_adam.usable().calls
+    tx.update({"w": g}, state, inplace=True)
+    assert native_adam.usable().calls == calls + 1
+    assert all(t._version > before for t, before in zip((g, m, v), versions))
+
+
+def _observed_steps(tx, params, grads, steps=3, inplace=False):
+    state, p, updates = tx.init(params), params, None
+    for _ in range(steps):
+        donated = {k: g.clone() for k, g in grads.items()}
+        updates, state = tx.update(donated, state, p, inplace=inplace)
+        p = gtx.apply_updates(p, updates)
+    return updates, state
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize(
+    "inner",
+    [
+        lambda: gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(1e-2, weight_decay=0.1)),
+        lambda: gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adam(1e-2), gtx.scale(0.5)),  # changed after the tally
+        lambda: gtx.adamw(1e-2, weight_decay=0.1),  # no clip: the ATen extremes
+        lambda: gtx.chain(gtx.clip_by_global_norm(1.0), gtx.sgd(1e-2, momentum=0.9)),
+    ],
+    ids=["clip_adamw", "clip_adam_scale", "adamw", "clip_sgd"],
+)
+def test_observed_statistics_with_the_kernels_equal_the_aten_ops_to_rounding(inner, inplace):
+    gen = torch.Generator().manual_seed(3)
+    params = {"a": torch.randn(300, 70, generator=gen), "b": torch.randn(70, generator=gen), "c": torch.randn(5000, generator=gen)}
+    grads = {k: torch.randn(p.shape, generator=gen) for k, p in params.items()}
+    grads["c"][7] = float("inf")
+    with checks.aten_only():
+        want_updates, want = _observed_steps(gtx.observe(inner(), groups=1), params, grads, inplace=inplace)
+    got_updates, got = _observed_steps(gtx.observe(inner(), groups=1), params, grads, inplace=inplace)
+    for k in params:
+        assert equal_bits(want_updates[k], got_updates[k]), k  # statistics change no update
+    want_logged, got_logged = gtx.observations(want), gtx.observations(got)
+    assert want_logged.keys() == got_logged.keys()
+    for key, value in want_logged.items():
+        assert math.isclose(value, got_logged[key], rel_tol=2e-6) or (math.isnan(value) and math.isnan(got_logged[key])), key
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_clipped_adamw_step_takes_no_pass_of_its_own_for_its_statistics(inplace):
+    params = {"w": torch.randn(200, 300), "b": torch.randn(300)}
+    grads = {k: torch.randn(p.shape) for k, p in params.items()}
+    tx = gtx.observe(gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(1e-3, weight_decay=0.01)), groups=1)
+    state = tx.init(params)
+    _, state = tx.update({k: g.clone() for k, g in grads.items()}, state, params, inplace=inplace)
+    kernel = _kernel()
+    scaled, squared = kernel.scaled, kernel.squared
+    updates, state = tx.update({k: g.clone() for k, g in grads.items()}, state, params, inplace=inplace)
+    assert kernel.scaled == scaled + 2  # max |g| and the non-finite counts: in the clip's scaling
+    assert kernel.squared == squared  # params and updates: from the Adam kernel's tally
+    dense = torch.cat([u.reshape(-1).double() for u in updates.values()])
+    _, later = tx.update({k: g.clone() for k, g in grads.items()}, state, params)
+    assert math.isclose(float(later.total.prev_update_norm), float(dense.norm()), rel_tol=1e-6)
+
+
+def test_extremes_refuse_tensors_the_clip_did_not_scale():
+    from gradtx.chains.observing import _Extremes
+
+    extremes = _Extremes(torch.device("cpu"))
+    x = torch.randn(4)
+    extremes.scale([x], torch.tensor(0.5), False)
+    with pytest.raises(RuntimeError, match="other tensors"):
+        extremes.of([torch.randn(4)])
+
+
+def test_the_check_refuses_a_product_one_step_off():
+    good = _kernel()
+
+    class Off:
+        calls = scaled = squared = 0
+
+        def scale(self, x, factor, out):
+            top, bad = good.scale(x, factor, out)
+            out.copy_(torch.nextafter(out, torch.full_like(out, math.inf)))
+            return top, bad
+
+        def squares(self, x):
+            return good.squares(x)
+
+    assert "x * " in observed._mismatch(Off())
+    assert observed._mismatch(good) == ""
