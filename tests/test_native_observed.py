@@ -38,7 +38,7 @@ def _kernel():
 @settings(max_examples=40, deadline=None)
 @given(
     shapes=st.lists(st.sampled_from([(), (0,), (1,), (31,), (2049,), (3, 700), (70_001,)]), min_size=1, max_size=3),
-    factor=st.sampled_from([0.0, 1.0, 0.37, 1e-30, 3.5e-5, float("nan")]),
+    factor=st.sampled_from([0.0, 1.0, 0.37, 1e-30, 3.5e-5, -0.5, 3.5, float("nan")]),
     inplace=st.booleans(),
     seed=st.integers(0, 2**16),
 )
@@ -49,7 +49,11 @@ def test_observed_scaling_is_atens_product_with_its_extremes(shapes, factor, inp
     want_max, want_count = stats_lib.extremes_of(tensors, torch.device("cpu"))
     want_count = torch.tensor([float((~torch.isfinite(t)).sum()) for t in tensors], dtype=torch.float64)
     given_tensors = [t.clone() for t in tensors]
-    out, maxima, counts = observed.scale_observed(given_tensors, coef, inplace=inplace)
+    done = observed.scale_observed(given_tensors, coef, inplace=inplace)
+    if inplace and not abs(factor) <= 1.0:  # its count reads the products: declined
+        assert done is None
+        return
+    out, maxima, counts = done
     for w, o, g in zip(want, out, given_tensors):
         assert equal_bits(w, o)
         assert (o is g) == inplace
@@ -91,7 +95,8 @@ def test_the_adam_kernels_tally_is_the_standalone_sum_bit_for_bit(decay, threads
 
 
 def test_sums_of_squares_are_float64_references_to_float32_rounding_whatever_the_threads():
-    x = torch.randn(1_000_003) * torch.exp(torch.randn(1_000_003) * 3)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1_000_003, generator=gen) * torch.exp(torch.randn(1_000_003, generator=gen) * 3)
     before, totals = torch.get_num_threads(), []
     try:
         for threads in (1, 2):
@@ -101,7 +106,7 @@ def test_sums_of_squares_are_float64_references_to_float32_rounding_whatever_the
         torch.set_num_threads(before)
     assert totals[0] == totals[1]
     exact = float(x.double().square().sum())
-    assert abs(totals[0] - exact) <= 4e-6 * exact
+    assert abs(totals[0] - exact) <= 1e-5 * exact  # float32 sums of at most 128 squares, then float64
 
 
 def test_a_tally_holds_only_for_the_same_unchanged_tensor():
@@ -148,11 +153,13 @@ def _observed_steps(tx, params, grads, steps=3, inplace=False):
     ],
     ids=["clip_adamw", "clip_adam_scale", "adamw", "clip_sgd"],
 )
-def test_observed_statistics_with_the_kernels_equal_the_aten_ops_to_rounding(inner, inplace):
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_observed_statistics_with_the_kernels_equal_the_aten_ops_to_rounding(inner, inplace, bad):
+    # an infinity makes the clip's coefficient 0, a NaN makes it NaN (in place: the ATen ops)
     gen = torch.Generator().manual_seed(3)
     params = {"a": torch.randn(300, 70, generator=gen), "b": torch.randn(70, generator=gen), "c": torch.randn(5000, generator=gen)}
     grads = {k: torch.randn(p.shape, generator=gen) for k, p in params.items()}
-    grads["c"][7] = float("inf")
+    grads["c"][7] = bad
     with checks.aten_only():
         want_updates, want = _observed_steps(gtx.observe(inner(), groups=1), params, grads, inplace=inplace)
     got_updates, got = _observed_steps(gtx.observe(inner(), groups=1), params, grads, inplace=inplace)
@@ -197,10 +204,11 @@ def test_the_check_refuses_a_product_one_step_off():
     class Off:
         calls = scaled = squared = 0
 
-        def scale(self, x, factor, out):
-            top, bad = good.scale(x, factor, out)
-            out.copy_(torch.nextafter(out, torch.full_like(out, math.inf)))
-            return top, bad
+        def scale(self, xs, factor, outs):
+            found = good.scale(xs, factor, outs)
+            for out in outs:
+                out.copy_(torch.nextafter(out, torch.full_like(out, math.inf)))
+            return found
 
         def squares(self, x):
             return good.squares(x)

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from gradtx import sharding
+from gradtx import torch_internals
 from gradtx import tree as tree_lib
 from gradtx.base import (
     GradientTransformation,
@@ -233,32 +234,46 @@ class _Extremes:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.found: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        self.scaled: list[Tensor] = []
+        self.maxima: Optional[Tensor] = None
+        self.counts: Optional[Tensor] = None
 
     def scale(self, tensors: list[Tensor], coefficient: Tensor, inplace: bool) -> list[Tensor]:
         done = native_observed.scale_observed(tensors, coefficient, inplace=inplace)
         if done is None:  # the ATen ops: the extremes first, before any gradient is overwritten
-            maxima, counts = stats_lib.extremes_of(list(tensors), self.device)
+            self.maxima, self.counts = stats_lib.extremes_of(list(tensors), self.device)
             scaled = tree_lib.scale_(tensors, coefficient, inplace=inplace)
         else:
-            scaled, maxima, counts = done
-        for i, t in enumerate(tensors):
-            self.found[id(t)] = (t, maxima[i], counts[i])
+            scaled, self.maxima, self.counts = done
+        self.scaled = list(tensors)
         return scaled
 
     def of(self, tensors: list[Tensor]) -> tuple[Tensor, Tensor]:
-        found = [self.found.get(id(t)) for t in tensors]
-        if any(f is None or f[0] is not t for f, t in zip(found, tensors)):
+        if self.maxima is None or len(tensors) != len(self.scaled) or any(a is not b for a, b in zip(tensors, self.scaled)):
             raise RuntimeError("observe: the leading clip scaled other tensors than the gradients observe was given")
-        maxima = torch.stack([f[1] for f in found])  # type: ignore[index]
-        counts = torch.stack([f[2] for f in found])  # type: ignore[index]
-        return maxima.to(self.device), counts.to(device=self.device, dtype=torch.float64)
+        return self.maxima.to(self.device), self.counts.to(device=self.device, dtype=torch.float64)  # type: ignore[union-attr]
 
 
 def _stats_of(sums: Tensor, maxima: Tensor, column: int, dtype: torch.dtype, previous: ObservedStats) -> ObservedStats:
     grad, update, param = (sums[k, column].sqrt().to(dtype) for k in range(3))
     ratio = update / previous.param_norm.to(dtype)
     return ObservedStats(grad, update, param, ratio, maxima[column].to(dtype), sums[3, column].to(torch.int64))
+
+
+def _all_stats(sums: Tensor, maxima: Tensor, dtype: torch.dtype, previous: list[ObservedStats]) -> list[ObservedStats]:
+    """:func:`_stats_of` of every column (total, then the groups). Eagerly on the CPU the same
+    operations run once over all columns and the values are read back, so each statistic is still a
+    tensor of its own, made from its value, instead of six operations per group."""
+    if torch.compiler.is_compiling() or sums.device.type != "cpu" or torch_internals.functorch_active():
+        return [_stats_of(sums, maxima, column, dtype, before) for column, before in enumerate(previous)]
+    roots = sums[:3].sqrt().to(dtype)
+    ratios = roots[1] / torch.tensor([float(before.param_norm) for before in previous], dtype=dtype)
+    table = torch.cat([roots, ratios[None], maxima.to(dtype)[None]]).t().tolist()
+    counts = sums[3].to(torch.int64).tolist()
+    return [
+        ObservedStats(*(torch.scalar_tensor(value, dtype=dtype) for value in row), torch.scalar_tensor(count, dtype=torch.int64))
+        for row, count in zip(table, counts)
+    ]
 
 
 def _empty_stats(device: torch.device, dtype: torch.dtype) -> ObservedStats:
@@ -404,11 +419,9 @@ def observe(
             if late:
                 sums = torch.stack([sums[0], sums[1], _param_sq(layout, counted_params, partials.sq, device, tally), sums[3]])
         pending_update_sq = stats_lib.squared_sums(layout, tree_lib.leaves(new_updates), device, tally)
-        total = _stats_of(sums, maxima, 0, dtype, state.total)
-        per_group = {
-            name: _stats_of(sums, maxima, i + 1, dtype, state.groups.get(name, _empty_stats(device, dtype)))
-            for i, name in enumerate(layout.names)
-        }
+        previous = [state.total] + [state.groups.get(name) or _empty_stats(device, dtype) for name in layout.names]
+        total, *group_stats = _all_stats(sums, maxima, dtype, previous)
+        per_group = dict(zip(layout.names, group_stats))
         clip_stats = _clip_stats(clip, inner_state, dtype, clip_norm)
         return new_updates, ObserveState(inner_state, total, per_group, clip_stats, pending_update_sq)
 

@@ -99,26 +99,25 @@ def step(
     vo = list(v) if inplace else [torch.empty_like(x) for x in v]
     uo = list(g) if own_updates else [torch.empty_like(x) for x in g]
     tally = observed.current_tally()
+    found: list[tuple[Tensor, Optional[Tensor], float, float]] = []  # (update, param read, their sums)
     sums = (ctypes.c_double * 2)() if tally is not None else None
-    written = {x.untyped_storage().data_ptr() for x in (*g, *m, *v) if x.numel()} if tally is not None else set()
+    stored = None if tally is None or all(decayed) else {x.untyped_storage().data_ptr() for x in (*g, *m, *v) if x.numel()}
     for i in range(len(g)):
-        read = p[i] if decayed[i] or (tally is not None and _tallied_param(p[i], g[i], written)) else None
+        read = p[i] if decayed[i] or (stored is not None and _tallied_param(p[i], g[i], stored)) else None
         kernel(g[i], m[i], v[i], read, mo[i], vo[i], uo[i], *floats, decay if decayed[i] else DECAY_NONE, sums)
-        if tally is not None and g[i].numel():
-            _bump([x for x, written in ((mo[i], inplace), (vo[i], inplace), (uo[i], own_updates)) if written])
-            tally.record(uo[i], sums[0])
-            if read is not None:
-                tally.record(read, sums[1])
-        elif g[i].numel() and (inplace or own_updates):
-            _bump([x for x, written in ((mo[i], inplace), (vo[i], inplace), (uo[i], own_updates)) if written])
+        if sums is not None and g[i].numel():
+            found.append((uo[i], read, sums[0], sums[1]))
+    # written in place: marked changed, as ATen's in-place ops mark them (autograd, and the tally,
+    # read the version counter)
+    changed = (list(mo) + list(vo) if inplace else []) + (list(uo) if own_updates else [])
+    if changed:
+        torch.autograd.graph.increment_version(changed)
+    if tally is not None:
+        for update, param, update_sum, param_sum in found:
+            tally.record(update, update_sum)
+            if param is not None:
+                tally.record(param, param_sum)
     return uo, mo, vo
-
-
-def _bump(written: Sequence[Tensor]) -> None:
-    """Marks tensors the kernel wrote in place as changed, as ATen's in-place ops do (autograd, and
-    :class:`gradtx.native.observed.Tally`, read the version counter)."""
-    for x in written:
-        torch.autograd.graph.increment_version(x)
 
 
 def _tallied_param(p: Any, g: Tensor, written: set[int]) -> bool:

@@ -2,10 +2,13 @@
  *
  * gradtx_scale_observed_f32: out = x * c (one rounded product, as ATen's mul), with max |x| (NaN
  *   if x holds a NaN, 0 if empty: aminmax's max(|min|, |max|)) and the count of NaN or infinite
- *   values of x, read in the same pass: a leading clip's scaling and the gradient statistics.
- * gradtx_squares_f64: the sum of squares in float64, in squares.h's order (the Adam step's tally
- *   gives the same bits).
- * out may be x itself: each value is read before it is written.
+ *   values of x, read in the same pass (a block's values counted, from cache, only where its
+ *   maximum is not finite): a leading clip's scaling and the gradient statistics.
+ *   In place (out == x) the count reads the products: only for a finite |c| <= 1 (a clip's
+ *   coefficient), where x * c is non-finite exactly where x is.
+ * gradtx_squares_f64: the sum of squares in squares.h's order (float32 within blocks, float64
+ *   across them; the Adam step's tally gives the same bits).
+ * out may be x itself: each value is read before it is written (see the count above).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,23 +28,37 @@ void gradtx_scale_observed_f32(const float *x, float c, float *out, int64_t n, f
         const int64_t s = b * BLOCK;
         const int len = (int)(n - s < BLOCK ? n - s : BLOCK);
         uint32_t block_top = 0;
-        int32_t block_bad = 0;
         for (int i = 0; i < len; i++) {
             const float v = x[s + i];
             uint32_t bits;
             memcpy(&bits, &v, sizeof bits);
             bits &= 0x7fffffffu;
             block_top = bits > block_top ? bits : block_top;
-            block_bad += bits >= 0x7f800000u;
             out[s + i] = v * c;
         }
+        if (block_top >= 0x7f800000u) { /* a NaN or an infinity here: count them (read again, from cache) */
+            int32_t block_bad = 0;
+            for (int i = 0; i < len; i++) {
+                uint32_t bits;
+                memcpy(&bits, x + s + i, sizeof bits);
+                block_bad += (bits & 0x7fffffffu) >= 0x7f800000u;
+            }
+            bad += block_bad;
+        }
         top = block_top > top ? block_top : top;
-        bad += block_bad;
     }
     /* magnitudes order as their bit patterns; a NaN's lie above infinity's */
     if (top > 0x7f800000u) top = 0x7fc00000u;
     memcpy(largest, &top, sizeof top);
     *nonfinite = bad;
+}
+
+/* gradtx_scale_observed_f32 over `count` tensors (xs[k], outs[k], ns[k]) by one call: each one's
+ * max |x| into largest[k] and its count into nonfinite[k]. */
+void gradtx_scale_observed_list_f32(const float *const *xs, float c, float *const *outs, const int64_t *ns, int64_t count,
+                                    float *largest, int64_t *nonfinite, int threads) {
+    for (int64_t k = 0; k < count; k++)
+        gradtx_scale_observed_f32(xs[k], c, outs[k], ns[k], largest + k, nonfinite + k, threads);
 }
 
 double gradtx_squares_f64(const float *x, int64_t n, int threads) {

@@ -33,8 +33,8 @@ _state = threading.local()
 
 class _Kernel:
     def __init__(self, lib: ctypes.CDLL):
-        scale = lib.gradtx_scale_observed_f32
-        scale.argtypes = [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        scale = lib.gradtx_scale_observed_list_f32
+        scale.argtypes = [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         scale.restype = None
         sums = lib.gradtx_squares_f64
         sums.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
@@ -42,13 +42,20 @@ class _Kernel:
         self.scale_fn, self.squares_fn = scale, sums
         self.calls = self.scaled = self.squared = 0  # calls in all, of scale and of squares
 
-    def scale(self, x: Tensor, factor: float, out: Tensor) -> tuple[float, int]:
-        """``out = x * factor``; returns ``(max |x|, non-finite count of x)``."""
+    def scale(self, xs: Sequence[Tensor], factor: float, outs: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """``outs[k] = xs[k] * factor``, by one call; returns ``max |x|`` (float32) and the non-finite
+        count (int64) of each ``x``."""
+        count = len(xs)
         self.calls += 1
-        self.scaled += 1
-        largest, bad = ctypes.c_float(), ctypes.c_int64()
-        self.scale_fn(x.data_ptr(), factor, out.data_ptr(), x.numel(), ctypes.byref(largest), ctypes.byref(bad), torch.get_num_threads())
-        return largest.value, bad.value
+        self.scaled += count
+        largest, bad = torch.empty(count, dtype=torch.float32), torch.empty(count, dtype=torch.int64)
+        pointers = ctypes.c_void_p * count
+        self.scale_fn(
+            pointers(*[x.data_ptr() for x in xs]), factor, pointers(*[o.data_ptr() for o in outs]),
+            (ctypes.c_int64 * count)(*[x.numel() for x in xs]), count, largest.data_ptr(), bad.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return largest, bad
 
     def squares(self, x: Tensor) -> float:
         self.calls += 1
@@ -67,17 +74,20 @@ def usable() -> Optional[_Kernel]:
 
 
 def plain(tensors: Sequence[object]) -> bool:
-    """Plain float32 CPU tensors, each of row-major strides (the kernels' only input)."""
+    """Plain float32 CPU tensors, each contiguous (the kernels read and write them as one run of
+    values; ``empty_like`` gives such a tensor's products the same strides)."""
     return all(
-        isinstance(t, Tensor) and checks.plain_float32((t,), t.numel(), checks.row_major(t.shape)) for t in tensors
+        type(t) is Tensor and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()  # type: ignore[union-attr]
+        for t in tensors
     )
 
 
 def scale_observed(tensors: Sequence[Tensor], factor: Tensor, *, inplace: bool) -> Optional[tuple[list[Tensor], Tensor, Tensor]]:
     """``(tensors * factor, max |x| per tensor, non-finite count per tensor)`` in one pass each, or
     ``None`` where the kernel does not apply (the caller then scales with the ATen ops). ``factor``:
-    a 0-d float32 CPU tensor; ``tensors``: plain float32 CPU tensors sharing no memory; in place
-    when ``inplace``. The products are ATen's (``torch.mul``), bit for bit."""
+    a 0-d float32 CPU tensor (in place, when ``inplace``, only a finite ``|factor| <= 1``, as a clip's
+    coefficient is); ``tensors``: plain float32 CPU tensors sharing no memory. The products are
+    ATen's (``torch.mul``), bit for bit."""
     if torch.compiler.is_compiling() or not isinstance(factor, Tensor) or factor.dtype != torch.float32 or factor.device.type != "cpu":
         return None
     kernel = checks.under_check(_Kernel) or usable()
@@ -87,16 +97,13 @@ def scale_observed(tensors: Sequence[Tensor], factor: Tensor, *, inplace: bool) 
     if len(storages) != sum(1 for t in tensors if t.numel()):
         return None
     value = factor.item()
-    outs, largest, bad = [], [], []
-    for x in tensors:
-        out = x if inplace else torch.empty_like(x)
-        top, count = kernel.scale(x, value, out)
-        if inplace and x.numel():
-            torch.autograd.graph.increment_version(x)
-        outs.append(out)
-        largest.append(top)
-        bad.append(count)
-    return outs, torch.tensor(largest, dtype=torch.float32), torch.tensor(bad, dtype=torch.float64)
+    if inplace and not abs(value) <= 1.0:  # the count reads the products (observed.c): NaN and |c| > 1 stay out
+        return None
+    outs = list(tensors) if inplace else [torch.empty_like(x) for x in tensors]
+    largest, bad = kernel.scale(tensors, value, outs)
+    if inplace and outs:  # written in place: changed, as ATen's in-place ops mark it
+        torch.autograd.graph.increment_version(outs)
+    return outs, largest, bad.to(torch.float64)
 
 
 def squares(x: Tensor) -> Optional[float]:
@@ -121,7 +128,9 @@ class Tally:
         self._sums: dict[int, tuple[Tensor, int, float]] = {}
 
     def record(self, tensor: Tensor, total: float) -> None:
-        if not total < 0.0:  # -1: the kernel could not take it (a NaN is a sum: the tensor holds one)
+        # -1: the kernel could not take it (a NaN is a sum: the tensor holds one); an inference
+        # tensor has no version counter, so a change to it could not be seen
+        if not total < 0.0 and not tensor.is_inference():
             self._sums[id(tensor)] = (tensor, tensor._version, total)
 
     def squares(self, tensor: Tensor) -> Optional[float]:
@@ -165,7 +174,8 @@ def _mismatch(kernel: _Kernel) -> str:
             for factor in (0.37, 1.0, 0.0, 1e-30, 3.5e-5):
                 coef = torch.tensor(factor, dtype=torch.float32)
                 out = torch.empty_like(values)
-                top, bad = kernel.scale(values, coef.item(), out)
+                largest, counts = kernel.scale([values], coef.item(), [out])
+                top, bad = float(largest[0]), int(counts[0])
                 want = torch.mul(values, coef)
                 if not checks.first_difference([{"x": want}], [{"x": out}]) == "":
                     return f"x * {factor} over {n} values"
@@ -179,7 +189,7 @@ def _mismatch(kernel: _Kernel) -> str:
         modest = finite.clamp(-1e15, 1e15)  # squares that float32 holds
         total = kernel.squares(modest)
         exact = float(modest.double().square().sum())
-        if not abs(total - exact) <= 1e-5 * exact:  # float32 sums of at most 64 squares each
+        if not abs(total - exact) <= 1e-5 * exact:  # float32 sums of at most 128 squares each
             return f"the sum of squares over {n} values: {total} against {exact}"
     return ""
 

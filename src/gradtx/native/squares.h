@@ -3,7 +3,7 @@
  * tensor's sum, the bits are the same.
  *
  * The order: blocks of SQUARES_BLOCK values; within a block SQUARES_LANES float32 running sums
- * (value i into sum i % SQUARES_LANES, by fused multiply-adds: at most 64 terms each, as vector
+ * (value i into sum i % SQUARES_LANES, by fused multiply-adds: at most 128 terms each, as vector
  * lanes add them), added in lane order in float64; the blocks' sums added in float64 in block
  * order, whatever the number of threads.
  */
@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 #define SQUARES_BLOCK 2048
-#define SQUARES_LANES 32 /* four vectors of running sums: a chain of additions each, in flight at once */
+#define SQUARES_LANES 16 /* two vectors of running sums: chains of additions in flight beside the step's own */
 
 /* The lanes' running sums added in lane order, in float64. */
 static inline double lanes_total(const float *acc) {

@@ -19,7 +19,7 @@ propagates; gloo's MAX would drop it). Without a group (nothing sharded) nothing
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -57,6 +57,8 @@ class GroupLayout:
     slot: int
     slots: int
     paths: tuple[str, ...]
+    # eagerly: the slots of a set of leaves (see _group_index), by leaf indices and device
+    slot_cache: dict[Any, Tensor] = field(default_factory=dict, repr=False, compare=False)
 
 
 def layout_groups(
@@ -118,6 +120,8 @@ def _ordered(per_rank: Sequence[Sequence[Optional[str]]]) -> tuple[tuple[str, ..
 def _counted(layout: GroupLayout, tree_leaves: Sequence[Any]) -> list[tuple[int, Tensor]]:
     """``(leaf index, local tensor)`` of the present leaves whose piece enters global sums here."""
     plan = layout.plan
+    if plan is None:  # nothing sharded: every present tensor leaf, each its own local tensor
+        return [(i, leaf) for i, leaf in enumerate(tree_leaves) if isinstance(leaf, Tensor)]
     out = []
     for i, leaf in enumerate(tree_leaves):
         if leaf is None or not isinstance(leaf, Tensor):
@@ -131,8 +135,15 @@ def _counted(layout: GroupLayout, tree_leaves: Sequence[Any]) -> list[tuple[int,
 
 
 def _group_index(layout: GroupLayout, indices: list[int], device: torch.device) -> Tensor:
-    """Each leaf of ``indices``'s slot in ``[total, group 0, group 1, ...]`` (its group's index + 1)."""
-    return torch.tensor([layout.leaf_groups[i] + 1 for i in indices], device=device)
+    """Each leaf of ``indices``'s slot in ``[total, group 0, group 1, ...]`` (its group's index + 1);
+    eagerly, made once per set of leaves and device."""
+    if torch.compiler.is_compiling():
+        return torch.tensor([layout.leaf_groups[i] + 1 for i in indices], device=device)
+    key = (tuple(indices), device)
+    found = layout.slot_cache.get(key)
+    if found is None:
+        found = layout.slot_cache[key] = torch.tensor([layout.leaf_groups[i] + 1 for i in indices], device=device)
+    return found
 
 
 def _per_group(layout: GroupLayout, groups: Optional[Tensor], values: Optional[Tensor], reduce: str, device: torch.device) -> Tensor:
