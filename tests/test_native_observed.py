@@ -153,13 +153,14 @@ def _observed_steps(tx, params, grads, steps=3, inplace=False):
     ],
     ids=["clip_adamw", "clip_adam_scale", "adamw", "clip_sgd"],
 )
-@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("bad", [None, float("inf"), float("nan")], ids=["finite", "inf", "nan"])
 def test_observed_statistics_with_the_kernels_equal_the_aten_ops_to_rounding(inner, inplace, bad):
     # an infinity makes the clip's coefficient 0, a NaN makes it NaN (in place: the ATen ops)
     gen = torch.Generator().manual_seed(3)
     params = {"a": torch.randn(300, 70, generator=gen), "b": torch.randn(70, generator=gen), "c": torch.randn(5000, generator=gen)}
     grads = {k: torch.randn(p.shape, generator=gen) for k, p in params.items()}
-    grads["c"][7] = bad
+    if bad is not None:
+        grads["c"][7] = bad
     with checks.aten_only():
         want_updates, want = _observed_steps(gtx.observe(inner(), groups=1), params, grads, inplace=inplace)
     got_updates, got = _observed_steps(gtx.observe(inner(), groups=1), params, grads, inplace=inplace)
@@ -168,7 +169,8 @@ def test_observed_statistics_with_the_kernels_equal_the_aten_ops_to_rounding(inn
     want_logged, got_logged = gtx.observations(want), gtx.observations(got)
     assert want_logged.keys() == got_logged.keys()
     for key, value in want_logged.items():
-        assert math.isclose(value, got_logged[key], rel_tol=2e-6) or (math.isnan(value) and math.isnan(got_logged[key])), key
+        # the ATen path's float32 2-norms accumulate thousands of squares per lane: 1e-5
+        assert math.isclose(value, got_logged[key], rel_tol=1e-5) or (math.isnan(value) and math.isnan(got_logged[key])), key
 
 
 @pytest.mark.parametrize("inplace", [False, True])
@@ -215,3 +217,13 @@ def test_the_check_refuses_a_product_one_step_off():
 
     assert "x * " in observed._mismatch(Off())
     assert observed._mismatch(good) == ""
+
+
+@pytest.mark.parametrize("inner", [lambda: gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(1e-2, weight_decay=0.1)), lambda: gtx.adamw(1e-2)])
+def test_a_param_donated_as_its_own_gradient_has_the_norm_it_had_before_the_step(inner):
+    w = torch.randn(50, 20)
+    norm = torch.linalg.vector_norm(w.double())
+    tx = gtx.observe(inner(), groups=1)
+    _, state = tx.update({"w": w}, tx.init({"w": w}), {"w": w}, inplace=True)
+    assert not torch.equal(w.double().norm(), norm)  # the step overwrote it
+    assert math.isclose(float(state.total.param_norm), float(norm), rel_tol=1e-6)

@@ -228,6 +228,12 @@ def _param_sq(layout: stats_lib.GroupLayout, counted_params: Optional[list[Any]]
     return stats_lib.squared_sums(layout, counted_params, device, tally)
 
 
+def _apart(params: list[Any], written: Any) -> bool:
+    """Whether no param shares memory with a tensor of ``written`` (donated updates and state)."""
+    storages = {t.untyped_storage().data_ptr() for t in tree_lib.leaves(written) if isinstance(t, Tensor) and t.layout == torch.strided}
+    return not any(isinstance(x, Tensor) and x.layout == torch.strided and x.untyped_storage().data_ptr() in storages for x in params)
+
+
 class _Extremes:
     """``max |g|`` and the non-finite counts of the gradients, read where a leading clip scales them:
     :meth:`scale` is the clip's :data:`gradtx.base.Scaling`, :meth:`of` gives them afterwards."""
@@ -383,7 +389,9 @@ def observe(
         fused = _fusable(lead, layout, spec)
         p = lead.norm_type if fused else 2.0  # type: ignore[union-attr]
         eager = not torch.compiler.is_compiling()
-        if fused == "local" and p == 2.0 and eager and native_observed.usable() is not None:
+        # the params' sums may be taken after ``inner`` (from its tally) when nothing it may write holds them
+        params_kept = counted_params is None or not inplace or _apart(counted_params, (updates, state.inner_state))
+        if fused == "local" and p == 2.0 and eager and params_kept and native_observed.usable() is not None:
             # nothing is sharded, so no statistic waits for a collective: all are read in the passes
             # the step makes (the clip's norm, its scaling, the Adam kernel's tally), none of their own
             norms = stats_lib.counted_norms(layout, grads)
@@ -398,7 +406,7 @@ def observe(
         else:
             partials = stats_lib.gradient_partials(layout, grads, device)
             # without a collective the params' sums may wait for the step's tally; with one they ride in it
-            late = eager and (layout.plan is None or layout.plan.global_group() is None)
+            late = eager and params_kept and (layout.plan is None or layout.plan.global_group() is None)
             param_sq = torch.full_like(partials.sq, float("nan")) if late else _param_sq(layout, counted_params, partials.sq, device)
             share = stats_lib.norm_share(layout, grads, p) if fused == "reduced" else None
             rows = torch.stack([partials.sq, pending.to(device), param_sq, partials.nonfinite]).reshape(-1)
