@@ -17,7 +17,10 @@ or the first member of a ``chain`` / ``named_chain``, inside ``inject_hyperparam
 :class:`gradtx.base.LeadingClip`) is handed its global norm from that same all-reduce instead of
 reducing its own: one collective per step, the clip's numbers bit for bit those it computes alone.
 Nothing is communicated when nothing is sharded; such a clip (of order 2 or ``inf``) then takes its
-norm from the statistics' per-leaf norms, the gradients being read for the norm once.
+norm from the statistics' per-leaf norms, the gradients being read for the norm once. Eagerly, with
+nothing sharded and float32 CPU tensors, the other statistics ride in the step's own passes
+(:mod:`gradtx.native.observed`): ``max |g|`` where a leading 2-norm clip scales the gradients, the
+params' and updates' sums of squares in the Adam kernel's loop.
 """
 
 from __future__ import annotations
