@@ -227,3 +227,21 @@ def test_a_param_donated_as_its_own_gradient_has_the_norm_it_had_before_the_step
     _, state = tx.update({"w": w}, tx.init({"w": w}), {"w": w}, inplace=True)
     assert not torch.equal(w.double().norm(), norm)  # the step overwrote it
     assert math.isclose(float(state.total.param_norm), float(norm), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_statistics_are_the_same_bits_at_one_and_two_threads(inplace):
+    # the kernels split a leaf over threads by blocks and add the blocks' sums in block order
+    gen = torch.Generator().manual_seed(5)
+    params = {"w": torch.randn(400, 500, generator=gen), "b": torch.randn(500, generator=gen)}
+    grads = {k: torch.randn(p.shape, generator=gen) for k, p in params.items()}
+    before, logged = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            tx = gtx.observe(gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(1e-3, weight_decay=0.01)), groups=1)
+            _, state = _observed_steps(tx, params, grads, steps=2, inplace=inplace)
+            logged.append(gtx.observations(state))
+    finally:
+        torch.set_num_threads(before)
+    assert logged[0] == logged[1]
