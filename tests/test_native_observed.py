@@ -142,6 +142,10 @@ def _observed_steps(tx, params, grads, steps=3, inplace=False):
     return updates, state
 
 
+def _clipped_adamw(learning_rate):
+    return gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(learning_rate, weight_decay=0.1))
+
+
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize(
     "inner",
@@ -150,8 +154,9 @@ def _observed_steps(tx, params, grads, steps=3, inplace=False):
         lambda: gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adam(1e-2), gtx.scale(0.5)),  # changed after the tally
         lambda: gtx.adamw(1e-2, weight_decay=0.1),  # no clip: the ATen extremes
         lambda: gtx.chain(gtx.clip_by_global_norm(1.0), gtx.sgd(1e-2, momentum=0.9)),
+        lambda: gtx.inject_hyperparams(_clipped_adamw)(learning_rate=1e-2),  # the clip found inside
     ],
-    ids=["clip_adamw", "clip_adam_scale", "adamw", "clip_sgd"],
+    ids=["clip_adamw", "clip_adam_scale", "adamw", "clip_sgd", "injected"],
 )
 @pytest.mark.parametrize("bad", [None, float("inf"), float("nan")], ids=["finite", "inf", "nan"])
 def test_observed_statistics_with_the_kernels_equal_the_aten_ops_to_rounding(inner, inplace, bad):
