@@ -107,8 +107,8 @@ def scale_observed(tensors: Sequence[Tensor], factor: Tensor, *, inplace: bool) 
 
 
 def squares(x: Tensor) -> Optional[float]:
-    """The float64 sum of squares of ``x`` (a plain float32 CPU tensor) in the tally's order, or
-    ``None`` where the kernel is not there."""
+    """The sum of squares of ``x`` (a plain float32 CPU tensor) in the tally's order (float32
+    within blocks, float64 across them), or ``None`` where the kernel is not there."""
     kernel = usable()
     if kernel is None or torch.compiler.is_compiling() or not plain((x,)) or tree_lib.needs_graph(x):
         return None

@@ -247,9 +247,9 @@ def squared_sums(layout: GroupLayout, tree_leaves: Sequence[Any], device: torch.
 
 def leaf_squares(tensors: list[Tensor], device: torch.device, tally: Optional[native_observed.Tally] = None) -> Tensor:
     """Per-tensor sums of squares (float64, on ``device``). Eagerly, for plain float32 CPU tensors,
-    float64 sums by :mod:`gradtx.native.observed` (from ``tally`` where the step's own pass took
-    them, else a pass of their own: the same bits either way); else the squares of the tensors'
-    2-norms (:func:`_fusable_norms`)."""
+    the sums of :mod:`gradtx.native.observed` (float32 within blocks of 2048 values, float64 across
+    them; from ``tally`` where the step's own pass took them, else a pass of their own: the same
+    bits either way); else the squares of the tensors' 2-norms (:func:`_fusable_norms`)."""
     if torch.compiler.is_compiling() or native_observed.usable() is None:
         return _squares(_fusable_norms(tensors), device)
     found: list[Optional[float]] = []
