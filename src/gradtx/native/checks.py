@@ -46,30 +46,36 @@ class Lazy:
 
 
 @contextlib.contextmanager
-def _setting(name: str, value: Any, default: Any) -> Iterator[None]:
-    """This thread's ``name`` set to ``value`` within it, and as it was after."""
+def thread_setting(name: str, value: Any, default: Any = None) -> Iterator[Any]:
+    """This thread's ``name`` set to ``value`` within it (which it yields), and as it was after:
+    the kernels' per-thread switches and records."""
     before = getattr(_state, name, default)
     setattr(_state, name, value)
     try:
-        yield
+        yield value
     finally:
         setattr(_state, name, before)
+
+
+def thread_value(name: str, default: Any = None) -> Any:
+    """This thread's ``name``, as :func:`thread_setting` set it, else ``default``."""
+    return getattr(_state, name, default)
 
 
 def aten_only() -> contextlib.AbstractContextManager:
     """Within it, this thread's steps run the ATen ops one at a time, never a C kernel nor a loop
     compiled by Inductor (the checks and the tests)."""
-    return _setting("reference", True, False)
+    return thread_setting("reference", True, False)
 
 
 def reference_only() -> bool:
-    return getattr(_state, "reference", False)
+    return thread_value("reference", False)
 
 
 def checking(kernel: Any) -> contextlib.AbstractContextManager:
     """Within it, this thread's steps run ``kernel``, before it is known to be right (another
     kernel's check, started within it, leaves it as it was)."""
-    return _setting("checking", kernel, None)
+    return thread_setting("checking", kernel)
 
 
 def built_and_checked(
@@ -86,7 +92,7 @@ def built_and_checked(
 
 
 def under_check(kind: type) -> Optional[Any]:
-    kernel = getattr(_state, "checking", None)
+    kernel = thread_value("checking")
     return kernel if isinstance(kernel, kind) else None
 
 

@@ -19,17 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import threading
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
 from gradtx.native import checks
-
-_state = threading.local()
-
 
 class _Kernel:
     def __init__(self, lib: ctypes.CDLL):
@@ -140,21 +136,15 @@ class Tally:
         return found[2]
 
 
-@contextlib.contextmanager
-def tallying() -> Iterator[Tally]:
+def tallying() -> contextlib.AbstractContextManager[Tally]:
     """Within it, this thread's Adam kernel records the sums of squares of the params it reads and
     the updates it writes, in the :class:`Tally` it yields."""
-    before = getattr(_state, "tally", None)
-    tally = _state.tally = Tally()
-    try:
-        yield tally
-    finally:
-        _state.tally = before
+    return checks.thread_setting("tally", Tally())
 
 
 def current_tally() -> Optional[Tally]:
     """This thread's :class:`Tally`, within :func:`tallying`; else ``None``."""
-    return getattr(_state, "tally", None)
+    return checks.thread_value("tally")
 
 
 # --------------------------------------------------------------------------- the check

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import threading
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -59,9 +58,6 @@ class _Step:
         self.results: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
 
 
-_local = threading.local()
-
-
 def declare(update_fn: Callable, takes: bool = True) -> Callable:
     """Marks an Adam update (when ``takes``) as one that steps moments stored in 8 bits within :func:`stored_moments`."""
     if takes:
@@ -73,22 +69,16 @@ def declared(update_fn: Callable) -> bool:
     return bool(getattr(update_fn, _MARK, False))
 
 
-@contextlib.contextmanager
-def stored_moments(moments: dict[int, tuple[Stored, Tensor, Tensor]]) -> Iterator[_Step]:
+def stored_moments(moments: dict[int, tuple[Stored, Tensor, Tensor]]) -> contextlib.AbstractContextManager[_Step]:
     """Within it, this thread's Adam update steps the moments whose placeholders (``mu``'s id, then
     ``(Stored, mu placeholder, nu placeholder)``) are given, writing their new codes and scales to
     the ``results`` of what it yields, by the same id."""
-    before = getattr(_local, "step", None)
-    _local.step = step = _Step(moments)
-    try:
-        yield step
-    finally:
-        _local.step = before
+    return checks.thread_setting("stored_moments", _Step(moments))
 
 
 def current() -> Optional[_Step]:
     """The stored moments of the Adam update being run, or ``None``."""
-    return getattr(_local, "step", None)
+    return checks.thread_value("stored_moments")
 
 
 class _Kernel:

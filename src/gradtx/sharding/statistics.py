@@ -298,11 +298,7 @@ def gradient_partials(
     groups = _group_index(layout, indices, device)
     if norms is None:
         norms = _local_norms(tensors, 2.0)
-    if extremes is None:
-        maxima = leaf_maxima(tensors, device)
-        counts = _nonfinite_counts(tensors, maxima, device)
-    else:
-        maxima, counts = extremes(tensors)
+    maxima, counts = extremes_of(tensors, device) if extremes is None else extremes(tensors)
     return GradientPartials(
         _per_group(layout, groups, _squares(norms, device), "sum", device),
         _per_group(layout, groups, counts, "sum", device),
