@@ -25,6 +25,11 @@ typedef int (*set_local_threads)(const int *n);
 #define BLOCK 2048
 _Static_assert(BLOCK == SQUARES_BLOCK, "the tally sums the blocks squares.h sums");
 
+/* add(u, p, alpha=factor) of u = m / (root + eps) * step: p factor + u, one rounding */
+static inline float decayed_update(float p, float m, float root, float eps, float step, float factor) {
+    return fmaf(p, factor, (m / (root + eps)) * step);
+}
+
 static void adam_block(const float *g, const float *m, const float *v, const float *p, float *mo,
                        float *vo, float *uo, int len, int small, float coeff, float b2, float c2,
                        float eps, float step, float factor, int decay, vector_sqrt vsqrt,
@@ -50,22 +55,22 @@ static void adam_block(const float *g, const float *m, const float *v, const flo
         for (; i + SQUARES_LANES <= len; i += SQUARES_LANES)
 #pragma GCC ivdep
             for (int j = 0; j < SQUARES_LANES; j++) {
-                const float pi = p[i + j], ui = fmaf(pi, factor, (mo[i + j] / (root[i + j] + eps)) * step);
+                const float pi = p[i + j], ui = decayed_update(pi, mo[i + j], root[i + j], eps, step, factor);
                 uo[i + j] = ui;
                 su[j] = fmaf(ui, ui, su[j]);
                 sp[j] = fmaf(pi, pi, sp[j]);
             }
         for (int j = 0; i < len; i++, j++) {
-            const float pi = p[i], ui = fmaf(pi, factor, (mo[i] / (root[i] + eps)) * step);
+            const float pi = p[i], ui = decayed_update(pi, mo[i], root[i], eps, step, factor);
             uo[i] = ui;
             su[j] = fmaf(ui, ui, su[j]);
             sp[j] = fmaf(pi, pi, sp[j]);
         }
         sums[0] = lanes_total(su);
         sums[1] = lanes_total(sp);
-    } else if (decay == 1) { /* add(u, p, alpha=factor): p factor + u, one rounding */
+    } else if (decay == 1) {
 #pragma GCC ivdep
-        for (int i = 0; i < len; i++) uo[i] = fmaf(p[i], factor, (mo[i] / (root[i] + eps)) * step);
+        for (int i = 0; i < len; i++) uo[i] = decayed_update(p[i], mo[i], root[i], eps, step, factor);
     } else if (decay == 2) { /* add(u, mul(p, factor)): a tensor factor, two roundings */
 #pragma GCC ivdep
         for (int i = 0; i < len; i++) uo[i] = (mo[i] / (root[i] + eps)) * step + p[i] * factor;
