@@ -45,3 +45,20 @@ def donated_run(tx: gtx.GradientTransformation, params: dict, grads_per_step: li
         grads = {k: g.clone() for k, g in grads.items()}
         out, state = tx.update(grads, state, params, inplace=inplace)
     return out, state
+
+
+def in_threads(fn, count: int) -> list:
+    """``[fn(0), ..., fn(count - 1)]``, each run on a Python thread of its own, all at once."""
+    import threading
+
+    results: list = [None] * count
+
+    def run(i):
+        results[i] = fn(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results

@@ -25,7 +25,7 @@ import gradtx as gtx
 from gradtx.native import adam as native_adam
 from gradtx.native import build, checks
 from gradtx.transforms.adam import fused_adam
-from native_helpers import NEEDS_KERNELS, applied, donated_run, equal_bits
+from native_helpers import NEEDS_KERNELS, applied, donated_run, equal_bits, in_threads
 
 pytestmark = NEEDS_KERNELS
 
@@ -201,22 +201,11 @@ def test_the_library_is_built_once_per_cache_folder(monkeypatch, tmp_path):
 def test_threads_stepping_at_once_get_the_numbers_of_steps_one_after_another():
     """The kernel keeps nothing between calls (its scratch is on the stack): several Python threads
     may step at once, as the eager ATen ops may."""
-    import threading
-
     trees = [({"w": _values(100_000, 20 + i)}, {"w": _values(100_000, 40 + i)}) for i in range(4)]
     tx = gtx.adamw(1e-3, weight_decay=0.1)
     alone = [_run(tx, params, [grads, grads], False) for params, grads in trees]
-    together: list = [None] * len(trees)
-
-    def run(i):
-        together[i] = _run(tx, trees[i][0], [trees[i][1], trees[i][1]], False)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(trees))]
     before = _kernel_calls()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    together = in_threads(lambda i: _run(tx, trees[i][0], [trees[i][1], trees[i][1]], False), len(trees))
     assert _kernel_calls() >= before + 2 * len(trees)
     for one, other in zip(alone, together):
         for want, got in zip(one, other):

@@ -46,7 +46,7 @@ def test_observed_scaling_is_atens_product_with_its_extremes(shapes, factor, inp
     tensors = [probe_values(s, seed + i) for i, s in enumerate(shapes)]
     coef = torch.tensor(factor, dtype=torch.float32)
     want = [torch.mul(t, coef) for t in tensors]
-    want_max, want_count = stats_lib.extremes_of(tensors, torch.device("cpu"))
+    want_max, _ = stats_lib.extremes_of(tensors, torch.device("cpu"))
     want_count = torch.tensor([float((~torch.isfinite(t)).sum()) for t in tensors], dtype=torch.float64)
     given_tensors = [t.clone() for t in tensors]
     done = observed.scale_observed(given_tensors, coef, inplace=inplace)

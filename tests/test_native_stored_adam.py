@@ -22,7 +22,7 @@ from gradtx import tree as tree_lib
 from gradtx.native import adam as native_adam
 from gradtx.native import build, checks, stored_adam
 from gradtx.transforms.adam import fused_adam
-from native_helpers import NEEDS_KERNELS, donated_run, equal_bits, probe_values
+from native_helpers import NEEDS_KERNELS, donated_run, equal_bits, in_threads, probe_values
 
 pytestmark = NEEDS_KERNELS
 
@@ -183,22 +183,11 @@ def test_a_check_started_within_another_leaves_it_in_place():
 def test_threads_stepping_at_once_get_the_numbers_of_steps_one_after_another():
     """The stored moments of a step are kept per thread: several Python threads may step quantized
     states at once, each with its own placeholders and results."""
-    import threading
-
     trees = [({"w": probe_values((100, 1000), 20 + i)}, {"w": probe_values((100, 1000), 40 + i)}) for i in range(4)]
     tx = gtx.quantize_state(gtx.adamw(1e-3, weight_decay=0.1), 8)
     alone = [_run(tx, params, [grads, grads], False) for params, grads in trees]
-    together: list = [None] * len(trees)
-
-    def run(i):
-        together[i] = _run(tx, trees[i][0], [trees[i][1], trees[i][1]], False)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(trees))]
     before = _calls()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    together = in_threads(lambda i: _run(tx, trees[i][0], [trees[i][1], trees[i][1]], False), len(trees))
     assert _calls() >= before + 2 * len(trees)
     for one, other in zip(alone, together):
         assert len(one) == len(other)
