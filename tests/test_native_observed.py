@@ -178,17 +178,21 @@ def test_observed_statistics_with_the_kernels_equal_the_aten_ops_to_rounding(inn
         assert math.isclose(value, got_logged[key], rel_tol=1e-5) or (math.isnan(value) and math.isnan(got_logged[key])), key
 
 
+@pytest.mark.parametrize("between", [False, True], ids=["handed", "scaled by the clip"])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_a_clipped_adamw_step_takes_no_pass_of_its_own_for_its_statistics(inplace):
+def test_a_clipped_adamw_step_takes_no_pass_of_its_own_for_its_statistics(inplace, between):
     params = {"w": torch.randn(200, 300), "b": torch.randn(300)}
     grads = {k: torch.randn(p.shape) for k, p in params.items()}
-    tx = gtx.observe(gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(1e-3, weight_decay=0.01)), groups=1)
+    middle = [gtx.identity()] if between else []  # a member between: the clip scales on its own
+    tx = gtx.observe(gtx.chain(gtx.clip_by_global_norm(1.0), *middle, gtx.adamw(1e-3, weight_decay=0.01)), groups=1)
     state = tx.init(params)
     _, state = tx.update({k: g.clone() for k, g in grads.items()}, state, params, inplace=inplace)
-    kernel = _kernel()
-    scaled, squared = kernel.scaled, kernel.squared
+    kernel, step_kernel = _kernel(), native_adam.usable()
+    scaled, squared, steps = kernel.scaled, kernel.squared, step_kernel.calls
     updates, state = tx.update({k: g.clone() for k, g in grads.items()}, state, params, inplace=inplace)
-    assert kernel.scaled == scaled + 2  # max |g| and the non-finite counts: in the clip's scaling
+    # max |g| and the non-finite counts: in the clip's scaling pass, or, where the clip hands its
+    # coefficient to the Adam step, in the Adam kernel's pass, which then takes the product too
+    assert kernel.scaled == scaled + (2 if between else 0) and step_kernel.calls == steps + 2
     assert kernel.squared == squared  # params and updates: from the Adam kernel's tally
     dense = torch.cat([u.reshape(-1).double() for u in updates.values()])
     _, later = tx.update({k: g.clone() for k, g in grads.items()}, state, params)

@@ -172,6 +172,28 @@ def leading_clip(tx: GradientTransformation) -> Optional[LeadingClip]:
     return getattr(tx.update, _LEADING_CLIP, None)
 
 
+_SCALED_UPDATE = "scaled_update"
+
+
+def takes_scaled_gradients(update_fn: Callable, scaled_update: Callable) -> Callable:
+    """Records on ``update_fn`` its ``scaled_update``, and returns ``update_fn``.
+
+    ``scaled_update(updates, state, params=None, *, inplace=False, grad_scale, scaling=None)`` must
+    return what ``update_fn`` returns for ``updates`` multiplied by the 0-d ``grad_scale`` first
+    (by ``scaling``, a :data:`Scaling`, when given, else as ``clip_by_global_norm`` multiplies), the
+    same numbers, with ``inplace`` as ``update_fn`` takes it for the unscaled updates. A
+    :func:`~gradtx.chain` hands a global-norm clip's coefficient to the member after it this way:
+    a kernel that reads the gradients anyway takes the product there, and no scaled copy is made.
+    """
+    setattr(update_fn, _SCALED_UPDATE, scaled_update)
+    return update_fn
+
+
+def scaled_update_of(update_fn: Callable) -> Optional[Callable]:
+    """``update_fn``'s ``scaled_update`` (see :func:`takes_scaled_gradients`), or ``None``."""
+    return getattr(update_fn, _SCALED_UPDATE, None)
+
+
 _ELEMENTWISE = "elementwise"
 
 

@@ -266,16 +266,25 @@ def checked(init: Callable, update: Callable, *, state_type: Optional[type] = No
 
         setattr(init_fn, _KNOWN, known)
 
-    @functools.wraps(update)
-    def update_fn(updates, state, *args, **kwargs):
-        kind = known[0]
-        if kind is not None and type(state) is not kind and state is not None:
-            _check_type(owner, state, kind)
-        try:
-            return update(updates, state, *args, **kwargs)
-        except Exception as error:
-            _explain(error, owner, init, kind, state, updates, args[0] if args else kwargs.get("params"))
-            raise
+    def with_checks(run: Callable) -> Callable:
+        @functools.wraps(run)
+        def checked_run(updates, state, *args, **kwargs):
+            kind = known[0]
+            if kind is not None and type(state) is not kind and state is not None:
+                _check_type(owner, state, kind)
+            try:
+                return run(updates, state, *args, **kwargs)
+            except Exception as error:
+                _explain(error, owner, init, kind, state, updates, args[0] if args else kwargs.get("params"))
+                raise
 
+        return checked_run
+
+    update_fn = with_checks(update)
+    from gradtx.base import scaled_update_of, takes_scaled_gradients  # here: gradtx.base imports this module
+
+    scaled_update = scaled_update_of(update)
+    if scaled_update is not None:  # the same checks on the way a chain hands it a clip's coefficient
+        takes_scaled_gradients(update_fn, with_checks(scaled_update))
     setattr(update_fn, _CHECKED, True)
     return init_fn, update_fn

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import functools
+from typing import Any, Callable, NamedTuple, Optional
 
 from gradtx.base import (
     DONATE_UPDATES,
     GradientTransformation,
     GradientTransformationExtraArgs,
     LeadingClip,
+    Scaling,
     donation,
     is_elementwise,
     leading_clip,
     returns_new_updates,
+    scaled_update_of,
     set_elementwise,
     set_leading_clip,
     supports_donated_updates,
@@ -35,35 +38,77 @@ def _flattened(transforms: tuple[GradientTransformation, ...]) -> tuple[Gradient
     return tuple(out)
 
 
+class _Member(NamedTuple):
+    """A chain member as the chain runs it: its ``update`` (taking ``inplace``), whether it takes
+    extra arguments, takes donated updates and returns new ones; ``handed``: a global-norm clip's
+    ``handed_factor`` (its coefficient for the next member to take), ``scaled``: the member's
+    ``scaled_update`` (see :func:`~gradtx.base.takes_scaled_gradients`), ``scaling``: the
+    :data:`~gradtx.base.Scaling` a caller gave the clip (``LeadingClip.given``)."""
+
+    update: Callable
+    extra: bool
+    takes: bool
+    returns_new: bool
+    handed: Optional[Callable] = None
+    scaled: Optional[Callable] = None
+    scaling: Optional[Scaling] = None
+
+
 def _run(members, states, updates, params, inplace, extra_args) -> tuple[Any, list]:
     """Runs the members in order. On a step that does not donate the state (pure, or
     ``inplace="updates"``) updates that the chain owns, because the member before made them new
-    (or the caller donated them), go to the next member donated when it takes that; the state never is."""
+    (or the caller donated them), go to the next member donated when it takes that; the state never is.
+
+    A global-norm clip followed by a member that takes scaled gradients hands it its coefficient
+    instead of scaling (where the clip's ``handed_factor`` allows it): the next member then runs
+    on the updates the clip was given, as the clip would have been run, and its numbers are those
+    of the scaled gradients (one pass over memory fewer, and no scaled copy on a pure step)."""
     owned, state_donated = donation(inplace)
-    new_states = []
-    for (update, extra, takes, returns_new), tx_state in zip(members, states):
+    new_states: list = []
+    index = 0
+    while index < len(members):
+        member = members[index]
+        following = members[index + 1] if index + 1 < len(members) else None
+        handed = None
+        if member.handed is not None and following is not None and following.scaled is not None:
+            handed = member.handed(updates, states[index], params)
+        if handed is not None:  # the pair runs as the member after the clip, on the clip's input
+            member = following  # type: ignore[assignment]
         if state_donated:
             mode: Any = True
-        elif owned and takes:
+        elif owned and member.takes:
             mode = DONATE_UPDATES
         else:
-            mode, owned = False, returns_new
-        if extra:
-            updates, tx_state = update(updates, tx_state, params, inplace=mode, **extra_args)
+            mode, owned = False, member.returns_new
+        if handed is not None:
+            coef, clip_state = handed
+            updates, next_state = member.scaled(  # type: ignore[misc]
+                updates, states[index + 1], params, inplace=mode, grad_scale=coef, scaling=members[index].scaling
+            )
+            new_states += [clip_state, next_state]
+            index += 2
+        elif member.extra:
+            updates, tx_state = member.update(updates, states[index], params, inplace=mode, **extra_args)
+            new_states.append(tx_state)
+            index += 1
         else:
-            updates, tx_state = update(updates, tx_state, params, inplace=mode)
-        new_states.append(tx_state)
+            updates, tx_state = member.update(updates, states[index], params, inplace=mode)
+            new_states.append(tx_state)
+            index += 1
     return updates, new_states
 
 
-def _member(tx: GradientTransformation) -> tuple:
-    return with_inplace(tx), takes_extra_args(tx), takes_donated_updates(tx), returns_new_updates(tx)
+def _member(tx: GradientTransformation) -> _Member:
+    return _Member(
+        with_inplace(tx), takes_extra_args(tx), takes_donated_updates(tx), returns_new_updates(tx),
+        getattr(tx.update, "handed_factor", None), scaled_update_of(tx.update),
+    )
 
 
 def _marked(update_fn, members) -> Any:
     """The chain's own mark: it takes donated updates (it never writes its state's buffers then), and
     returns new updates when its last member does."""
-    return supports_donated_updates(update_fn, returns_new_updates=bool(members) and members[-1][3])
+    return supports_donated_updates(update_fn, returns_new_updates=bool(members) and members[-1].returns_new)
 
 
 def _leading_clip(first: Optional[GradientTransformation], members: tuple, first_state, run) -> Optional[LeadingClip]:
@@ -74,7 +119,14 @@ def _leading_clip(first: Optional[GradientTransformation], members: tuple, first
         return None
 
     def given(norm, scale=None):
-        replaced = ((clip.given(norm, scale),) + members[0][1:],) + members[1:]
+        handed = members[0].handed
+        replaced = (
+            members[0]._replace(
+                update=clip.given(norm, scale),
+                handed=None if handed is None else functools.partial(handed, given=norm),
+                scaling=scale,
+            ),
+        ) + members[1:]
 
         def update_given(updates, state, params=None, *, inplace=False, **extra_args):
             return run(replaced, updates, state, params, inplace, extra_args)
@@ -125,7 +177,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     set_leading_clip(update_fn, _leading_clip(parts[0] if parts else None, members, lambda state: state[0], run))
     setattr(init_fn, _PARTS, parts)
-    kind = GradientTransformationExtraArgs if any(member[1] for member in members) else GradientTransformation
+    kind = GradientTransformationExtraArgs if any(member.extra for member in members) else GradientTransformation
     gate = step_gates.sequence([step_gates.gate_of(tx) for tx in parts], lambda state: state)
     update_fn = set_elementwise(_marked(update_fn, members), all(is_elementwise(tx) for tx in parts))
     return kind(init_fn, named(step_gates.set_gate(update_fn, gate), name))
@@ -158,7 +210,7 @@ def named_chain(*named_transforms: tuple[str, GradientTransformation]) -> Gradie
     first = named_transforms[0][1] if named_transforms else None
     set_leading_clip(update_fn, _leading_clip(first, members, lambda state: state[names[0]], run))
 
-    kind = GradientTransformationExtraArgs if any(member[1] for member in members) else GradientTransformation
+    kind = GradientTransformationExtraArgs if any(member.extra for member in members) else GradientTransformation
     gate = step_gates.sequence(
         [step_gates.gate_of(tx) for _, tx in named_transforms], lambda state: [state[name] for name in names]
     )

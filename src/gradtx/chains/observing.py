@@ -239,28 +239,40 @@ def _apart(params: list[Any], written: Any) -> bool:
 
 class _Extremes:
     """``max |g|`` and the non-finite counts of the gradients, read where a leading clip scales them:
-    :meth:`scale` is the clip's :data:`gradtx.base.Scaling`, :meth:`of` gives them afterwards."""
+    :meth:`scale` is the clip's :data:`gradtx.base.Scaling`; :meth:`absorbed` takes them from a
+    kernel that took the clip's product itself (the Adam step after a clip, in a
+    :func:`~gradtx.chain`), a group of leaves at a time; :meth:`of` gives them afterwards."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.scaled: list[Tensor] = []
-        self.maxima: Optional[Tensor] = None
-        self.counts: Optional[Tensor] = None
+        self.parts: list[tuple[list[Tensor], Tensor, Tensor]] = []  # (tensors, their maxima, their counts)
 
     def scale(self, tensors: list[Tensor], coefficient: Tensor, inplace: bool) -> list[Tensor]:
         done = native_observed.scale_observed(tensors, coefficient, inplace=inplace)
         if done is None:  # the ATen ops: the extremes first, before any gradient is overwritten
-            self.maxima, self.counts = stats_lib.extremes_of(list(tensors), self.device)
+            maxima, counts = stats_lib.extremes_of(list(tensors), self.device)
             scaled = tree_lib.scale_(tensors, coefficient, inplace=inplace)
         else:
-            scaled, self.maxima, self.counts = done
-        self.scaled = list(tensors)
+            scaled, maxima, counts = done
+        self.parts.append((list(tensors), maxima, counts))
         return scaled
 
+    __call__ = scale  # the Scaling itself, so a kernel that takes the product finds :meth:`absorbed`
+
+    def absorbed(self, tensors: list[Tensor], maxima: list[float], counts: list[int]) -> None:
+        self.parts.append((list(tensors), torch.tensor(maxima, dtype=torch.float64), torch.tensor(counts, dtype=torch.float64)))
+
     def of(self, tensors: list[Tensor]) -> tuple[Tensor, Tensor]:
-        if self.maxima is None or len(tensors) != len(self.scaled) or any(a is not b for a, b in zip(tensors, self.scaled)):
-            raise RuntimeError("observe: the leading clip scaled other tensors than the gradients observe was given")
-        return self.maxima.to(self.device), self.counts.to(device=self.device, dtype=torch.float64)  # type: ignore[union-attr]
+        if len(self.parts) == 1 and len(self.parts[0][0]) == len(tensors) and all(a is b for a, b in zip(tensors, self.parts[0][0])):
+            _, maxima, counts = self.parts[0]
+        else:  # several groups: each tensor's values, found by identity
+            where = {id(t): (k, j) for k, (seen, _, _) in enumerate(self.parts) for j, t in enumerate(seen)}
+            found = [where.get(id(t)) for t in tensors]
+            if None in found or sum(len(seen) for seen, _, _ in self.parts) != len(tensors):
+                raise RuntimeError("observe: the leading clip scaled other tensors than the gradients observe was given")
+            maxima = torch.stack([self.parts[k][1][j].to(torch.float64) for k, j in found])  # type: ignore[misc]
+            counts = torch.stack([self.parts[k][2][j].to(torch.float64) for k, j in found])  # type: ignore[misc]
+        return maxima.to(self.device), counts.to(device=self.device, dtype=torch.float64)
 
 
 def _stats_of(sums: Tensor, maxima: Tensor, column: int, dtype: torch.dtype, previous: ObservedStats) -> ObservedStats:
@@ -401,7 +413,7 @@ def observe(
             clip_norm = tree_lib.total_norm([g for g in grads if isinstance(g, Tensor)], 2.0, norms=norms)
             extremes = _Extremes(device)
             with native_observed.tallying() as tally:
-                run = lead.given(clip_norm, extremes.scale)  # type: ignore[union-attr]
+                run = lead.given(clip_norm, extremes)  # type: ignore[union-attr]
                 new_updates, inner_state = run(updates, state.inner_state, params, inplace=inplace, **forwarded)
             partials = stats_lib.gradient_partials(layout, grads, device, norms, extremes.of)
             sums = torch.stack([partials.sq, pending.to(device), _param_sq(layout, counted_params, partials.sq, device, tally), partials.nonfinite])

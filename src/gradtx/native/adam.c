@@ -8,6 +8,10 @@
  *
  * Outputs may be the inputs' own buffers (mo == m, vo == v, uo == g): each element is read before
  * it is written, and never again.
+ *
+ * A gradient may come with a factor (`scaled`, `gscale`): the step then takes g * gscale, one
+ * rounded product as ATen's mul makes it, in place of g: a global-norm clip's scaling, done where
+ * the step reads g instead of in a pass of its own.
  */
 #include <math.h>
 #include <stdint.h>
@@ -15,6 +19,7 @@
 #include <stdlib.h>
 
 #include "codebook.h"
+#include "extremes.h"
 #include "squares.h"
 
 typedef void (*vector_sqrt)(int n, const float *in, float *out, long long mode);
@@ -32,16 +37,25 @@ static inline float decayed_update(float p, float m, float root, float eps, floa
 
 static void adam_block(const float *g, const float *m, const float *v, const float *p, float *mo,
                        float *vo, float *uo, int len, int small, float coeff, float b2, float c2,
-                       float eps, float step, float factor, int decay, vector_sqrt vsqrt,
-                       long long mode, double *sums) {
+                       float eps, float step, float factor, int decay, int scaled, float gscale,
+                       vector_sqrt vsqrt, long long mode, double *sums, uint32_t *top, int64_t *bad) {
     float root[BLOCK];
+    uint32_t block_max = 0;
 #pragma GCC ivdep
     for (int i = 0; i < len; i++) {
-        float gi = g[i], mi = m[i];
+        if (top) { /* the raw gradient's largest magnitude, in the loop that reads it */
+            const uint32_t bits = magnitude_bits(g[i]);
+            block_max = bits > block_max ? bits : block_max;
+        }
+        float gi = scaled ? g[i] * gscale : g[i], mi = m[i];
         /* lerp(m, g, w): m + w (g - m) for |w| < 0.5, else g - (1 - w)(g - m) */
         mo[i] = fmaf(coeff, gi - mi, small ? mi : gi);
         /* addcmul(v * b2, g, g, value=c2): (c2 g) g + v b2 */
         vo[i] = fmaf(c2 * gi, gi, v[i] * b2);
+    }
+    if (top) { /* counted before uo, which may be g's own buffer, is written */
+        if (block_max >= EXTREMES_INFINITY) *bad += block_nonfinite(g, len);
+        *top = block_max > *top ? block_max : *top;
     }
     if (vsqrt) {
         vsqrt(len, vo, root, mode);
@@ -81,22 +95,29 @@ static void adam_block(const float *g, const float *m, const float *v, const flo
 }
 
 /* m' = lerp(m, g, w1); v' = addcmul(v * b2, g, g, value=c2); u = m' / (sqrt(v') + eps) * step,
- * plus p * factor for decay 1 (one rounding) and 2 (the product rounded first). p is read for the
- * decay, and for the tally. With `sums` (else NULL), the tally: sums[0] = sum of u^2 and sums[1] =
- * sum of p^2 (0 without p), in float64, in squares.h's order (gradtx.observe's statistics, read
- * in this same pass); -1 in sums[0] where the tally could not be taken. */
+ * plus p * factor for decay 1 (one rounding) and 2 (the product rounded first), with g * gscale
+ * in place of g where `scaled`. p is read for the decay, and for the tally. With `sums` (else
+ * NULL), the tally: sums[0] = sum of u^2 and sums[1] = sum of p^2 (0 without p), in float64, in
+ * squares.h's order (gradtx.observe's statistics, read in this same pass); -1 in sums[0] where the
+ * tally could not be taken. With `largest` (else NULL), the raw gradient's max |g| (NaN where it
+ * holds one, 0 if empty, as aminmax gives it) and, in `nonfinite`, its count of NaN and infinite
+ * values, read in the same pass (the same numbers as observed.c's scaling pass). */
 void gradtx_adam_f32(const float *g, const float *m, const float *v, const float *p, float *mo,
                      float *vo, float *uo, int64_t n, float w1, float b2, float c2, float eps,
-                     float step, float factor, int decay, vector_sqrt vsqrt, long long mode,
-                     set_local_threads set_local, int threads, double *sums) {
+                     float step, float factor, int decay, int scaled, float gscale, vector_sqrt vsqrt,
+                     long long mode, set_local_threads set_local, int threads, double *sums, float *largest,
+                     int64_t *nonfinite) {
     const int small = fabsf(w1) < 0.5f;
     const float coeff = small ? w1 : w1 - 1.0f;
     const int64_t blocks = (n + BLOCK - 1) / BLOCK;
     double *partial = sums && blocks ? malloc(sizeof(double) * 2 * (size_t)blocks) : 0;
-#pragma omp parallel num_threads(threads) if (threads > 1 && n >= 65536)
+    uint32_t top = 0;
+    int64_t bad = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n >= 65536) reduction(max : top) reduction(+ : bad)
     {
         const int one = 1;
         const int before = set_local ? set_local(&one) : 0;
+        uint32_t *want = largest ? &top : 0; /* this thread's (reduction(max)) */
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t s = b * BLOCK;
@@ -104,13 +125,13 @@ void gradtx_adam_f32(const float *g, const float *m, const float *v, const float
             if (partial && decay == 1) { /* the sums in the update's own loop */
                 double both[2];
                 adam_block(g + s, m + s, v + s, p + s, mo + s, vo + s, uo + s, len, small, coeff, b2, c2, eps,
-                           step, factor, decay, vsqrt, mode, both);
+                           step, factor, decay, scaled, gscale, vsqrt, mode, both, want, &bad);
                 partial[b] = both[0];
                 partial[blocks + b] = both[1];
                 continue;
             }
             adam_block(g + s, m + s, v + s, decay ? p + s : 0, mo + s, vo + s, uo + s, len, small,
-                       coeff, b2, c2, eps, step, factor, decay, vsqrt, mode, 0);
+                       coeff, b2, c2, eps, step, factor, decay, scaled, gscale, vsqrt, mode, 0, want, &bad);
             if (partial) {
                 partial[b] = block_squares(uo + s, len);
                 partial[blocks + b] = p ? block_squares(p + s, len) : 0.0;
@@ -122,6 +143,10 @@ void gradtx_adam_f32(const float *g, const float *m, const float *v, const float
         sums[0] = partial ? blocks_total(partial, blocks) : (blocks ? -1.0 : 0.0);
         sums[1] = partial ? blocks_total(partial + blocks, blocks) : 0.0;
         free(partial);
+    }
+    if (largest) {
+        store_top(top, largest);
+        *nonfinite = bad;
     }
 }
 
@@ -157,7 +182,7 @@ void gradtx_adam_stored_f32(const float *g, const float *p, const uint8_t *mc, c
             block_values(mc + at, len, ms[k], joint, size, m);
             block_values(vc + at, len, vs[k], joint, size, v);
             adam_block(g + at, m, v, decay ? p + at : 0, mn, vn, uo + at, len, small, coeff, b2, c2, eps, step,
-                       factor, decay, vsqrt, mode, 0);
+                       factor, decay, 0, 1.0f, vsqrt, mode, 0, 0, 0);
             const float m_absmax = block_absmax(mn, len), v_absmax = block_absmax(vn, len);
             mso[k] = m_signed ? -m_absmax : m_absmax;
             vso[k] = v_signed ? -v_absmax : v_absmax;

@@ -12,8 +12,8 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
+#include "extremes.h"
 #include "squares.h"
 
 #define BLOCK SQUARES_BLOCK
@@ -28,28 +28,17 @@ void gradtx_scale_observed_f32(const float *x, float c, float *out, int64_t n, f
         const int64_t s = b * BLOCK;
         const int len = (int)(n - s < BLOCK ? n - s : BLOCK);
         uint32_t block_top = 0;
-        for (int i = 0; i < len; i++) {
+        for (int i = 0; i < len; i++) { /* the maximum and the products in one loop */
             const float v = x[s + i];
-            uint32_t bits;
-            memcpy(&bits, &v, sizeof bits);
-            bits &= 0x7fffffffu;
+            const uint32_t bits = magnitude_bits(v);
             block_top = bits > block_top ? bits : block_top;
             out[s + i] = v * c;
         }
-        if (block_top >= 0x7f800000u) { /* a NaN or an infinity here: count them (read again, from cache) */
-            int32_t block_bad = 0;
-            for (int i = 0; i < len; i++) {
-                uint32_t bits;
-                memcpy(&bits, x + s + i, sizeof bits);
-                block_bad += (bits & 0x7fffffffu) >= 0x7f800000u;
-            }
-            bad += block_bad;
-        }
+        /* a NaN or an infinity here: count them (read again, from cache) */
+        if (block_top >= EXTREMES_INFINITY) bad += block_nonfinite(x + s, len);
         top = block_top > top ? block_top : top;
     }
-    /* magnitudes order as their bit patterns; a NaN's lie above infinity's */
-    if (top > 0x7f800000u) top = 0x7fc00000u;
-    memcpy(largest, &top, sizeof top);
+    store_top(top, largest);
     *nonfinite = bad;
 }
 

@@ -19,7 +19,14 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.base import EmptyState, GradientTransformation, donation, set_elementwise, supports_donated_updates
+from gradtx.base import (
+    EmptyState,
+    GradientTransformation,
+    donation,
+    set_elementwise,
+    supports_donated_updates,
+    takes_scaled_gradients,
+)
 from gradtx.native import adam as native_adam
 from gradtx.native import stored_adam
 from gradtx.native.checks import float32 as checks_float32
@@ -158,10 +165,15 @@ class _Adam:
             count=fe.zero_count(params), mu=fe.zeros_like_tree(params, self.mu_dtype), nu=fe.zeros_like_tree(params)
         )
 
-    def update(self, updates, state, *, inplace, lr_scale=None, decay=None):
+    def update(self, updates, state, *, inplace, lr_scale=None, decay=None, grad_scale=None, scaling=None):
         """``lr_scale`` (a number or 0-d tensor) multiplies the Adam direction; ``decay`` is
         ``(factor, flags, params)``: ``factor * param`` is added where ``flags`` is true.
-        ``inplace`` as in ``update``: ``True``, ``False`` or ``"updates"`` (only they are donated)."""
+        ``inplace`` as in ``update``: ``True``, ``False`` or ``"updates"`` (only they are donated).
+        ``grad_scale`` (a 0-d tensor): the step of ``updates * grad_scale``, with the numbers of
+        scaling first (by ``scaling``, a :data:`~gradtx.base.Scaling`, else ``tree_lib.scale_``);
+        the C kernel takes the product where it reads the gradients, so no scaled copy is made."""
+        if grad_scale is not None and stored_adam.current() is not None:  # stored moments: scaled first
+            updates, grad_scale = _scaled_tree(updates, grad_scale, scaling, inplace), None
         own_updates, inplace = donation(inplace)  # from here on ``inplace`` is about the state
         leaves = fe.leaves_of(updates, what=self.owner)
         mu = leaves.aligned(state.mu, what=f"{self.owner}: state.mu")
@@ -173,21 +185,24 @@ class _Adam:
         step, factor = fe.realized(step, factor)  # a scheduled learning rate joins them here
 
         def group(g, m, v, decayed, p):
+            owned = own_updates
             if not (self.nesterov or s.root_shift is not None or torch.compiler.is_compiling()):
                 # one pass over memory for plain float32 CPU tensors, with the ATen ops' numbers
                 done = native_adam.step(
                     g, m, v, decayed, p, b1=self.b1, b2=self.b2, eps=s.eps, step=step, factor=factor,
-                    inplace=inplace, own_updates=own_updates,
+                    inplace=inplace, own_updates=own_updates, grad_scale=grad_scale, scaling=scaling,
                 )
                 if done is not None:
                     return done
+            if grad_scale is not None:  # the scaled gradients are new or donated: ours either way
+                g, owned = _scaled(list(g), grad_scale, scaling, own_updates), True
             m = first_moment(m, g, self.b1, inplace=inplace)
             v = second_moment(v, g, self.b2, inplace=inplace)
             if self.nesterov:
-                numer = nesterov_numerator(g, m, fe.on(s.nesterov_ratio, g), inplace=own_updates)
+                numer = nesterov_numerator(g, m, fe.on(s.nesterov_ratio, g), inplace=owned)
                 into = None
             else:
-                numer, into = m, (g if own_updates else None)
+                numer, into = m, (g if owned else None)
             d = denominator(v, fe.on(s.eps, g), fe.on(s.root_shift, g), g[0].dtype, into=into)
             out = divide(numer, self.nesterov, d, fe.on(step, g))
             chosen = [i for i, flag in enumerate(decayed) if flag]
@@ -203,9 +218,9 @@ class _Adam:
         stored = stored_adam.current()
         if stored is not None:  # quantize_state's stored moments: stepped where they lie, the rest below
             return self._update_stored(stored, leaves, state, count, group, mu, nu, flags, param_values, step, factor, s.eps, own_updates)
-        new_updates, new_mu, new_nu = fe.map_groups(
-            group, leaves.tensors, mu, nu, flags, param_values, outputs=3, pack=not (inplace or own_updates)
-        )
+        # a scaling that reads the gradients as given sees them unpacked
+        pack = not (inplace or own_updates or scaling is not None or grad_scale is not None)
+        new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, flags, param_values, outputs=3, pack=pack)
         new_state = ScaleByAdamState(
             count=count, mu=leaves.rebuild(new_mu, like=state.mu), nu=leaves.rebuild(new_nu, like=state.nu)
         )
@@ -243,6 +258,23 @@ class _Adam:
         return leaves.rebuild(new_updates), new_state
 
 
+def _scaled(tensors: list[Tensor], factor: Tensor, scaling: Any, inplace: bool) -> list[Tensor]:
+    """``tensors * factor`` as a global-norm clip scales them: by ``scaling`` (a
+    :data:`~gradtx.base.Scaling`) when given, else ``tree_lib.scale_``."""
+    if scaling is not None:
+        return scaling(tensors, factor, inplace)
+    return tree_lib.scale_(tensors, factor, inplace=inplace)
+
+
+def _scaled_tree(updates: Any, factor: Tensor, scaling: Any, inplace: Any) -> Any:
+    """The tree ``updates`` with its tensor leaves scaled by :func:`_scaled` (in place when the
+    updates are donated)."""
+    own_updates, _ = donation(inplace)
+    tree_leaves, treedef, present = tree_lib.tensor_leaves(updates, what="scaled gradients")
+    scaled = _scaled([tree_leaves[i] for i in present], factor, scaling, own_updates)
+    return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, scaled))
+
+
 def _add_scaled(targets: list[Tensor], values: list[Tensor], factor: Any) -> list[Tensor]:
     """``targets + factor * values``, in place into ``targets`` (our own buffers) where no graph is
     recorded (a tensor factor needs a temporary product)."""
@@ -276,7 +308,12 @@ def scale_by_adam(
         del params
         return adam.update(updates, state, inplace=inplace)
 
-    return GradientTransformation(adam.init, set_elementwise(supports_donated_updates(update_fn)))
+    def scaled_update(updates, state, params=None, *, inplace=False, grad_scale, scaling=None):
+        del params
+        return adam.update(updates, state, inplace=inplace, grad_scale=grad_scale, scaling=scaling)
+
+    update_fn = set_elementwise(supports_donated_updates(update_fn))
+    return GradientTransformation(adam.init, takes_scaled_gradients(update_fn, scaled_update))
 
 
 def fused_adam(
@@ -318,6 +355,12 @@ def fused_adam(
 
     def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
         del extra_args  # value=, grad=, ...: taken and ignored, as by optax's aliases (the chain it stands for)
+        return run(updates, state, params, inplace)
+
+    def scaled_update(updates, state, params=None, *, inplace=False, grad_scale, scaling=None):
+        return run(updates, state, params, inplace, grad_scale, scaling)
+
+    def run(updates, state, params, inplace, grad_scale=None, scaling=None):
         adam_state, lr_state = state[0], state[-1]
         _, own_state = donation(inplace)
         if lr_is_schedule:
@@ -344,7 +387,9 @@ def fused_adam(
                     flags = [selected[i] for i in leaves.present]
                 factor = wd if lr_scale is None else lr_scale * wd
                 decay = (factor, flags, param_values)
-        new_updates, new_adam_state = adam.update(updates, adam_state, inplace=inplace, lr_scale=lr_scale, decay=decay)
+        new_updates, new_adam_state = adam.update(
+            updates, adam_state, inplace=inplace, lr_scale=lr_scale, decay=decay, grad_scale=grad_scale, scaling=scaling
+        )
         if with_decay:
             return new_updates, (new_adam_state, decay_state, lr_state)
         return new_updates, (new_adam_state, lr_state)
@@ -353,7 +398,7 @@ def fused_adam(
     no_root_shift = isinstance(adam.eps_root, float) and adam.eps_root == 0.0
     plain = no_root_shift and not adam.nesterov and isinstance(adam.b1, float) and isinstance(adam.b2, float)
     update_fn = stored_adam.declare(update_fn, plain and mu_dtype in (None, torch.float32))
-    return GradientTransformation(init_fn, named(update_fn, adam.owner))
+    return GradientTransformation(init_fn, named(takes_scaled_gradients(update_fn, scaled_update), adam.owner))
 
 
 # --------------------------------------------------------------------------- AMSGrad

@@ -175,7 +175,25 @@ def clip_by_global_norm(
         coef, norm = coefficient(updates, [tree_leaves[i] for i in present])
         return coef, ClipByGlobalNormState(norm=norm)
 
+    def handed_factor(updates, state, params=None, *, given: Optional[Tensor] = None):
+        """``(coef, new_state)`` for a chain that hands ``coef`` to the member after the clip (see
+        :func:`gradtx.base.takes_scaled_gradients`) instead of scaling here, or ``None`` where the
+        clip scales the gradients itself: sharded, sparse or graph-recording gradients, and while
+        compiling (the compiler fuses the product into the next loop on its own). ``given``: the
+        global norm, reduced by the caller."""
+        del params, state
+        if torch.compiler.is_compiling():
+            return None
+        tree_leaves, _, present = leaves_of(updates)
+        grads = [tree_leaves[i] for i in present]
+        plain = all(type(g) in (Tensor, torch.nn.Parameter) and g.layout == torch.strided for g in grads)
+        if not grads or not plain or sharding.is_sharded(grads, spec) or tree_lib.needs_graph(grads, max_norm, given):
+            return None
+        coef, norm = coefficient(updates, grads, tree_lib.torch_groups(grads), given)
+        return coef, ClipByGlobalNormState(norm=norm)
+
     update_fn.scalar_factor = scalar_factor
+    update_fn.handed_factor = handed_factor
     update_fn.clip_coefficient = clip_coefficient  # lets gradtx.observe report the factor from the state's norm
     update_fn.sharding_spec = spec  # lets gradtx.wrap(..., spec=) catch a clip that was given none
     set_leading_clip(

@@ -1,0 +1,201 @@
+"""A global-norm clip in a chain hands its coefficient to the Adam step after it.
+
+``chain(clip_by_global_norm(...), adam/adamw/scale_by_adam(...))`` does not make a scaled copy of
+the gradients: the Adam kernel takes the product where it reads them. Checked: the updates and
+state equal, bit for bit, those of the same chain with the ATen ops and of the chain with a member
+in between (so the clip scales on its own), for random trees, clip sizes, hyperparameters,
+extreme values and every donation mode; no scaling pass runs; the caller's gradients are left
+alone on a pure step; where the hand-off must not happen (a graph to record, tensors that are not
+plain, an optimizer that does not take it) the clip scales as before; a kernel that ignores the
+coefficient fails its check; ``observe``'s statistics of the gradients come from the same pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gradtx as gtx
+from gradtx import tree as tree_lib
+from gradtx.native import adam as native_adam
+from gradtx.native import checks
+from native_helpers import NEEDS_KERNELS, donated_run, equal_bits, probe_values
+
+pytestmark = NEEDS_KERNELS
+
+_SIZES = st.sampled_from([(), (0,), (1,), (7,), (2049,), (3, 5, 11), (70_001,)])
+
+
+def _optimizer(kind: str, lr, wd, mask):
+    if kind == "scale_by_adam":
+        return gtx.scale_by_adam(b1=0.9, b2=0.99)
+    if kind == "adam":
+        return gtx.adam(lr)
+    return gtx.adamw(lr, weight_decay=wd, mask=mask)
+
+
+def _leaves(result) -> list[torch.Tensor]:
+    updates, state = result
+    return [x for x in tree_lib.leaves((updates, state)) if isinstance(x, torch.Tensor)]
+
+
+def _same(want, got) -> None:
+    want_leaves, got_leaves = _leaves(want), _leaves(got)
+    assert len(want_leaves) == len(got_leaves)
+    for a, b in zip(want_leaves, got_leaves):
+        assert equal_bits(a, b)
+
+
+def _unclipped_state(result):
+    """``(updates, state)`` of a chain with a member between clip and optimizer, with that
+    member's state left out, so it lines up with the two-member chain's."""
+    updates, state = result
+    return updates, (state[0],) + tuple(state[2:])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    sizes=st.lists(_SIZES, min_size=1, max_size=3),
+    max_norm=st.sampled_from([1e-3, 0.5, 1e6]),
+    kind=st.sampled_from(["adamw", "adam", "scale_by_adam"]),
+    lr=st.sampled_from([1e-3, "schedule"]),
+    wd=st.sampled_from([0.0, 0.1, "schedule"]),
+    masked=st.booleans(),
+    bad=st.sampled_from([None, float("inf"), float("nan")]),
+    inplace=st.sampled_from([False, True, "updates"]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_handed_coefficient_gives_the_scaled_steps_numbers(sizes, max_norm, kind, lr, wd, masked, bad, inplace, seed):
+    params = {f"p{i}": probe_values(s, seed + i) for i, s in enumerate(sizes)}
+    grads = [{k: probe_values(p.shape, seed + 100 * t + i) for i, (k, p) in enumerate(params.items())} for t in range(3)]
+    if bad is not None and params["p0"].numel():
+        grads[1]["p0"].view(-1)[0] = bad  # the norm, and the coefficient, become non-finite
+    learning_rate = (lambda count: 0.1 / (1.0 + count)) if lr == "schedule" else lr
+    weight_decay = (lambda count: 0.01 * count) if wd == "schedule" else wd
+    mask = {k: i % 2 == 0 for i, k in enumerate(params)} if masked else None
+
+    def make(between: bool):
+        middle = [gtx.identity()] if between else []
+        return gtx.chain(gtx.clip_by_global_norm(max_norm), *middle, _optimizer(kind, learning_rate, weight_decay, mask))
+
+    with checks.aten_only():
+        reference = donated_run(make(True), params, grads, inplace)
+        aten_handed = donated_run(make(False), params, grads, inplace)
+    clip_scaling = donated_run(make(True), params, grads, inplace)
+    before = native_adam.usable().calls
+    handed = donated_run(make(False), params, grads, inplace)
+    assert native_adam.usable().calls > before or not any(p.numel() for p in params.values())
+    _same(_unclipped_state(reference), handed)
+    _same(_unclipped_state(reference), aten_handed)
+    _same(_unclipped_state(clip_scaling), handed)
+
+
+def _counting_scales(monkeypatch) -> list:
+    calls: list = []
+    original = tree_lib.scale_
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tree_lib, "scale_", counted)
+    return calls
+
+
+@pytest.mark.parametrize("inplace", [False, True, "updates"])
+def test_no_scaling_pass_runs_and_a_pure_step_leaves_the_gradients_alone(monkeypatch, inplace):
+    params = {"w": probe_values((300, 70), 1), "b": probe_values((70,), 2)}
+    grads = {k: torch.randn(p.shape) * 10 for k, p in params.items()}  # a norm far above 1: clipped
+    kept = {k: g.clone() for k, g in grads.items()}
+    tx = gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(1e-3, weight_decay=0.1))
+    scales = _counting_scales(monkeypatch)
+    calls = native_adam.usable().calls
+    given = {k: g.clone() for k, g in grads.items()} if inplace else grads
+    updates, state = tx.update(given, tx.init(params), params, inplace=inplace)
+    assert scales == [] and native_adam.usable().calls == calls + 2
+    assert float(state[0].norm) > 1.0
+    if not inplace:
+        assert all(torch.equal(grads[k], kept[k]) for k in grads)  # pure: nothing the caller passed is written
+    else:
+        assert all(updates[k].data_ptr() == given[k].data_ptr() for k in grads)  # donated: the updates in their buffers
+
+
+def test_the_clip_scales_on_its_own_where_the_coefficient_cannot_be_handed(monkeypatch):
+    params = {"w": probe_values((40, 30), 3)}
+    grads = {"w": torch.randn(40, 30) * 10}
+    scales = _counting_scales(monkeypatch)
+    # an optimizer that does not take it: Lion
+    lion = gtx.chain(gtx.clip_by_global_norm(1.0), gtx.lion(1e-3))
+    lion.update(grads, lion.init(params), params)
+    assert len(scales) == 1
+    # gradients that record a graph: the clip's differentiable product
+    adamw = gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(1e-3))
+    recorded = {"w": grads["w"].clone().requires_grad_()}
+    updates, _ = adamw.update(recorded, adamw.init(params), params)
+    assert len(scales) == 2 and updates["w"].requires_grad
+    # a bfloat16 gradient: not a kernel's, but still handed, and scaled as the clip scales
+    low = {"w": grads["w"].to(torch.bfloat16)}
+    low_params = {"w": params["w"].to(torch.bfloat16)}
+    got, _ = adamw.update(low, adamw.init(low_params), low_params)
+    between = gtx.chain(gtx.clip_by_global_norm(1.0), gtx.identity(), gtx.adamw(1e-3))
+    want, _ = between.update(low, between.init(low_params), low_params)
+    assert equal_bits(want["w"], got["w"])
+
+
+def test_a_max_norm_that_requires_grad_keeps_its_gradient():
+    params = {"w": torch.randn(20, 30)}
+    grads = {"w": torch.randn(20, 30) * 10}
+
+    def meta_gradient(between: bool):
+        max_norm = torch.tensor(0.5, requires_grad=True)
+        middle = [gtx.identity()] if between else []
+        tx = gtx.chain(gtx.clip_by_global_norm(max_norm), *middle, gtx.adam(1e-2, eps_root=1e-8))
+        updates, _ = tx.update(grads, tx.init(params), params)
+        (gradient,) = torch.autograd.grad(updates["w"].square().sum(), max_norm)
+        return gradient
+
+    want, got = meta_gradient(True), meta_gradient(False)
+    assert float(want) != 0.0 and torch.equal(want, got)
+
+
+def test_the_check_refuses_a_kernel_that_leaves_the_coefficient_out(monkeypatch):
+    kernel = native_adam.usable()
+
+    class Unscaled(type(kernel)):
+        def __call__(self, *args):  # (g, m, v, p, mo, vo, uo, 6 floats, decay, sums, grad_scale, extremes)
+            return super().__call__(*args[:15], None, *args[16:])
+
+    broken = object.__new__(Unscaled)
+    broken.__dict__.update(kernel.__dict__)
+    broken.calls = 0
+    assert "clip" in native_adam._mismatch(broken)
+    assert native_adam._mismatch(kernel) == ""
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_observe_reads_the_gradients_extremes_in_the_same_pass(inplace):
+    gen = torch.Generator().manual_seed(5)
+    params = {"a": torch.randn(300, 70, generator=gen), "b": torch.randn(70, generator=gen), "c": torch.randn(70_001, generator=gen)}
+    params["low"] = torch.randn(64, generator=gen).to(torch.bfloat16)  # a group of its own, scaled by the ATen ops
+    for bad in (None, float("inf"), float("nan")):
+        grads = {k: (torch.randn(p.shape, generator=gen) * 3).to(p.dtype) for k, p in params.items()}
+        if bad is not None:
+            grads["c"][17] = bad
+        results = []
+        for between in (True, False):
+            middle = [gtx.identity()] if between else []
+            tx = gtx.observe(gtx.chain(gtx.clip_by_global_norm(1.0), *middle, gtx.adamw(1e-3, weight_decay=0.1)), groups=1)
+            state = tx.init(params)
+            for _ in range(2):
+                updates, state = tx.update({k: g.clone() for k, g in grads.items()}, state, params, inplace=inplace)
+            results.append((updates, gtx.observations(state)))
+        (want_updates, want), (got_updates, got) = results
+        assert all(equal_bits(want_updates[k], got_updates[k]) for k in params)
+        assert want.keys() == got.keys()
+        for key, value in want.items():
+            assert value == got[key] or (math.isnan(value) and math.isnan(got[key])), (bad, key)
+        assert got["grad_nonfinite"] == (0.0 if bad is None else 1.0)
