@@ -1,7 +1,7 @@
-"""A global-norm clip in a chain hands its coefficient to the Adam step after it.
+"""A global-norm clip in a chain hands its coefficient to the Adam or momentum step after it.
 
-``chain(clip_by_global_norm(...), adam/adamw/scale_by_adam(...))`` does not make a scaled copy of
-the gradients: the Adam kernel takes the product where it reads them. Checked: the updates and
+``chain(clip_by_global_norm(...), adam/adamw/scale_by_adam/sgd with momentum(...))`` does not make
+a scaled copy of the gradients: the step's kernel takes the product where it reads them. Checked: the updates and
 state equal, bit for bit, those of the same chain with the ATen ops and of the chain with a member
 in between (so the clip scales on its own), for random trees, clip sizes, hyperparameters,
 extreme values and every donation mode; no scaling pass runs; the caller's gradients are left
@@ -23,6 +23,7 @@ import gradtx as gtx
 from gradtx import tree as tree_lib
 from gradtx.native import adam as native_adam
 from gradtx.native import checks
+from gradtx.native import momentum as native_momentum
 from native_helpers import NEEDS_KERNELS, donated_run, equal_bits, probe_values
 
 pytestmark = NEEDS_KERNELS
@@ -33,6 +34,8 @@ _SIZES = st.sampled_from([(), (0,), (1,), (7,), (2049,), (3, 5, 11), (70_001,)])
 def _optimizer(kind: str, lr, wd, mask):
     if kind == "scale_by_adam":
         return gtx.scale_by_adam(b1=0.9, b2=0.99)
+    if kind.startswith("sgd"):  # chain(trace, scale_by_learning_rate): the trace takes it
+        return gtx.sgd(lr, momentum=0.9, nesterov=kind == "sgd_nesterov")
     if kind == "adam":
         return gtx.adam(lr)
     return gtx.adamw(lr, weight_decay=wd, mask=mask)
@@ -61,7 +64,7 @@ def _unclipped_state(result):
 @given(
     sizes=st.lists(_SIZES, min_size=1, max_size=3),
     max_norm=st.sampled_from([1e-3, 0.5, 1e6]),
-    kind=st.sampled_from(["adamw", "adam", "scale_by_adam"]),
+    kind=st.sampled_from(["adamw", "adam", "scale_by_adam", "sgd", "sgd_nesterov"]),
     lr=st.sampled_from([1e-3, "schedule"]),
     wd=st.sampled_from([0.0, 0.1, "schedule"]),
     masked=st.booleans(),
@@ -86,15 +89,19 @@ def test_the_handed_coefficient_gives_the_scaled_steps_numbers(sizes, max_norm, 
         reference = donated_run(make(True), params, grads, inplace)
         aten_handed = donated_run(make(False), params, grads, inplace)
     clip_scaling = donated_run(make(True), params, grads, inplace)
-    before = native_adam.usable().calls
+    kernel = (native_momentum if kind.startswith("sgd") else native_adam).usable()
+    before = kernel.calls
     handed = donated_run(make(False), params, grads, inplace)
-    assert native_adam.usable().calls > before or not any(p.numel() for p in params.values())
+    assert kernel.calls > before or not any(p.numel() for p in params.values())
     _same(_unclipped_state(reference), handed)
     _same(_unclipped_state(reference), aten_handed)
     _same(_unclipped_state(clip_scaling), handed)
 
 
 def _counting_scales(monkeypatch) -> list:
+    """The calls to the clip's scaling from here on (the kernel's first-use check, which scales
+    too, is run before)."""
+    assert native_adam.usable() is not None
     calls: list = []
     original = tree_lib.scale_
 
@@ -174,6 +181,18 @@ def test_the_check_refuses_a_kernel_that_leaves_the_coefficient_out(monkeypatch)
     broken.calls = 0
     assert "clip" in native_adam._mismatch(broken)
     assert native_adam._mismatch(kernel) == ""
+
+    momentum = native_momentum.usable()
+
+    class UnscaledTrace(type(momentum)):
+        def __call__(self, g, t, to, uo, decay, nesterov, grad_scale=None):
+            return super().__call__(g, t, to, uo, decay, nesterov)
+
+    broken_trace = object.__new__(UnscaledTrace)
+    broken_trace.__dict__.update(momentum.__dict__)
+    broken_trace.calls = 0
+    assert "clip" in native_momentum._mismatch(broken_trace)
+    assert native_momentum._mismatch(momentum) == ""
 
 
 @pytest.mark.parametrize("inplace", [False, True])

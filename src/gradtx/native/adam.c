@@ -17,6 +17,9 @@
 #include <stdint.h>
 
 #include <stdlib.h>
+#if defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #include "codebook.h"
 #include "extremes.h"
@@ -66,6 +69,29 @@ static void adam_block(const float *g, const float *m, const float *v, const flo
     if (decay == 1 && sums) { /* as below, with both sums of squares in the same loop */
         float su[SQUARES_LANES] = {0}, sp[SQUARES_LANES] = {0};
         int i = 0;
+#if defined(__FMA__) && SQUARES_LANES == 16
+        /* decayed_update four values at a time, with the running sums kept in registers (GCC keeps
+         * an array of them on the stack, a store and a load per step), lane j in su4[j / 4][j % 4] */
+        const __m128 e4 = _mm_set1_ps(eps), s4 = _mm_set1_ps(step), f4 = _mm_set1_ps(factor);
+        __m128 su4[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+        __m128 sp4[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+        for (; i + SQUARES_LANES <= len; i += SQUARES_LANES) {
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const int at = i + 4 * k;
+                const __m128 pk = _mm_loadu_ps(p + at);
+                const __m128 q = _mm_mul_ps(_mm_div_ps(_mm_loadu_ps(mo + at), _mm_add_ps(_mm_loadu_ps(root + at), e4)), s4);
+                const __m128 u = _mm_fmadd_ps(pk, f4, q);
+                _mm_storeu_ps(uo + at, u);
+                su4[k] = _mm_fmadd_ps(u, u, su4[k]);
+                sp4[k] = _mm_fmadd_ps(pk, pk, sp4[k]);
+            }
+        }
+        for (int k = 0; k < 4; k++) {
+            _mm_storeu_ps(su + 4 * k, su4[k]);
+            _mm_storeu_ps(sp + 4 * k, sp4[k]);
+        }
+#else
         for (; i + SQUARES_LANES <= len; i += SQUARES_LANES)
 #pragma GCC ivdep
             for (int j = 0; j < SQUARES_LANES; j++) {
@@ -74,6 +100,7 @@ static void adam_block(const float *g, const float *m, const float *v, const flo
                 su[j] = fmaf(ui, ui, su[j]);
                 sp[j] = fmaf(pi, pi, sp[j]);
             }
+#endif
         for (int j = 0; i < len; i++, j++) {
             const float pi = p[i], ui = decayed_update(pi, mo[i], root[i], eps, step, factor);
             uo[i] = ui;

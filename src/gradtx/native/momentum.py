@@ -23,13 +23,15 @@ from gradtx.native import checks
 class _Kernel:
     def __init__(self, lib: ctypes.CDLL):
         fn = lib.gradtx_trace_f32
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
         fn.restype = None
         self.fn, self.calls = fn, 0
 
-    def __call__(self, g: Tensor, t: Tensor, to: Tensor, uo: Tensor, decay: float, nesterov: bool) -> None:
+    def __call__(self, g: Tensor, t: Tensor, to: Tensor, uo: Tensor, decay: float, nesterov: bool, grad_scale: Optional[float] = None) -> None:
+        """One leaf's step; with ``grad_scale`` (a float32 value), the step of ``g * grad_scale``."""
         self.calls += 1
-        self.fn(g.data_ptr(), t.data_ptr(), to.data_ptr(), uo.data_ptr(), g.numel(), decay, int(nesterov), torch.get_num_threads())
+        scale = 1.0 if grad_scale is None else grad_scale
+        self.fn(g.data_ptr(), t.data_ptr(), to.data_ptr(), uo.data_ptr(), g.numel(), decay, int(nesterov), grad_scale is not None, scale, torch.get_num_threads())
 
 
 def status() -> str:
@@ -46,19 +48,23 @@ def _build_and_check() -> tuple[Optional[_Kernel], str]:
     return checks.built_and_checked("momentum", _Kernel, _mismatch)
 
 
-def step(g: Sequence[Tensor], t: Sequence[Tensor], *, decay: Any, nesterov: bool, inplace: bool) -> Optional[tuple[list[Tensor], list[Tensor]]]:
+def step(
+    g: Sequence[Tensor], t: Sequence[Tensor], *, decay: Any, nesterov: bool, inplace: bool, grad_scale: Any = None
+) -> Optional[tuple[list[Tensor], list[Tensor]]]:
     """``(updates, traces)`` of one group of a momentum step by the kernel, or ``None`` where it
-    does not apply (the caller then runs the ATen ops)."""
+    does not apply (the caller then runs the ATen ops). ``grad_scale`` (a 0-d tensor or a number,
+    else ``None``): the step of ``g * grad_scale``, the product taken where the kernel reads ``g``."""
     if not isinstance(decay, float) or torch.compiler.is_compiling():
         return None
     kernel = checks.under_check(_Kernel) or usable()
-    if kernel is None or not _plain(g, t):
+    if kernel is None or not _plain(g, t) or tree_lib.needs_graph(grad_scale):
         return None
-    to = list(t) if inplace else [torch.empty_like(x) for x in t]
     uo = list(g) if inplace else [torch.empty_like(x) for x in g]
+    to = list(t) if inplace else [torch.empty_like(x) for x in t]
     factor = checks.float32(decay)
+    scale = None if grad_scale is None else checks.float32(grad_scale)
     for i in range(len(g)):
-        kernel(g[i], t[i], to[i], uo[i], factor, nesterov)
+        kernel(g[i], t[i], to[i], uo[i], factor, nesterov, scale)
         if inplace and g[i].numel():  # written in place: changed, as ATen's in-place ops mark it
             torch.autograd.graph.increment_version(to[i])
             torch.autograd.graph.increment_version(uo[i])
@@ -84,13 +90,18 @@ def _plain(g: Sequence[Any], t: Sequence[Any]) -> bool:
 
 def _mismatch(kernel: _Kernel) -> str:
     """The first case where the kernel's step differs from the ATen ops' in any bit, or ``""``."""
+    from gradtx.chains.chain import chain
+    from gradtx.transforms.clipping import clip_by_global_norm
     from gradtx.transforms.momentum import trace
 
     for number, (decay, nesterov) in enumerate([(0.9, False), (0.9, True), (0.3, True), (0.0, False)]):
         difference = checks.difference_from_aten(kernel, trace(decay, nesterov), number, lambda out, state: (out, state.trace))
         if difference:
             return f"decay={decay}, nesterov={nesterov}: {difference}"
-    return ""
+    # a clip's coefficient handed to the step (gradtx.chain): the product taken in the kernel
+    clipped = chain(clip_by_global_norm(0.37), trace(0.9, True))
+    difference = checks.difference_from_aten(kernel, clipped, 0, lambda out, state: (out, state[1].trace))
+    return f"with a clip's coefficient: {difference}" if difference else ""
 
 
 _kernel = checks.Lazy(_build_and_check)

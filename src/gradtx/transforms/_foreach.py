@@ -254,6 +254,15 @@ def cast(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
 # --------------------------------------------------------------------------- foreach ops
 
 
+def scaled(tensors: list[Tensor], factor: Tensor, scaling: Any, *, inplace: bool) -> list[Tensor]:
+    """``tensors * factor`` as a global-norm clip scales them: by ``scaling`` (a
+    :data:`~gradtx.base.Scaling`) when given, else ``tree.scale_``. For a transformation handed the
+    clip's coefficient (:func:`~gradtx.base.takes_scaled_gradients`) where its kernel does not take it."""
+    if scaling is not None:
+        return scaling(tensors, factor, inplace)
+    return tree_lib.scale_(tensors, factor, inplace=inplace)
+
+
 def lerp(selves: Sequence[Tensor], ends: Sequence[Tensor], weight: Scalar, *, inplace: bool) -> list[Tensor]:
     """``selves + weight * (ends - selves)``: an exponential moving average step."""
     if isinstance(weight, Tensor):

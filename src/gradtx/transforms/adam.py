@@ -185,17 +185,21 @@ class _Adam:
         step, factor = fe.realized(step, factor)  # a scheduled learning rate joins them here
 
         def group(g, m, v, decayed, p):
-            owned = own_updates
+            owned, scale = own_updates, grad_scale
+            if scale is not None and scaling is not None and not hasattr(scaling, "absorbed"):
+                # a scaling that reads the gradients, and takes nothing from the kernel, scales them;
+                # the scaled gradients are new or donated: ours either way
+                g, scale, owned = fe.scaled(list(g), scale, scaling, inplace=own_updates), None, True
             if not (self.nesterov or s.root_shift is not None or torch.compiler.is_compiling()):
                 # one pass over memory for plain float32 CPU tensors, with the ATen ops' numbers
                 done = native_adam.step(
                     g, m, v, decayed, p, b1=self.b1, b2=self.b2, eps=s.eps, step=step, factor=factor,
-                    inplace=inplace, own_updates=own_updates, grad_scale=grad_scale, scaling=scaling,
+                    inplace=inplace, own_updates=owned, grad_scale=scale, scaling=None if scale is None else scaling,
                 )
                 if done is not None:
                     return done
-            if grad_scale is not None:  # the scaled gradients are new or donated: ours either way
-                g, owned = _scaled(list(g), grad_scale, scaling, own_updates), True
+            if scale is not None:
+                g, owned = fe.scaled(list(g), scale, scaling, inplace=owned), True
             m = first_moment(m, g, self.b1, inplace=inplace)
             v = second_moment(v, g, self.b2, inplace=inplace)
             if self.nesterov:
@@ -218,8 +222,9 @@ class _Adam:
         stored = stored_adam.current()
         if stored is not None:  # quantize_state's stored moments: stepped where they lie, the rest below
             return self._update_stored(stored, leaves, state, count, group, mu, nu, flags, param_values, step, factor, s.eps, own_updates)
-        # a scaling that reads the gradients as given sees them unpacked
-        pack = not (inplace or own_updates or scaling is not None or grad_scale is not None)
+        # handed a clip's coefficient, unpacked, as the clip's new gradients were (donated to this
+        # step); a scaling that reads the gradients sees them as given
+        pack = not (inplace or own_updates or grad_scale is not None)
         new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, flags, param_values, outputs=3, pack=pack)
         new_state = ScaleByAdamState(
             count=count, mu=leaves.rebuild(new_mu, like=state.mu), nu=leaves.rebuild(new_nu, like=state.nu)
@@ -258,20 +263,12 @@ class _Adam:
         return leaves.rebuild(new_updates), new_state
 
 
-def _scaled(tensors: list[Tensor], factor: Tensor, scaling: Any, inplace: bool) -> list[Tensor]:
-    """``tensors * factor`` as a global-norm clip scales them: by ``scaling`` (a
-    :data:`~gradtx.base.Scaling`) when given, else ``tree_lib.scale_``."""
-    if scaling is not None:
-        return scaling(tensors, factor, inplace)
-    return tree_lib.scale_(tensors, factor, inplace=inplace)
-
-
 def _scaled_tree(updates: Any, factor: Tensor, scaling: Any, inplace: Any) -> Any:
-    """The tree ``updates`` with its tensor leaves scaled by :func:`_scaled` (in place when the
+    """The tree ``updates`` with its tensor leaves scaled by ``fe.scaled`` (in place when the
     updates are donated)."""
     own_updates, _ = donation(inplace)
     tree_leaves, treedef, present = tree_lib.tensor_leaves(updates, what="scaled gradients")
-    scaled = _scaled([tree_leaves[i] for i in present], factor, scaling, own_updates)
+    scaled = fe.scaled([tree_leaves[i] for i in present], factor, scaling, inplace=own_updates)
     return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, scaled))
 
 

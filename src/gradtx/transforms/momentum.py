@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from gradtx.base import GradientTransformation, set_elementwise
+from gradtx.base import GradientTransformation, set_elementwise, takes_scaled_gradients
 from gradtx.native import momentum as native_momentum
 from gradtx.transforms import _foreach as fe
 
@@ -42,14 +42,26 @@ def trace(decay: float, nesterov: bool = False, accumulator_dtype: Optional[torc
 
     def update_fn(updates, state, params=None, *, inplace=False):
         del params
+        return run(updates, state, inplace)
+
+    def scaled_update(updates, state, params=None, *, inplace=False, grad_scale, scaling=None):
+        del params
+        return run(updates, state, inplace, grad_scale, scaling)
+
+    def run(updates, state, inplace, grad_scale=None, scaling=None):
         leaves = fe.leaves_of(updates, what="trace")
         traces = leaves.aligned(state.trace, what="trace: state.trace")
 
         def group(g, t):
+            factor = grad_scale
+            if factor is not None and scaling is not None:  # a scaling that reads the gradients (observe's) scales them
+                g, factor = fe.scaled(list(g), factor, scaling, inplace=inplace), None
             if not torch.compiler.is_compiling():  # one pass for plain float32 CPU tensors, the same numbers
-                done = native_momentum.step(g, t, decay=decay, nesterov=nesterov, inplace=inplace)
+                done = native_momentum.step(g, t, decay=decay, nesterov=nesterov, inplace=inplace, grad_scale=factor)
                 if done is not None:
                     return done
+            if factor is not None:
+                g = fe.scaled(list(g), factor, None, inplace=inplace)
             t = fe.add(fe.mul(t, fe.on(decay, t), inplace=inplace), fe.cast(g, t[0].dtype), inplace=True)
             if nesterov:
                 out = fe.add(g, fe.cast(t, g[0].dtype), alpha=decay, inplace=inplace)
@@ -57,10 +69,11 @@ def trace(decay: float, nesterov: bool = False, accumulator_dtype: Optional[torc
                 out = fe.fresh(fe.cast(t, g[0].dtype), into=g if inplace else None)
             return out, t
 
-        new_updates, new_traces = fe.map_groups(group, leaves.tensors, traces, outputs=2, pack=not inplace)
+        pack = not (inplace or scaling is not None)  # a scaling that reads the gradients sees them as given
+        new_updates, new_traces = fe.map_groups(group, leaves.tensors, traces, outputs=2, pack=pack)
         return leaves.rebuild(new_updates), TraceState(trace=leaves.rebuild(new_traces, like=state.trace))
 
-    return GradientTransformation(init_fn, set_elementwise(update_fn))
+    return GradientTransformation(init_fn, takes_scaled_gradients(set_elementwise(update_fn), scaled_update))
 
 
 def ema(decay: float, debias: bool = True, accumulator_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
