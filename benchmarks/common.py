@@ -59,13 +59,18 @@ def n_elements(tree: dict[str, torch.Tensor]) -> int:
 
 
 def interleaved(candidates: dict[str, Callable[[], object]], *, rounds: int = 15, warmup: int = 2) -> dict[str, list[float]]:
-    """Times each candidate once per round, in turn, ``rounds`` times; returns seconds per call."""
+    """Times each candidate once per round, ``rounds`` times; returns seconds per call.
+
+    Every other round runs the candidates in reverse order (A B, B A, A B, ...), so that something
+    that comes back every other call (a full garbage collection once per round, say) falls on
+    each candidate in turn instead of always on the same one."""
     for _ in range(warmup):
         for fn in candidates.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(rounds):
-        for name, fn in candidates.items():
+    order = list(candidates.items())
+    for round_index in range(rounds):
+        for name, fn in order if round_index % 2 == 0 else reversed(order):
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
