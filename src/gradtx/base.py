@@ -181,7 +181,8 @@ def takes_scaled_gradients(update_fn: Callable, scaled_update: Callable) -> Call
     ``scaled_update(updates, state, params=None, *, inplace=False, grad_scale, scaling=None)`` must
     return what ``update_fn`` returns for ``updates`` multiplied by the 0-d ``grad_scale`` first
     (by ``scaling``, a :data:`Scaling`, when given, else as ``clip_by_global_norm`` multiplies), the
-    same numbers, with ``inplace`` as ``update_fn`` takes it for the unscaled updates. A
+    same numbers, with ``inplace`` as ``update_fn`` takes it for the unscaled updates (and no extra
+    arguments: a chain hands nothing to a member that takes them). A
     :func:`~gradtx.chain` hands a global-norm clip's coefficient to the member after it this way:
     a kernel that reads the gradients anyway takes the product there, and no scaled copy is made.
     """

@@ -70,7 +70,8 @@ def _run(members, states, updates, params, inplace, extra_args) -> tuple[Any, li
         member = members[index]
         following = members[index + 1] if index + 1 < len(members) else None
         handed = None
-        if member.handed is not None and following is not None and following.scaled is not None:
+        # (a member that takes extra arguments is run as it is: ``scaled_update`` takes none)
+        if member.handed is not None and following is not None and following.scaled is not None and not following.extra:
             handed = member.handed(updates, states[index], params)
         if handed is not None:  # the pair runs as the member after the clip, on the clip's input
             member = following  # type: ignore[assignment]
