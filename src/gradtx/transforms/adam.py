@@ -185,21 +185,17 @@ class _Adam:
         step, factor = fe.realized(step, factor)  # a scheduled learning rate joins them here
 
         def group(g, m, v, decayed, p):
-            owned, scale = own_updates, grad_scale
-            if scale is not None and scaling is not None and not hasattr(scaling, "absorbed"):
-                # a scaling that reads the gradients, and takes nothing from the kernel, scales them;
-                # the scaled gradients are new or donated: ours either way
-                g, scale, owned = fe.scaled(list(g), scale, scaling, inplace=own_updates), None, True
+            owned = own_updates
             if not (self.nesterov or s.root_shift is not None or torch.compiler.is_compiling()):
                 # one pass over memory for plain float32 CPU tensors, with the ATen ops' numbers
                 done = native_adam.step(
                     g, m, v, decayed, p, b1=self.b1, b2=self.b2, eps=s.eps, step=step, factor=factor,
-                    inplace=inplace, own_updates=owned, grad_scale=scale, scaling=None if scale is None else scaling,
+                    inplace=inplace, own_updates=own_updates, grad_scale=grad_scale, scaling=scaling,
                 )
                 if done is not None:
                     return done
-            if scale is not None:
-                g, owned = fe.scaled(list(g), scale, scaling, inplace=owned), True
+            if grad_scale is not None:  # the scaled gradients are new or donated: ours either way
+                g, owned = fe.scaled(list(g), grad_scale, scaling, inplace=own_updates), True
             m = first_moment(m, g, self.b1, inplace=inplace)
             v = second_moment(v, g, self.b2, inplace=inplace)
             if self.nesterov:
