@@ -140,6 +140,12 @@ def test_the_kernel_is_not_used_where_it_could_change_a_number(case):
     assert _kernel_calls() == before
 
 
+def test_the_kernels_checks_see_a_zeros_sign_and_take_nan_for_nan():
+    """``==`` takes -0.0 for +0.0; a kernel whose zero has the other sign differs in a bit."""
+    assert checks.first_difference([{"x": torch.tensor([0.0, 1.0])}], [{"x": torch.tensor([-0.0, 1.0])}]) == "1 of 2 values of 'x'"
+    assert checks.first_difference([{"x": torch.tensor([-0.0, float("nan")])}], [{"x": torch.tensor([-0.0, float("nan")])}]) == ""
+
+
 def test_the_check_refuses_a_kernel_whose_numbers_differ():
     lib, _ = build.load("adam")
 

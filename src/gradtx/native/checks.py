@@ -144,10 +144,12 @@ def probe(n: int, seed: int) -> Tensor:
 
 
 def first_difference(want: Sequence[Mapping[str, Tensor]], got: Sequence[Mapping[str, Tensor]]) -> str:
-    """``""`` where the trees of tensors agree in every bit (NaN where NaN), else what differs."""
+    """``""`` where the trees of tensors agree in every bit (NaN where NaN; a zero's sign too, which
+    ``==`` does not see), else what differs."""
     for want_tree, got_tree in zip(want, got):
         for key in want_tree:
-            same = (want_tree[key] == got_tree[key]) | (want_tree[key].isnan() & got_tree[key].isnan())
+            a, b = want_tree[key], got_tree[key]
+            same = ((a == b) & (torch.signbit(a) == torch.signbit(b))) | (a.isnan() & b.isnan())
             if not bool(same.all()):
                 return f"{int((~same).sum())} of {same.numel()} values of {key!r}"
     return ""
