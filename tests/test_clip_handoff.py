@@ -34,7 +34,7 @@ _SIZES = st.sampled_from([(), (0,), (1,), (7,), (2049,), (3, 5, 11), (70_001,)])
 def _optimizer(kind: str, lr, wd, mask):
     if kind == "scale_by_adam":
         return gtx.scale_by_adam(b1=0.9, b2=0.99)
-    if kind.startswith("sgd"):  # chain(trace, scale_by_learning_rate): the trace takes it
+    if kind.startswith("sgd"):  # the momentum step with the learning rate folded in takes it
         return gtx.sgd(lr, momentum=0.9, nesterov=kind == "sgd_nesterov")
     if kind == "adam":
         return gtx.adam(lr)
@@ -113,17 +113,22 @@ def _counting_scales(monkeypatch) -> list:
     return calls
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 @pytest.mark.parametrize("inplace", [False, True, "updates"])
-def test_no_scaling_pass_runs_and_a_pure_step_leaves_the_gradients_alone(monkeypatch, inplace):
+def test_no_scaling_pass_runs_and_a_pure_step_leaves_the_gradients_alone(monkeypatch, inplace, optimizer):
     params = {"w": probe_values((300, 70), 1), "b": probe_values((70,), 2)}
     grads = {k: torch.randn(p.shape) * 10 for k, p in params.items()}  # a norm far above 1: clipped
     kept = {k: g.clone() for k, g in grads.items()}
-    tx = gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(1e-3, weight_decay=0.1))
+    if optimizer == "sgd":
+        step, kernel = gtx.sgd(1e-3, momentum=0.9), native_momentum.usable()
+    else:
+        step, kernel = gtx.adamw(1e-3, weight_decay=0.1), native_adam.usable()
+    tx = gtx.chain(gtx.clip_by_global_norm(1.0), step)
     scales = _counting_scales(monkeypatch)
-    calls = native_adam.usable().calls
+    calls = kernel.calls
     given = {k: g.clone() for k, g in grads.items()} if inplace else grads
     updates, state = tx.update(given, tx.init(params), params, inplace=inplace)
-    assert scales == [] and native_adam.usable().calls == calls + 2
+    assert scales == [] and kernel.calls == calls + 2
     assert float(state[0].norm) > 1.0
     if not inplace:
         assert all(torch.equal(grads[k], kept[k]) for k in grads)  # pure: nothing the caller passed is written
@@ -185,8 +190,8 @@ def test_the_check_refuses_a_kernel_that_leaves_the_coefficient_out(monkeypatch)
     momentum = native_momentum.usable()
 
     class UnscaledTrace(type(momentum)):
-        def __call__(self, g, t, to, uo, decay, nesterov, grad_scale=None):
-            return super().__call__(g, t, to, uo, decay, nesterov)
+        def __call__(self, g, t, to, uo, decay, nesterov, grad_scale=None, update_scale=None):
+            return super().__call__(g, t, to, uo, decay, nesterov, None, update_scale)
 
     broken_trace = object.__new__(UnscaledTrace)
     broken_trace.__dict__.update(momentum.__dict__)

@@ -88,8 +88,14 @@ def test_the_check_refuses_a_kernel_whose_numbers_differ():
     lib, _ = build.load("momentum")
 
     class OffByOne(native_momentum._Kernel):  # the decay one float32 step off
-        def __call__(self, g, t, to, uo, decay, nesterov, grad_scale=None):
-            super().__call__(g, t, to, uo, float(torch.nextafter(torch.tensor(decay), torch.tensor(0.0))), nesterov, grad_scale)
+        def __call__(self, g, t, to, uo, decay, nesterov, grad_scale=None, update_scale=None):
+            off = float(torch.nextafter(torch.tensor(decay), torch.tensor(0.0)))
+            super().__call__(g, t, to, uo, off, nesterov, grad_scale, update_scale)
+
+    class Unstepped(native_momentum._Kernel):  # sgd's learning rate left out of the update
+        def __call__(self, g, t, to, uo, decay, nesterov, grad_scale=None, update_scale=None):
+            super().__call__(g, t, to, uo, decay, nesterov, grad_scale)
 
     assert "values of" in native_momentum._mismatch(OffByOne(lib))
+    assert "sgd" in native_momentum._mismatch(Unstepped(lib))
     assert native_momentum._mismatch(native_momentum._Kernel(lib)) == ""

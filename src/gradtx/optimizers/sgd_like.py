@@ -14,7 +14,7 @@ import torch
 from gradtx.base import GradientTransformation, identity
 from gradtx.chains.chain import chain
 from gradtx.optimizers._common import _momentum, _one, check_learning_rate
-from gradtx.transforms.momentum import trace
+from gradtx.transforms.momentum import fused_sgd
 from gradtx.transforms.noise import add_noise, differentially_private_aggregate
 from gradtx.transforms.optimistic import scale_by_optimistic_gradient
 from gradtx.transforms.scaling import ScalarOrSchedule, scale_by_learning_rate
@@ -77,12 +77,9 @@ def sgd(
     check_learning_rate(learning_rate, "sgd")
     if momentum is None:
         return _one(chain(identity(), scale_by_learning_rate(learning_rate)))
-    return _one(
-        chain(
-            trace(decay=momentum, nesterov=nesterov, accumulator_dtype=accumulator_dtype),
-            scale_by_learning_rate(learning_rate),
-        )
-    )
+    # chain(trace, scale_by_learning_rate) as one transformation: the same state and numbers, with
+    # the learning rate taken in the momentum step's pass and a clip's coefficient handed to it
+    return fused_sgd(learning_rate, momentum, nesterov, accumulator_dtype)
 
 
 def noisy_sgd(

@@ -34,7 +34,7 @@ from gradtx.numerics import ScalarOrSchedule
 from gradtx.state_check import named
 from gradtx.state_signs import nonnegative
 from gradtx.transforms import _foreach as fe
-from gradtx.transforms.scaling import ScaleByScheduleState
+from gradtx.transforms.scaling import FoldedLearningRate
 from gradtx.transforms.weight_decay import WeightDecaySchedule
 
 
@@ -333,14 +333,13 @@ def fused_adam(
     """
     adam = _Adam("adamw" if weight_decay is not None else "adam", b1, b2, eps, eps_root, mu_dtype, nesterov)
     with_decay = weight_decay is not None
-    lr_is_schedule, decay_is_schedule = callable(learning_rate), callable(weight_decay)
+    decay_is_schedule = callable(weight_decay)
     if with_decay and not decay_is_schedule:
         weight_decay = fe.number_or_tensor(weight_decay)  # type: ignore[arg-type]
-    if learning_rate is not None and not lr_is_schedule:
-        learning_rate = fe.number_or_tensor(learning_rate)  # type: ignore[arg-type]
+    rate = FoldedLearningRate(learning_rate)
 
     def init_fn(params: Any) -> tuple:
-        lr_state = ScaleByScheduleState(count=fe.zero_count(params)) if lr_is_schedule else EmptyState()
+        lr_state = rate.init(params)
         if not with_decay:
             return (adam.init(params), lr_state)
         decay_state = WeightDecaySchedule(count=fe.zero_count(params)) if decay_is_schedule else EmptyState()
@@ -354,14 +353,9 @@ def fused_adam(
         return run(updates, state, params, inplace, grad_scale, scaling)
 
     def run(updates, state, params, inplace, grad_scale=None, scaling=None):
-        adam_state, lr_state = state[0], state[-1]
+        adam_state = state[0]
         _, own_state = donation(inplace)
-        if lr_is_schedule:
-            lr = fe.schedule_value(learning_rate, lr_state.count)
-            lr_scale: Any = -lr
-            lr_state = ScaleByScheduleState(count=fe.increment(lr_state.count, inplace=own_state))
-        else:
-            lr_scale = None if learning_rate is None else -learning_rate
+        lr_scale, lr_state = rate.step(state[-1], inplace=own_state)
         decay, decay_state = None, None
         if with_decay:
             decay_state = state[1]

@@ -89,6 +89,27 @@ def scale_by_learning_rate(
     return scale(sign * fe.number_or_tensor(learning_rate))
 
 
+class FoldedLearningRate:
+    """What :func:`scale_by_learning_rate` does in a chain, for a transformation that folds the
+    learning rate into its own step (the fused Adam and SGD steps): that member's state
+    (:meth:`init`) and, each step, its factor ``-learning_rate`` and next state (:meth:`step`)."""
+
+    def __init__(self, learning_rate: Optional[ScalarOrSchedule]):
+        self.is_schedule = callable(learning_rate)
+        self.value = learning_rate if learning_rate is None or self.is_schedule else fe.number_or_tensor(learning_rate)
+
+    def init(self, params: Any) -> Union[ScaleByScheduleState, EmptyState]:
+        return ScaleByScheduleState(count=fe.zero_count(params)) if self.is_schedule else EmptyState()
+
+    def step(self, state: Any, *, inplace: bool) -> tuple[Any, Any]:
+        """``(factor, new state)``: the factor ``-learning_rate`` (``None`` for ``None``, the
+        identity), a number or a 0-d tensor; ``inplace``: the count is donated."""
+        if self.is_schedule:
+            factor = -fe.schedule_value(self.value, state.count)
+            return factor, ScaleByScheduleState(count=fe.increment(state.count, inplace=inplace))
+        return (None if self.value is None else -self.value), state
+
+
 def scale_by_trust_ratio(
     min_norm: float = 0.0,
     trust_coefficient: float = 1.0,
