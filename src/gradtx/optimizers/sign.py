@@ -14,11 +14,10 @@ import torch
 from gradtx.base import GradientTransformation
 from gradtx.chains.chain import chain
 from gradtx.optimizers._common import _one, check_learning_rate, check_number_learning_rate
-from gradtx.transforms.lion import scale_by_lion
+from gradtx.transforms.lion import fused_lion
 from gradtx.transforms.momentum import ema
 from gradtx.transforms.scaling import ScalarOrSchedule, scale, scale_by_learning_rate
 from gradtx.transforms.sign import scale_by_rprop, scale_by_sign
-from gradtx.transforms.weight_decay import add_decayed_weights
 
 
 def sign_sgd(learning_rate: ScalarOrSchedule) -> GradientTransformation:
@@ -168,13 +167,9 @@ def lion(
       8.7399
     """
     check_learning_rate(learning_rate, "lion")
-    return _one(
-        chain(
-            scale_by_lion(b1=b1, b2=b2, mu_dtype=mu_dtype),
-            add_decayed_weights(weight_decay, mask),
-            scale_by_learning_rate(learning_rate),
-        )
-    )
+    # chain(scale_by_lion, add_decayed_weights, scale_by_learning_rate) as one transformation: the
+    # same state and numbers, in one pass (the C kernel), with a clip's coefficient handed to it
+    return fused_lion(learning_rate, b1, b2, mu_dtype, weight_decay, mask)
 
 
 def rprop(

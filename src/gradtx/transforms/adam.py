@@ -20,7 +20,6 @@ from torch import Tensor
 
 from gradtx import tree as tree_lib
 from gradtx.base import (
-    EmptyState,
     GradientTransformation,
     donation,
     set_elementwise,
@@ -35,7 +34,7 @@ from gradtx.state_check import named
 from gradtx.state_signs import nonnegative
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.scaling import FoldedLearningRate
-from gradtx.transforms.weight_decay import WeightDecaySchedule
+from gradtx.transforms.weight_decay import WeightDecayTerm
 
 
 @nonnegative("nu")
@@ -332,18 +331,14 @@ def fused_adam(
     ignores them, so the optimizer can stand wherever another one may.
     """
     adam = _Adam("adamw" if weight_decay is not None else "adam", b1, b2, eps, eps_root, mu_dtype, nesterov)
-    with_decay = weight_decay is not None
-    decay_is_schedule = callable(weight_decay)
-    if with_decay and not decay_is_schedule:
-        weight_decay = fe.number_or_tensor(weight_decay)  # type: ignore[arg-type]
+    term = None if weight_decay is None else WeightDecayTerm(weight_decay, mask, adam.owner, why=" for weight decay")
     rate = FoldedLearningRate(learning_rate)
 
     def init_fn(params: Any) -> tuple:
         lr_state = rate.init(params)
-        if not with_decay:
+        if term is None:
             return (adam.init(params), lr_state)
-        decay_state = WeightDecaySchedule(count=fe.zero_count(params)) if decay_is_schedule else EmptyState()
-        return (adam.init(params), decay_state, lr_state)
+        return (adam.init(params), term.init(params), lr_state)
 
     def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
         del extra_args  # value=, grad=, ...: taken and ignored, as by optax's aliases (the chain it stands for)
@@ -357,27 +352,15 @@ def fused_adam(
         _, own_state = donation(inplace)
         lr_scale, lr_state = rate.step(state[-1], inplace=own_state)
         decay, decay_state = None, None
-        if with_decay:
-            decay_state = state[1]
-            tree_lib.require_params(updates, params, owner=adam.owner, why=" for weight decay")
-            if decay_is_schedule:
-                wd: Any = fe.schedule_value(weight_decay, decay_state.count)
-                decay_state = WeightDecaySchedule(count=fe.increment(decay_state.count, inplace=own_state))
-            else:
-                wd = weight_decay
-            if not (isinstance(wd, float) and wd == 0.0):
-                leaves = fe.leaves_of(updates, what=adam.owner)
-                param_values = fe.params_of(leaves, params, owner=adam.owner)
-                flags = [True] * len(param_values)
-                if mask is not None:
-                    selected = tree_lib.mask_leaves(mask, params, what=f"{adam.owner}: mask")
-                    flags = [selected[i] for i in leaves.present]
-                factor = wd if lr_scale is None else lr_scale * wd
-                decay = (factor, flags, param_values)
+        if term is not None:
+            decay, decay_state = term.step(updates, state[1], params, inplace=own_state)
+            if decay is not None and lr_scale is not None:
+                wd, flags, param_values = decay
+                decay = (lr_scale * wd, flags, param_values)
         new_updates, new_adam_state = adam.update(
             updates, adam_state, inplace=inplace, lr_scale=lr_scale, decay=decay, grad_scale=grad_scale, scaling=scaling
         )
-        if with_decay:
+        if term is not None:
             return new_updates, (new_adam_state, decay_state, lr_state)
         return new_updates, (new_adam_state, lr_state)
 

@@ -18,6 +18,40 @@ class WeightDecaySchedule(NamedTuple):
     count: Tensor
 
 
+class WeightDecayTerm:
+    """The ``weight_decay * param`` term of :func:`add_decayed_weights`, for it and for the steps
+    that fold it into their own pass (the fused Adam and Lion steps): that member's state
+    (:meth:`init`) and, each step, the factor, which leaves it decays and their params (:meth:`step`)."""
+
+    def __init__(self, weight_decay: ScalarOrSchedule, mask: Optional[Any], owner: str, why: str = ""):
+        self.is_schedule = callable(weight_decay)
+        self.value = weight_decay if self.is_schedule else fe.number_or_tensor(weight_decay)  # type: ignore[arg-type]
+        self.mask, self.owner, self.why = mask, owner, why
+
+    def init(self, params: Any) -> Any:
+        return WeightDecaySchedule(count=fe.zero_count(params)) if self.is_schedule else EmptyState()
+
+    def step(self, updates: Any, state: Any, params: Any, *, inplace: bool) -> tuple[Optional[tuple[Any, list[bool], list[Any]]], Any]:
+        """``((factor, flags, params), new state)``, a flag and a param per leaf of ``updates``
+        (``fe.leaves_of``), or ``(None, new state)`` where the factor is the number 0;
+        ``inplace``: the count is donated."""
+        tree_lib.require_params(updates, params, owner=self.owner, why=self.why)
+        if self.is_schedule:
+            factor: Any = fe.schedule_value(self.value, state.count)
+            state = WeightDecaySchedule(count=fe.increment(state.count, inplace=inplace))
+        else:
+            factor = self.value
+        if isinstance(factor, float) and factor == 0.0:
+            return None, state
+        leaves = fe.leaves_of(updates, what=self.owner)
+        param_values = fe.params_of(leaves, params, owner=self.owner)
+        flags = [True] * len(param_values)
+        if self.mask is not None:
+            selected = tree_lib.mask_leaves(self.mask, params, what=f"{self.owner}: mask")
+            flags = [selected[i] for i in leaves.present]
+        return (factor, flags, param_values), state
+
+
 def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Optional[Any] = None) -> GradientTransformation:
     """Adds ``weight_decay * param`` to each update, as ``optax.add_decayed_weights``.
 
@@ -29,29 +63,15 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Optional[Any
         transformation in ``masked`` for this, which nests its state in a ``MaskedState``; here
         the mask is applied inside, so the state is the same with or without a mask.
     """
-    is_schedule = callable(weight_decay)
-    if not is_schedule:
-        weight_decay = fe.number_or_tensor(weight_decay)  # type: ignore[arg-type]
-
-    def init_fn(params: Any):
-        return WeightDecaySchedule(count=fe.zero_count(params)) if is_schedule else EmptyState()
+    term = WeightDecayTerm(weight_decay, mask, "add_decayed_weights")
 
     def update_fn(updates, state, params=None, *, inplace=False):
-        tree_lib.require_params(updates, params, owner="add_decayed_weights")
         inplace, own_state = donation(inplace)  # from here on ``inplace`` is about the updates
-        if is_schedule:
-            factor: Any = fe.schedule_value(weight_decay, state.count)
-            state = WeightDecaySchedule(count=fe.increment(state.count, inplace=own_state))
-        elif isinstance(weight_decay, float) and weight_decay == 0.0:
+        decay, state = term.step(updates, state, params, inplace=own_state)
+        if decay is None:
             return updates, state
-        else:
-            factor = weight_decay
+        factor, flags, param_values = decay
         leaves = fe.leaves_of(updates, what="add_decayed_weights")
-        param_values = fe.params_of(leaves, params, owner="add_decayed_weights")
-        flags = [True] * len(param_values)
-        if mask is not None:
-            selected = tree_lib.mask_leaves(mask, params, what="add_decayed_weights: mask")
-            flags = [selected[i] for i in leaves.present]
 
         def group(g, p, decayed):
             chosen = [i for i, flag in enumerate(decayed) if flag]
@@ -75,7 +95,7 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Optional[Any
 
     # a zero decay or a mask passes updates through as they are: new updates only when donated
     update_fn = supports_donated_updates(update_fn, returns_new_updates=False)
-    return GradientTransformation(init_fn, set_elementwise(update_fn, not callable(mask)))  # a mask made from the params sees them all
+    return GradientTransformation(term.init, set_elementwise(update_fn, not callable(mask)))  # a mask made from the params sees them all
 
 
 AddDecayedWeightsState = EmptyState
