@@ -13,20 +13,32 @@
 #include <math.h>
 #include <stdint.h>
 
+/* sign(x) as torch.sign gives it: +1, -1, or +0 for a zero or a NaN (branch-free: vectorized) */
+static inline float sign_of(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
+
+/* The loop for one kind of decay, a constant once inlined: no branch, and no read of p, in it. */
+static inline __attribute__((always_inline)) void lion_range(
+    const float *g, const float *m, const float *p, float *mo, float *uo, int64_t n, int small1, float c1,
+    int small2, float c2, const int decay, float factor, float step, int scaled, float gscale, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n >= 65536)
+    for (int64_t i = 0; i < n; i++) {
+        const float gi = scaled ? g[i] * gscale : g[i], mi = m[i];
+        const float s = sign_of(fmaf(c1, mi - gi, small1 ? gi : mi)); /* lerp(g, m, b1) */
+        const float u = decay == 1 ? fmaf(p[i], factor, s) : decay == 2 ? s + p[i] * factor : s;
+        uo[i] = u * step;
+        mo[i] = fmaf(c2, gi - mi, small2 ? mi : gi); /* lerp(m, g, 1 - b2) */
+    }
+}
+
 void gradtx_lion_f32(const float *g, const float *m, const float *p, float *mo, float *uo, int64_t n,
                      float w1, float w2, int decay, float factor, float step, int scaled, float gscale,
                      int threads) {
     const int small1 = fabsf(w1) < 0.5f, small2 = fabsf(w2) < 0.5f;
     const float c1 = small1 ? w1 : w1 - 1.0f, c2 = small2 ? w2 : w2 - 1.0f;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n >= 65536)
-    for (int64_t i = 0; i < n; i++) {
-        const float gi = scaled ? g[i] * gscale : g[i], mi = m[i];
-        const float x = fmaf(c1, mi - gi, small1 ? gi : mi); /* lerp(g, m, b1) */
-        const float s = x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f);
-        float u = s;
-        if (decay == 1) u = fmaf(p[i], factor, s);
-        else if (decay == 2) u = s + p[i] * factor;
-        uo[i] = u * step;
-        mo[i] = fmaf(c2, gi - mi, small2 ? mi : gi); /* lerp(m, g, 1 - b2) */
-    }
+    if (decay == 1)
+        lion_range(g, m, p, mo, uo, n, small1, c1, small2, c2, 1, factor, step, scaled, gscale, threads);
+    else if (decay == 2)
+        lion_range(g, m, p, mo, uo, n, small1, c1, small2, c2, 2, factor, step, scaled, gscale, threads);
+    else
+        lion_range(g, m, p, mo, uo, n, small1, c1, small2, c2, 0, factor, step, scaled, gscale, threads);
 }
