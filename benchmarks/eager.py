@@ -3,7 +3,7 @@
 Every candidate does one full step, clip by global norm 1.0 + the optimizer + apply, on the
 GPT_41M tree of ``benchmarks/common.py`` (52 float32 leaves, 41.7M elements)::
 
-    python benchmarks/eager.py [--optimizers adamw adam sgd lion] [--threads N] [--rounds R] [--malloc]
+    python benchmarks/eager.py [--optimizers adamw adam sgd amsgrad lion] [--threads N] [--rounds R] [--malloc]
 
 Candidates, for each optimizer:
 
@@ -39,6 +39,7 @@ OPTIMIZERS = {  # name: (torch class and arguments, gradtx alias and arguments)
     "adamw": (("AdamW", dict(lr=LR, weight_decay=0.1)), ("adamw", dict(learning_rate=LR, weight_decay=0.1))),
     "adam": (("Adam", dict(lr=LR)), ("adam", dict(learning_rate=LR))),
     "sgd": (("SGD", dict(lr=LR, momentum=0.9)), ("sgd", dict(learning_rate=LR, momentum=0.9))),
+    "amsgrad": (("Adam", dict(lr=LR, amsgrad=True)), ("amsgrad", dict(learning_rate=LR))),
     "lion": (("Lion", dict(lr=LR / 10, weight_decay=0.1)), ("lion", dict(learning_rate=LR / 10, weight_decay=0.1))),
 }
 

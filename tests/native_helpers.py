@@ -36,6 +36,18 @@ def equal_bits(want: torch.Tensor, got: torch.Tensor) -> bool:
     return want.shape == got.shape and want.dtype == got.dtype and checks.first_difference([{"x": want}], [{"x": got}]) == ""
 
 
+def same_results(want: tuple, got: tuple) -> None:
+    """Asserts two ``(updates, state)`` results have one tree structure and equal bits leaf by leaf."""
+    from gradtx import tree as tree_lib
+
+    assert tree_lib.structure(want) == tree_lib.structure(got)
+    want_leaves = [x for x in tree_lib.leaves(want) if isinstance(x, torch.Tensor)]
+    got_leaves = [x for x in tree_lib.leaves(got) if isinstance(x, torch.Tensor)]
+    assert len(want_leaves) == len(got_leaves)
+    for a, b in zip(want_leaves, got_leaves):
+        assert equal_bits(a, b)
+
+
 def applied(tx: gtx.GradientTransformation, params: dict, grads: dict, steps: int = 3) -> dict:
     """The params after ``steps`` steps of ``tx`` on the same ``grads``, each applied."""
     p, state = params, tx.init(params)

@@ -219,3 +219,56 @@ void gradtx_adam_stored_f32(const float *g, const float *p, const uint8_t *mc, c
         if (set_local) set_local(&before);
     }
 }
+
+/* AMSGrad (gradtx.scale_by_amsgrad, then the learning rate where `stepped`), per block: m' and v'
+ * as the Adam step's, nu_max' = maximum(nu_max, v' * ibc2) (v' where not `corrected`; NaN where
+ * either is NaN, else the larger, the second on a tie: torch.maximum's vector kernel), then
+ * u = m' / (sqrt(nu_max') + eps) * hat, times `step`. With g * gscale in place of g where `scaled`. */
+static void amsgrad_block(const float *g, const float *m, const float *v, const float *vm, float *mo, float *vo,
+                          float *vmo, float *uo, int len, int small, float coeff, float b2, float c2, int corrected,
+                          float ibc2, float eps, float hat, int stepped, float step, int scaled, float gscale,
+                          vector_sqrt vsqrt, long long mode) {
+    float root[BLOCK];
+#pragma GCC ivdep
+    for (int i = 0; i < len; i++) {
+        const float gi = scaled ? g[i] * gscale : g[i], mi = m[i];
+        mo[i] = fmaf(coeff, gi - mi, small ? mi : gi);
+        const float vn = fmaf(c2 * gi, gi, v[i] * b2);
+        vo[i] = vn;
+        const float c = corrected ? vn * ibc2 : vn, a = vm[i];
+        vmo[i] = (a != a || c != c) ? NAN : (a > c ? a : c);
+    }
+    if (vsqrt) {
+        vsqrt(len, vmo, root, mode);
+    } else {
+#pragma GCC ivdep
+        for (int i = 0; i < len; i++) root[i] = sqrtf(vmo[i]);
+    }
+#pragma GCC ivdep
+    for (int i = 0; i < len; i++) {
+        const float q = (mo[i] / (root[i] + eps)) * hat;
+        uo[i] = stepped ? q * step : q;
+    }
+}
+
+void gradtx_amsgrad_f32(const float *g, const float *m, const float *v, const float *vm, float *mo, float *vo,
+                        float *vmo, float *uo, int64_t n, float w1, float b2, float c2, int corrected, float ibc2,
+                        float eps, float hat, int stepped, float step, int scaled, float gscale, vector_sqrt vsqrt,
+                        long long mode, set_local_threads set_local, int threads) {
+    const int small = fabsf(w1) < 0.5f;
+    const float coeff = small ? w1 : w1 - 1.0f;
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n >= 65536)
+    {
+        const int one = 1;
+        const int before = set_local ? set_local(&one) : 0;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t s = b * BLOCK;
+            const int len = (int)(n - s < BLOCK ? n - s : BLOCK);
+            amsgrad_block(g + s, m + s, v + s, vm + s, mo + s, vo + s, vmo + s, uo + s, len, small, coeff, b2, c2,
+                          corrected, ibc2, eps, hat, stepped, step, scaled, gscale, vsqrt, mode);
+        }
+        if (set_local) set_local(&before);
+    }
+}

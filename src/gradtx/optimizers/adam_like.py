@@ -22,9 +22,9 @@ from gradtx.optimizers._common import _one, check_learning_rate, check_number_le
 from gradtx.transforms.adadelta import scale_by_yogi
 from gradtx.transforms.adam import (
     fused_adam,
+    fused_amsgrad,
     scale_by_adam,
     scale_by_adamax,
-    scale_by_amsgrad,
     scale_by_belief,
     scale_by_radam,
 )
@@ -361,12 +361,9 @@ def amsgrad(
       8.9757
     """
     check_learning_rate(learning_rate, "amsgrad")
-    return _one(
-        chain(
-            scale_by_amsgrad(b1, b2, eps, eps_root, mu_dtype, bias_correction_mu, bias_correction_nu),
-            scale_by_learning_rate(learning_rate),
-        )
-    )
+    # chain(scale_by_amsgrad, scale_by_learning_rate) as one transformation: the same state and
+    # numbers, in one pass (the C kernel), with a clip's coefficient handed to it
+    return fused_amsgrad(learning_rate, b1, b2, eps, eps_root, mu_dtype, bias_correction_mu, bias_correction_nu)
 
 
 def adamax(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:

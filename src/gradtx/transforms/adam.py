@@ -27,6 +27,7 @@ from gradtx.base import (
     takes_scaled_gradients,
 )
 from gradtx.native import adam as native_adam
+from gradtx.native import amsgrad as native_amsgrad
 from gradtx.native import stored_adam
 from gradtx.native.checks import float32 as checks_float32
 from gradtx.numerics import ScalarOrSchedule
@@ -374,6 +375,55 @@ def fused_adam(
 # --------------------------------------------------------------------------- AMSGrad
 
 
+def _amsgrad_step(updates, state, b1, b2, eps, eps_root, bias_correction_mu, bias_correction_nu, *, own_updates, own_state,
+                  grad_scale=None, scaling=None, update_scale=None, owner="scale_by_amsgrad"):
+    """One AMSGrad step: the updates (multiplied by ``update_scale`` where given) and the new state;
+    ``own_updates``/``own_state``: the gradients'/the state's buffers may be written; ``grad_scale``:
+    the step of ``updates * grad_scale`` (see :func:`~gradtx.base.takes_scaled_gradients`)."""
+    leaves = fe.leaves_of(updates, what=owner)
+    mu = leaves.aligned(state.mu, what=f"{owner}: state.mu")
+    nu = leaves.aligned(state.nu, what=f"{owner}: state.nu")
+    nu_max = leaves.aligned(state.nu_max, what=f"{owner}: state.nu_max")
+    count = fe.increment(state.count, inplace=own_state)
+    inv_bc1 = 1.0 / _correction(b1, count) if bias_correction_mu else None
+    inv_bc2 = 1.0 / _correction(b2, count) if bias_correction_nu else None
+
+    def group(g, m, v, v_max):
+        factor = grad_scale
+        if factor is not None and scaling is not None:  # a scaling that reads the gradients (observe's) scales them
+            g, factor = fe.scaled(list(g), factor, scaling, inplace=own_updates), None
+        if not (eps_root or torch.compiler.is_compiling()):  # one pass for plain float32 CPU tensors, the same numbers
+            done = native_amsgrad.step(
+                g, m, v, v_max, b1=b1, b2=b2, inv_bc2=inv_bc2, eps=eps, hat=1.0 if inv_bc1 is None else inv_bc1,
+                step=update_scale, inplace=own_state, own_updates=own_updates, grad_scale=factor,
+            )
+            if done is not None:
+                return done
+        if factor is not None:
+            g = fe.scaled(list(g), factor, None, inplace=own_updates)
+        m = first_moment(m, g, b1, inplace=own_state)
+        v = second_moment(v, g, b2, inplace=own_state)
+        corrected = fe.fresh(v, into=g if own_updates else None)
+        if inv_bc2 is not None:
+            corrected = fe.mul(corrected, fe.on(inv_bc2, corrected), inplace=True)
+        v_max = fe.maximum(v_max, fe.cast(corrected, v_max[0].dtype), inplace=own_state)
+        root = eps_root if eps_root else None
+        d = denominator(v_max, eps, root, g[0].dtype, into=corrected if own_updates else None)
+        out = divide(m, False, d, 1.0 if inv_bc1 is None else fe.on(inv_bc1, d))
+        if update_scale is not None:  # ``out`` is new, or the donated gradients
+            out = fe.mul(out, fe.on(update_scale, out), inplace=True)
+        return fe.finish(out, g), m, v, v_max
+
+    pack = not (own_updates or own_state or scaling is not None)  # a scaling that reads the gradients sees them as given
+    new_updates, new_mu, new_nu, new_max = fe.map_groups(group, leaves.tensors, mu, nu, nu_max, outputs=4, pack=pack)
+    return leaves.rebuild(new_updates), ScaleByAmsgradState(
+        count=count,
+        mu=leaves.rebuild(new_mu, like=state.mu),
+        nu=leaves.rebuild(new_nu, like=state.nu),
+        nu_max=leaves.rebuild(new_max, like=state.nu_max),
+    )
+
+
 def scale_by_amsgrad(
     b1: float = 0.9,
     b2: float = 0.999,
@@ -392,46 +442,70 @@ def scale_by_amsgrad(
     owner = "scale_by_amsgrad"
     b1, b2 = _check_decay("b1", b1, owner), _check_decay("b2", b2, owner)
     eps, eps_root = float(eps), float(eps_root)
+    hyper = (b1, b2, eps, eps_root, bias_correction_mu, bias_correction_nu)
 
     def init_fn(params: Any) -> ScaleByAmsgradState:
-        return ScaleByAmsgradState(
-            count=fe.zero_count(params),
-            mu=fe.zeros_like_tree(params, mu_dtype),
-            nu=fe.zeros_like_tree(params),
-            nu_max=fe.zeros_like_tree(params),
-        )
+        return _amsgrad_init(params, mu_dtype)
 
     def update_fn(updates, state, params=None, *, inplace=False):
         del params
-        leaves = fe.leaves_of(updates, what=owner)
-        mu = leaves.aligned(state.mu, what=f"{owner}: state.mu")
-        nu = leaves.aligned(state.nu, what=f"{owner}: state.nu")
-        nu_max = leaves.aligned(state.nu_max, what=f"{owner}: state.nu_max")
-        count = fe.increment(state.count, inplace=inplace)
-        inv_bc1 = 1.0 / _correction(b1, count) if bias_correction_mu else None
-        inv_bc2 = 1.0 / _correction(b2, count) if bias_correction_nu else None
-
-        def group(g, m, v, v_max):
-            m = first_moment(m, g, b1, inplace=inplace)
-            v = second_moment(v, g, b2, inplace=inplace)
-            corrected = fe.fresh(v, into=g if inplace else None)
-            if inv_bc2 is not None:
-                corrected = fe.mul(corrected, fe.on(inv_bc2, corrected), inplace=True)
-            v_max = fe.maximum(v_max, fe.cast(corrected, v_max[0].dtype), inplace=inplace)
-            root = eps_root if eps_root else None
-            d = denominator(v_max, eps, root, g[0].dtype, into=corrected if inplace else None)
-            out = divide(m, False, d, 1.0 if inv_bc1 is None else fe.on(inv_bc1, d))
-            return fe.finish(out, g), m, v, v_max
-
-        new_updates, new_mu, new_nu, new_max = fe.map_groups(group, leaves.tensors, mu, nu, nu_max, outputs=4, pack=not inplace)
-        return leaves.rebuild(new_updates), ScaleByAmsgradState(
-            count=count,
-            mu=leaves.rebuild(new_mu, like=state.mu),
-            nu=leaves.rebuild(new_nu, like=state.nu),
-            nu_max=leaves.rebuild(new_max, like=state.nu_max),
-        )
+        own_updates, own_state = donation(inplace)
+        return _amsgrad_step(updates, state, *hyper, own_updates=own_updates, own_state=own_state)
 
     return GradientTransformation(init_fn, update_fn)
+
+
+def _amsgrad_init(params: Any, mu_dtype: Optional[torch.dtype]) -> ScaleByAmsgradState:
+    return ScaleByAmsgradState(
+        count=fe.zero_count(params),
+        mu=fe.zeros_like_tree(params, mu_dtype),
+        nu=fe.zeros_like_tree(params),
+        nu_max=fe.zeros_like_tree(params),
+    )
+
+
+def fused_amsgrad(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Optional[torch.dtype] = None,
+    bias_correction_mu: bool = True,
+    bias_correction_nu: bool = True,
+) -> GradientTransformation:
+    """``chain(scale_by_amsgrad(...), scale_by_learning_rate(learning_rate))`` as one transformation,
+    for :func:`gradtx.amsgrad`: that chain's state (a tuple ``(ScaleByAmsgradState, learning-rate
+    state)``) and its numbers bit for bit. Eagerly, for float32 CPU tensors, one C kernel makes the
+    step in one pass over memory, and a ``clip_by_global_norm`` before it in a :func:`~gradtx.chain`
+    hands it its coefficient (see :func:`~gradtx.base.takes_scaled_gradients`)."""
+    owner = "amsgrad"
+    b1, b2 = _check_decay("b1", b1, owner), _check_decay("b2", b2, owner)
+    hyper = (b1, b2, float(eps), float(eps_root), bias_correction_mu, bias_correction_nu)
+    rate = FoldedLearningRate(learning_rate)
+
+    def init_fn(params: Any) -> tuple:
+        return (_amsgrad_init(params, mu_dtype), rate.init(params))
+
+    def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
+        del params, extra_args  # value=, grad=, ...: taken and ignored, as by the chain it stands for
+        return run(updates, state, inplace)
+
+    def scaled_update(updates, state, params=None, *, inplace=False, grad_scale, scaling=None):
+        del params
+        return run(updates, state, inplace, grad_scale, scaling)
+
+    def run(updates, state, inplace, grad_scale=None, scaling=None):
+        own_updates, own_state = donation(inplace)
+        factor, lr_state = rate.step(state[1], inplace=own_state)
+        new_updates, amsgrad_state = _amsgrad_step(
+            updates, state[0], *hyper, own_updates=own_updates, own_state=own_state, grad_scale=grad_scale,
+            scaling=scaling, update_scale=factor, owner=owner,
+        )
+        return new_updates, (amsgrad_state, lr_state)
+
+    update_fn = set_elementwise(supports_donated_updates(update_fn))
+    return GradientTransformation(init_fn, named(takes_scaled_gradients(update_fn, scaled_update), owner))
 
 
 # --------------------------------------------------------------------------- AdaBelief
