@@ -190,6 +190,22 @@ def test_a_failing_compiler_is_reported():
     assert "cannot write" in out or "failed" in out
 
 
+def test_a_first_step_under_vmap_takes_the_aten_ops_and_checks_the_kernels_later():
+    """In a fresh process (no kernel checked yet), each optimizer's first step under ``vmap``: the
+    check is not run there (its random probes would fail under ``vmap``), and runs at the next use."""
+    script = """
+import torch, gradtx as gtx
+from gradtx.native import adam, amsgrad, lion, momentum
+for tx in (gtx.adamw(1e-2), gtx.amsgrad(1e-2), gtx.lion(1e-3), gtx.sgd(0.1, momentum=0.9)):
+    batched = {"w": torch.randn(4, 3, 5)}
+    states = torch.func.vmap(tx.init)(batched)
+    torch.func.vmap(lambda u, s, p: tx.update(u, s, p))(batched, states, batched)
+print([kernel.status() for kernel in (adam, amsgrad, lion, momentum)])
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(["in use"] * 4)
+
+
 def test_gradtx_native_0_turns_the_kernels_off(monkeypatch):
     monkeypatch.setenv("GRADTX_NATIVE", "0")
     assert build._build_and_load("adam") == (None, "GRADTX_NATIVE=0")

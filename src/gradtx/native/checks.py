@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
+from gradtx import torch_internals
 from gradtx.native import build
 
 # Per thread: ``reference`` (ATen ops only, :func:`aten_only`), ``checking`` (the kernel under check).
@@ -41,8 +42,12 @@ class Lazy:
         return "in use" if kernel is not None else why
 
     def usable(self) -> Optional[Any]:
-        """The checked kernel, or ``None`` (also within :func:`aten_only`)."""
-        return None if reference_only() else self.result()[0]
+        """The checked kernel, or ``None``: also within :func:`aten_only`, and while a ``torch.func``
+        transform runs (its tensors are wrappers, and the check's random probes would fail under
+        ``vmap``: it is not run there, and runs at the next use outside)."""
+        if reference_only() or torch_internals.functorch_active():
+            return None
+        return self.result()[0]
 
 
 @contextlib.contextmanager
