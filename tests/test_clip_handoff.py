@@ -1,6 +1,6 @@
-"""A global-norm clip in a chain hands its coefficient to the Adam or momentum step after it.
+"""A global-norm clip in a chain hands its coefficient to the Adam, AMSGrad, momentum or Lion step after it.
 
-``chain(clip_by_global_norm(...), adam/adamw/scale_by_adam/sgd with momentum/lion(...))`` does not make
+``chain(clip_by_global_norm(...), adam/adamw/scale_by_adam/sgd with momentum/amsgrad/lion(...))`` does not make
 a scaled copy of the gradients: the step's kernel takes the product where it reads them. Checked: the updates and
 state equal, bit for bit, those of the same chain with the ATen ops and of the chain with a member
 in between (so the clip scales on its own), for random trees, clip sizes, hyperparameters,
@@ -23,6 +23,8 @@ import gradtx as gtx
 from gradtx import tree as tree_lib
 from gradtx.native import adam as native_adam
 from gradtx.native import checks
+from gradtx.native import amsgrad as native_amsgrad
+from gradtx.native import lion as native_lion
 from gradtx.native import momentum as native_momentum
 from native_helpers import NEEDS_KERNELS, donated_run, equal_bits, probe_values
 
@@ -38,7 +40,17 @@ def _optimizer(kind: str, lr, wd, mask):
         return gtx.sgd(lr, momentum=0.9, nesterov=kind == "sgd_nesterov")
     if kind == "adam":
         return gtx.adam(lr)
+    if kind == "amsgrad":
+        return gtx.amsgrad(lr)
+    if kind == "lion":
+        return gtx.lion(lr, weight_decay=wd, mask=mask)
     return gtx.adamw(lr, weight_decay=wd, mask=mask)
+
+
+def _kernel_of(kind: str):
+    """The C kernel that takes the clip's product for ``kind``."""
+    kernels = {"sgd": native_momentum, "sgd_nesterov": native_momentum, "amsgrad": native_amsgrad, "lion": native_lion}
+    return kernels.get(kind, native_adam).usable()
 
 
 def _leaves(result) -> list[torch.Tensor]:
@@ -64,7 +76,7 @@ def _unclipped_state(result):
 @given(
     sizes=st.lists(_SIZES, min_size=1, max_size=3),
     max_norm=st.sampled_from([1e-3, 0.5, 1e6]),
-    kind=st.sampled_from(["adamw", "adam", "scale_by_adam", "sgd", "sgd_nesterov"]),
+    kind=st.sampled_from(["adamw", "adam", "scale_by_adam", "sgd", "sgd_nesterov", "amsgrad", "lion"]),
     lr=st.sampled_from([1e-3, "schedule"]),
     wd=st.sampled_from([0.0, 0.1, "schedule"]),
     masked=st.booleans(),
@@ -89,7 +101,7 @@ def test_the_handed_coefficient_gives_the_scaled_steps_numbers(sizes, max_norm, 
         reference = donated_run(make(True), params, grads, inplace)
         aten_handed = donated_run(make(False), params, grads, inplace)
     clip_scaling = donated_run(make(True), params, grads, inplace)
-    kernel = (native_momentum if kind.startswith("sgd") else native_adam).usable()
+    kernel = _kernel_of(kind)
     before = kernel.calls
     handed = donated_run(make(False), params, grads, inplace)
     assert kernel.calls > before or not any(p.numel() for p in params.values())
@@ -113,17 +125,14 @@ def _counting_scales(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "amsgrad", "lion"])
 @pytest.mark.parametrize("inplace", [False, True, "updates"])
 def test_no_scaling_pass_runs_and_a_pure_step_leaves_the_gradients_alone(monkeypatch, inplace, optimizer):
     params = {"w": probe_values((300, 70), 1), "b": probe_values((70,), 2)}
     grads = {k: torch.randn(p.shape) * 10 for k, p in params.items()}  # a norm far above 1: clipped
     kept = {k: g.clone() for k, g in grads.items()}
-    if optimizer == "sgd":
-        step, kernel = gtx.sgd(1e-3, momentum=0.9), native_momentum.usable()
-    else:
-        step, kernel = gtx.adamw(1e-3, weight_decay=0.1), native_adam.usable()
-    tx = gtx.chain(gtx.clip_by_global_norm(1.0), step)
+    kernel = _kernel_of(optimizer)
+    tx = gtx.chain(gtx.clip_by_global_norm(1.0), _optimizer(optimizer, 1e-3, 0.1, None))
     scales = _counting_scales(monkeypatch)
     calls = kernel.calls
     given = {k: g.clone() for k, g in grads.items()} if inplace else grads

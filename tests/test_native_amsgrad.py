@@ -4,8 +4,8 @@ with its C kernel (``gradtx_amsgrad_f32`` in gradtx/native/adam.c).
 Checked: its updates and state, and ``scale_by_amsgrad``'s, equal the ATen ops' bit for bit, with
 the kernel and without, for random trees, ``b1`` on both sides of ``lerp``'s branch, bias
 corrections on and off, learning rates as numbers, 0-d tensors or schedules, ``mu`` dtypes and each
-donation mode; a clip before it hands it its coefficient (no scaling pass); the kernel is not used
-where it could change a number; its check refuses a kernel whose numbers differ.
+donation mode (``tests/test_clip_handoff.py``: a clip before it); the kernel is not used where it
+could change a number; its check refuses a kernel whose numbers differ.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradtx as gtx
-from gradtx import tree as tree_lib
 from gradtx.native import amsgrad as native_amsgrad
 from gradtx.native import build, checks
-from native_helpers import NEEDS_KERNELS, donated_run, equal_bits, probe_values, same_results
+from native_helpers import NEEDS_KERNELS, donated_run, probe_values, same_results
 
 pytestmark = NEEDS_KERNELS
 
@@ -59,28 +58,6 @@ def test_amsgrad_equals_the_chain_it_stands_for_bit_for_bit(sizes, b1, correctio
         got = donated_run(tested(), params, grads, inplace)
     assert (_calls() > calls) == (not aten and mu_dtype is None)  # bf16 moments: the ATen ops
     same_results(want, got)
-
-
-@pytest.mark.parametrize("inplace", [False, True, "updates"])
-def test_a_clip_hands_amsgrad_its_coefficient(monkeypatch, inplace):
-    params = {"w": probe_values((300, 70), 1), "b": probe_values((70,), 2)}
-    grads = {k: torch.randn(p.shape) * 10 for k, p in params.items()}  # a norm far above 1: clipped
-    kept = {k: g.clone() for k, g in grads.items()}
-    tx = gtx.chain(gtx.clip_by_global_norm(1.0), gtx.amsgrad(1e-3))
-    with checks.aten_only():
-        want = donated_run(tx, params, [grads], inplace)
-    scales: list = []
-    original = tree_lib.scale_
-    monkeypatch.setattr(tree_lib, "scale_", lambda *args, **kwargs: scales.append(1) or original(*args, **kwargs))
-    calls = _calls()
-    given_grads = {k: g.clone() for k, g in grads.items()} if inplace else grads
-    updates, _ = tx.update(given_grads, tx.init(params), params, inplace=inplace)
-    assert scales == [] and _calls() == calls + 2
-    assert all(equal_bits(want[0][k], updates[k]) for k in params)
-    if inplace:  # donated: the updates in the gradients' buffers
-        assert all(updates[k].data_ptr() == given_grads[k].data_ptr() for k in grads)
-    else:  # pure: nothing the caller passed is written
-        assert all(equal_bits(grads[k], kept[k]) for k in grads)
 
 
 @pytest.mark.parametrize("case", ["a recorded graph", "bfloat16 leaves", "a transposed leaf", "one gradient twice", "eps_root"])

@@ -4,9 +4,8 @@ scale_by_learning_rate)``, with its C kernel (gradtx/native/lion.c).
 Checked: its updates and state equal that chain's bit for bit, with the kernel and with the ATen
 ops, for random trees, ``b1``/``b2`` on both sides of each interpolation's branch, learning rates
 and weight decays as numbers, 0-d tensors or schedules, masks, momentum dtypes and each donation
-mode, with the same state structure; a clip before it hands it its coefficient (no scaling pass);
-the kernel is not used where it could change a number; its check refuses a kernel whose numbers
-differ.
+mode, with the same state structure (``tests/test_clip_handoff.py``: a clip before it); the kernel
+is not used where it could change a number; its check refuses a kernel whose numbers differ.
 """
 
 from __future__ import annotations
@@ -17,10 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradtx as gtx
-from gradtx import tree as tree_lib
 from gradtx.native import build, checks
 from gradtx.native import lion as native_lion
-from native_helpers import NEEDS_KERNELS, donated_run, equal_bits, probe_values, same_results
+from native_helpers import NEEDS_KERNELS, donated_run, probe_values, same_results
 
 pytestmark = NEEDS_KERNELS
 
@@ -72,28 +70,6 @@ def test_lion_equals_the_chain_it_stands_for_bit_for_bit(sizes, betas, lr, wd, m
         got = donated_run(gtx.lion(learning_rate, b1, b2, mu_dtype, weight_decay, mask), params, grads, inplace)
     assert (_calls() > calls) == (not aten and mu_dtype is None)  # bf16 momenta: the ATen ops
     same_results(want, got)
-
-
-@pytest.mark.parametrize("inplace", [False, True, "updates"])
-def test_a_clip_hands_lion_its_coefficient(monkeypatch, inplace):
-    params = {"w": probe_values((300, 70), 1), "b": probe_values((70,), 2)}
-    grads = {k: torch.randn(p.shape) * 10 for k, p in params.items()}  # a norm far above 1: clipped
-    kept = {k: g.clone() for k, g in grads.items()}
-    tx = gtx.chain(gtx.clip_by_global_norm(1.0), gtx.lion(1e-3, weight_decay=0.1))
-    with checks.aten_only():
-        want = donated_run(tx, params, [grads], inplace)
-    scales: list = []
-    original = tree_lib.scale_
-    monkeypatch.setattr(tree_lib, "scale_", lambda *args, **kwargs: scales.append(1) or original(*args, **kwargs))
-    calls = _calls()
-    given_grads = {k: g.clone() for k, g in grads.items()} if inplace else grads
-    updates, state = tx.update(given_grads, tx.init(params), params, inplace=inplace)
-    assert scales == [] and _calls() == calls + 2
-    assert all(equal_bits(want[0][k], updates[k]) for k in params)
-    if inplace:  # donated: the updates in the gradients' buffers
-        assert all(updates[k].data_ptr() == given_grads[k].data_ptr() for k in grads)
-    else:  # pure: nothing the caller passed is written
-        assert all(equal_bits(grads[k], kept[k]) for k in grads)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ and no gradient or moment sharing memory with another tensor of the step.
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -73,16 +73,23 @@ def usable() -> Optional[_Kernel]:
     return _kernel.usable()
 
 
-def _build_and_check() -> tuple[Optional[_Kernel], str]:
+def built_and_checked(make: Callable[[ctypes.CDLL, Optional[int]], Any], mismatch: Callable[[Any], str]) -> tuple[Optional[Any], str]:
+    """A kernel of ``adam.c``, ``make(library, vector_sqrt)``, with torch's own square root if its
+    numbers then match the ATen ops (``mismatch(kernel) == ""``), else with ``sqrtf`` if they do
+    then, else ``None`` and why."""
     lib, why = build.load("adam")
     if lib is None:
         return None, why
     for vector_sqrt in dict.fromkeys((_torch_vector_sqrt(), None)):  # torch's own sqrt first
-        kernel = _Kernel(lib, vector_sqrt)
-        mismatch = _mismatch(kernel)
-        if not mismatch:
+        kernel = make(lib, vector_sqrt)
+        difference = mismatch(kernel)
+        if not difference:
             return kernel, ""
-    return None, f"its numbers differ from the ATen ops on this machine ({mismatch})"
+    return None, f"its numbers differ from the ATen ops on this machine ({difference})"
+
+
+def _build_and_check() -> tuple[Optional[_Kernel], str]:
+    return built_and_checked(_Kernel, _mismatch)
 
 
 _kernel = checks.Lazy(_build_and_check)

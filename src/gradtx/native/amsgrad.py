@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.native import build, checks
-from gradtx.native.adam import _MKL_MODE, _torch_vector_sqrt
+from gradtx.native import checks
+from gradtx.native.adam import _MKL_MODE, built_and_checked
 
 
 class _Kernel:
@@ -61,15 +61,7 @@ def usable() -> Optional[_Kernel]:
 
 
 def _build_and_check() -> tuple[Optional[_Kernel], str]:
-    lib, why = build.load("adam")
-    if lib is None:
-        return None, why
-    for vector_sqrt in dict.fromkeys((_torch_vector_sqrt(), None)):  # torch's own sqrt first
-        kernel = _Kernel(lib, vector_sqrt)
-        mismatch = _mismatch(kernel)
-        if not mismatch:
-            return kernel, ""
-    return None, f"its numbers differ from the ATen ops on this machine ({mismatch})"
+    return built_and_checked(_Kernel, _mismatch)
 
 
 def step(

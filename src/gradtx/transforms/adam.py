@@ -34,7 +34,7 @@ from gradtx.numerics import ScalarOrSchedule
 from gradtx.state_check import named
 from gradtx.state_signs import nonnegative
 from gradtx.transforms import _foreach as fe
-from gradtx.transforms.scaling import FoldedLearningRate
+from gradtx.transforms.scaling import FoldedLearningRate, with_learning_rate
 from gradtx.transforms.weight_decay import WeightDecayTerm
 
 
@@ -482,30 +482,11 @@ def fused_amsgrad(
     owner = "amsgrad"
     b1, b2 = _check_decay("b1", b1, owner), _check_decay("b2", b2, owner)
     hyper = (b1, b2, float(eps), float(eps_root), bias_correction_mu, bias_correction_nu)
-    rate = FoldedLearningRate(learning_rate)
 
-    def init_fn(params: Any) -> tuple:
-        return (_amsgrad_init(params, mu_dtype), rate.init(params))
+    def step(updates, state, **how):
+        return _amsgrad_step(updates, state, *hyper, owner=owner, **how)
 
-    def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
-        del params, extra_args  # value=, grad=, ...: taken and ignored, as by the chain it stands for
-        return run(updates, state, inplace)
-
-    def scaled_update(updates, state, params=None, *, inplace=False, grad_scale, scaling=None):
-        del params
-        return run(updates, state, inplace, grad_scale, scaling)
-
-    def run(updates, state, inplace, grad_scale=None, scaling=None):
-        own_updates, own_state = donation(inplace)
-        factor, lr_state = rate.step(state[1], inplace=own_state)
-        new_updates, amsgrad_state = _amsgrad_step(
-            updates, state[0], *hyper, own_updates=own_updates, own_state=own_state, grad_scale=grad_scale,
-            scaling=scaling, update_scale=factor, owner=owner,
-        )
-        return new_updates, (amsgrad_state, lr_state)
-
-    update_fn = set_elementwise(supports_donated_updates(update_fn))
-    return GradientTransformation(init_fn, named(takes_scaled_gradients(update_fn, scaled_update), owner))
+    return with_learning_rate(lambda params: _amsgrad_init(params, mu_dtype), step, learning_rate, owner)
 
 
 # --------------------------------------------------------------------------- AdaBelief

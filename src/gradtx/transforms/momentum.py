@@ -16,14 +16,12 @@ from gradtx.base import (
     GradientTransformation,
     donation,
     set_elementwise,
-    supports_donated_updates,
     takes_scaled_gradients,
 )
 from gradtx.native import momentum as native_momentum
 from gradtx.numerics import ScalarOrSchedule
-from gradtx.state_check import named
 from gradtx.transforms import _foreach as fe
-from gradtx.transforms.scaling import FoldedLearningRate
+from gradtx.transforms.scaling import with_learning_rate
 
 
 class TraceState(NamedTuple):
@@ -109,30 +107,14 @@ def fused_sgd(
     a ``clip_by_global_norm`` before it in a :func:`~gradtx.chain` hands it its coefficient (see
     :func:`~gradtx.base.takes_scaled_gradients`), as it does the Adam step."""
     decay = fe.number_or_tensor(momentum)
-    rate = FoldedLearningRate(learning_rate)
 
-    def init_fn(params: Any) -> tuple:
-        return (TraceState(trace=fe.zeros_like_tree(params, accumulator_dtype)), rate.init(params))
+    def init(params: Any) -> TraceState:
+        return TraceState(trace=fe.zeros_like_tree(params, accumulator_dtype))
 
-    def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
-        del params, extra_args  # value=, grad=, ...: taken and ignored, as by the chain it stands for
-        return run(updates, state, inplace)
+    def step(updates, state, **how):
+        return _trace_step(updates, state, decay, nesterov, **how)
 
-    def scaled_update(updates, state, params=None, *, inplace=False, grad_scale, scaling=None):
-        del params
-        return run(updates, state, inplace, grad_scale, scaling)
-
-    def run(updates, state, inplace, grad_scale=None, scaling=None):
-        own_updates, own_state = donation(inplace)
-        factor, lr_state = rate.step(state[1], inplace=own_state)
-        new_updates, trace_state = _trace_step(
-            updates, state[0], decay, nesterov, own_updates=own_updates, own_state=own_state,
-            grad_scale=grad_scale, scaling=scaling, update_scale=factor,
-        )
-        return new_updates, (trace_state, lr_state)
-
-    update_fn = set_elementwise(supports_donated_updates(update_fn))
-    return GradientTransformation(init_fn, named(takes_scaled_gradients(update_fn, scaled_update), "sgd"))
+    return with_learning_rate(init, step, learning_rate, "sgd")
 
 
 def ema(decay: float, debias: bool = True, accumulator_dtype: Optional[torch.dtype] = None) -> GradientTransformation:

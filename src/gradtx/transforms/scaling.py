@@ -22,8 +22,10 @@ from gradtx.base import (
     init_empty_state,
     set_elementwise,
     supports_donated_updates,
+    takes_scaled_gradients,
 )
 from gradtx.numerics import ScalarOrSchedule
+from gradtx.state_check import named
 from gradtx.transforms import _foreach as fe
 
 Schedule = Callable[[Tensor], Union[float, Tensor]]
@@ -108,6 +110,41 @@ class FoldedLearningRate:
             factor = -fe.schedule_value(self.value, state.count)
             return factor, ScaleByScheduleState(count=fe.increment(state.count, inplace=inplace))
         return (None if self.value is None else -self.value), state
+
+
+def with_learning_rate(
+    init: Callable[[Any], Any], step: Callable[..., tuple[Any, Any]], learning_rate: ScalarOrSchedule, name: str
+) -> GradientTransformation:
+    """``chain(<inner>, scale_by_learning_rate(learning_rate))`` as one transformation whose inner
+    step multiplies its updates by ``-learning_rate`` where it writes them: that chain's state (a
+    tuple ``(inner state, learning-rate state)``) and numbers. ``init(params)`` is the inner state;
+    ``step(updates, state, *, own_updates, own_state, grad_scale, scaling, update_scale)`` the inner
+    step (see :func:`~gradtx.base.takes_scaled_gradients` for ``grad_scale`` and ``scaling``), so a
+    ``clip_by_global_norm`` before it in a chain hands it its coefficient."""
+    rate = FoldedLearningRate(learning_rate)
+
+    def init_fn(params: Any) -> tuple:
+        return (init(params), rate.init(params))
+
+    def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
+        del params, extra_args  # value=, grad=, ...: taken and ignored, as by the chain it stands for
+        return run(updates, state, inplace)
+
+    def scaled_update(updates, state, params=None, *, inplace=False, grad_scale, scaling=None):
+        del params
+        return run(updates, state, inplace, grad_scale, scaling)
+
+    def run(updates, state, inplace, grad_scale=None, scaling=None):
+        own_updates, own_state = donation(inplace)
+        factor, lr_state = rate.step(state[1], inplace=own_state)
+        new_updates, inner_state = step(
+            updates, state[0], own_updates=own_updates, own_state=own_state, grad_scale=grad_scale, scaling=scaling,
+            update_scale=factor,
+        )
+        return new_updates, (inner_state, lr_state)
+
+    update_fn = set_elementwise(supports_donated_updates(update_fn))
+    return GradientTransformation(init_fn, named(takes_scaled_gradients(update_fn, scaled_update), name))
 
 
 def scale_by_trust_ratio(
