@@ -35,7 +35,7 @@ from gradtx.state_check import named
 from gradtx.state_signs import nonnegative
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.scaling import FoldedLearningRate, with_learning_rate
-from gradtx.transforms.weight_decay import WeightDecayTerm
+from gradtx.transforms.weight_decay import WeightDecayTerm, add_decay_term
 
 
 @nonnegative("nu")
@@ -205,14 +205,7 @@ class _Adam:
                 numer, into = m, (g if owned else None)
             d = denominator(v, fe.on(s.eps, g), fe.on(s.root_shift, g), g[0].dtype, into=into)
             out = divide(numer, self.nesterov, d, fe.on(step, g))
-            chosen = [i for i, flag in enumerate(decayed) if flag]
-            if chosen:
-                decayed_out = _add_scaled(
-                    [out[i] for i in chosen], fe.cast([p[i] for i in chosen], out[0].dtype), fe.on(factor, out)
-                )
-                out = list(out)
-                for i, value in zip(chosen, decayed_out):
-                    out[i] = value
+            out = add_decay_term(out, p, decayed, factor, inplace=True)  # our own buffers
             return fe.finish(out, g), m, v
 
         stored = stored_adam.current()
@@ -266,14 +259,6 @@ def _scaled_tree(updates: Any, factor: Tensor, scaling: Any, inplace: Any) -> An
     tree_leaves, treedef, present = tree_lib.tensor_leaves(updates, what="scaled gradients")
     scaled = fe.scaled([tree_leaves[i] for i in present], factor, scaling, inplace=own_updates)
     return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, scaled))
-
-
-def _add_scaled(targets: list[Tensor], values: list[Tensor], factor: Any) -> list[Tensor]:
-    """``targets + factor * values``, in place into ``targets`` (our own buffers) where no graph is
-    recorded (a tensor factor needs a temporary product)."""
-    if isinstance(factor, Tensor):
-        return fe.add(targets, fe.mul(values, factor, inplace=False), inplace=True)
-    return fe.add(targets, values, alpha=factor, inplace=True)
 
 
 def scale_by_adam(

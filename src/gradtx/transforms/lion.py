@@ -19,7 +19,7 @@ from gradtx.numerics import ScalarOrSchedule
 from gradtx.state_check import named
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.scaling import FoldedLearningRate
-from gradtx.transforms.weight_decay import WeightDecayTerm
+from gradtx.transforms.weight_decay import WeightDecayTerm, add_decay_term
 
 _MODES = ("hard", "smooth", "refined")
 
@@ -134,17 +134,7 @@ def fused_lion(
                     return done
             if scale is not None:
                 g = fe.scaled(list(g), scale, None, inplace=own_updates)
-            x = _direction(g, m, b1, "hard", 1.0)
-            chosen = [i for i, flag in enumerate(decayed) if flag]
-            if chosen:  # add_decayed_weights' term, added as it adds it
-                targets, values, wd = [x[i] for i in chosen], fe.cast([p[i] for i in chosen], x[0].dtype), fe.on(factor, x)
-                if isinstance(wd, Tensor):
-                    added = fe.add(targets, fe.mul(values, wd, inplace=False), inplace=True)
-                else:
-                    added = fe.add(targets, values, alpha=wd, inplace=True)
-                x = list(x)
-                for i, value in zip(chosen, added):
-                    x[i] = value
+            x = add_decay_term(_direction(g, m, b1, "hard", 1.0), p, decayed, factor, inplace=True)  # new buffers
             if step is not None:
                 x = fe.mul(x, fe.on(step, x), inplace=True)
             m = fe.lerp(m, fe.cast(g, m[0].dtype), 1.0 - b2, inplace=own_state)

@@ -93,8 +93,8 @@ def scale_by_learning_rate(
 
 class FoldedLearningRate:
     """What :func:`scale_by_learning_rate` does in a chain, for a transformation that folds the
-    learning rate into its own step (the fused Adam and SGD steps): that member's state
-    (:meth:`init`) and, each step, its factor ``-learning_rate`` and next state (:meth:`step`)."""
+    learning rate into its own step (the fused Adam, SGD, AMSGrad and Lion steps): that member's
+    state (:meth:`init`) and, each step, its factor ``-learning_rate`` and next state (:meth:`step`)."""
 
     def __init__(self, learning_rate: Optional[ScalarOrSchedule]):
         self.is_schedule = callable(learning_rate)

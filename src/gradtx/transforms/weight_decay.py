@@ -18,6 +18,26 @@ class WeightDecaySchedule(NamedTuple):
     count: Tensor
 
 
+def add_decay_term(updates: list[Tensor], params: list[Any], flags: list[bool], factor: Any, *, inplace: bool) -> list[Tensor]:
+    """``updates + factor * params`` where ``flags`` says so, the other updates as they are: as a
+    fused multiply-add (``add(alpha=)``) for a number, the product rounded first for a tensor
+    factor; ``inplace``: into the updates' buffers."""
+    chosen = [i for i, flag in enumerate(flags) if flag]
+    if not chosen:
+        return list(updates)
+    targets = [updates[i] for i in chosen]
+    values = fe.cast([params[i] for i in chosen], targets[0].dtype)
+    scale = fe.on(factor, targets)
+    if isinstance(scale, Tensor):
+        added = fe.add(targets, fe.mul(values, scale, inplace=False), inplace=inplace)
+    else:
+        added = fe.add(targets, values, alpha=scale, inplace=inplace)
+    out = list(updates)
+    for i, value in zip(chosen, added):
+        out[i] = value
+    return out
+
+
 class WeightDecayTerm:
     """The ``weight_decay * param`` term of :func:`add_decayed_weights`, for it and for the steps
     that fold it into their own pass (the fused Adam and Lion steps): that member's state
@@ -65,6 +85,9 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Optional[Any
     """
     term = WeightDecayTerm(weight_decay, mask, "add_decayed_weights")
 
+    def init_fn(params: Any) -> Any:
+        return term.init(params)
+
     def update_fn(updates, state, params=None, *, inplace=False):
         inplace, own_state = donation(inplace)  # from here on ``inplace`` is about the updates
         decay, state = term.step(updates, state, params, inplace=own_state)
@@ -74,28 +97,14 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Optional[Any
         leaves = fe.leaves_of(updates, what="add_decayed_weights")
 
         def group(g, p, decayed):
-            chosen = [i for i, flag in enumerate(decayed) if flag]
-            if not chosen:
-                return (g,)
-            targets = [g[i] for i in chosen]
-            values = fe.cast([p[i] for i in chosen], g[0].dtype)
-            scale = fe.on(factor, targets)
-            if isinstance(scale, Tensor):
-                values = fe.mul(values, scale, inplace=False)
-                decayed_values = fe.add(targets, values, inplace=inplace)
-            else:
-                decayed_values = fe.add(targets, values, alpha=scale, inplace=inplace)
-            out = list(g)
-            for i, value in zip(chosen, decayed_values):
-                out[i] = value
-            return (out,)
+            return (add_decay_term(g, p, decayed, factor, inplace=inplace),)
 
         (new_updates,) = fe.map_groups(group, leaves.tensors, param_values, flags, outputs=1)
         return leaves.rebuild(new_updates), state
 
     # a zero decay or a mask passes updates through as they are: new updates only when donated
     update_fn = supports_donated_updates(update_fn, returns_new_updates=False)
-    return GradientTransformation(term.init, set_elementwise(update_fn, not callable(mask)))  # a mask made from the params sees them all
+    return GradientTransformation(init_fn, set_elementwise(update_fn, not callable(mask)))  # a mask made from the params sees them all
 
 
 AddDecayedWeightsState = EmptyState
