@@ -158,12 +158,13 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     takes donated updates, works in their buffers (``inplace="updates"``: updates donated, state
     not). Nothing the caller passed is written, and the numbers are those of the plain pure path.
 
-    A ``clip_by_global_norm`` followed by a member that takes scaled gradients (the Adam step, the
-    momentum ``trace``: see :func:`~gradtx.base.takes_scaled_gradients`) hands that member its
-    coefficient instead of scaling: eagerly, for float32 CPU gradients, the member's kernel
-    multiplies each gradient by it where it reads it, so no scaled copy is made, with the same
-    numbers bit for bit. Where it cannot be handed (sharded, sparse or graph-recording gradients,
-    while compiling) the clip scales as before.
+    A ``clip_by_global_norm`` followed by a member that takes scaled gradients (``adam``, ``adamw``,
+    ``amsgrad``, ``sgd`` with momentum, ``lion``, ``scale_by_adam``, ``trace``: see
+    :func:`~gradtx.base.takes_scaled_gradients`) hands that member its coefficient instead of
+    scaling: eagerly, for float32 CPU gradients, the member's kernel multiplies each gradient by it
+    where it reads it, so no scaled copy is made, with the same numbers bit for bit. Where it cannot
+    be handed (sharded, sparse or graph-recording gradients, while compiling) the clip scales as
+    before.
     """
     parts = _flattened(transforms)
     members = tuple(_member(tx) for tx in parts)
