@@ -66,6 +66,7 @@ def test_the_learning_rate_is_taken_in_the_kernels_pass(monkeypatch, inplace):
     params = {"w": probe_values((300, 70), 1), "b": probe_values((70,), 2)}
     grads = {k: probe_values(p.shape, 3) for k, p in params.items()}
     kept = {k: g.clone() for k, g in grads.items()}
+    assert native_momentum.usable() is not None  # its first-use check, which multiplies too, runs before
     products: list = []
     original = fe.mul
 
