@@ -159,26 +159,11 @@ def _tallied_param(p: Any, g: Tensor, written: set[int]) -> bool:
 
 
 def _plain(g, m, v, decayed, p) -> bool:
-    """Whether every position holds plain float32 CPU tensors of one size with row-major strides
-    (a size-1 dimension's stride too: new outputs get those), and no
-    gradient or moment shares memory with any other tensor of the group (the ATen ops go a list
-    at a time, the kernel a position at a time: where a buffer one writes is read elsewhere, the
-    order would show). Params are only read: tied ones may repeat."""
+    """:func:`checks.plain_and_apart`, each gradient and its moments written, a decayed param read;
+    nothing that records a graph."""
     if tree_lib.needs_graph(list(g), list(m), list(v), [x for x, d in zip(p, decayed) if d]):
         return False
-    written: set[int] = set()
-    read: set[int] = set()
-    for i in range(len(g)):
-        n = g[i].numel()
-        roles = (g[i], m[i], v[i], p[i]) if decayed[i] else (g[i], m[i], v[i])
-        if not checks.plain_float32(roles, n, checks.row_major(g[i].shape)):
-            return False
-        if n:
-            written.update(x.untyped_storage().data_ptr() for x in roles[:3])
-            if decayed[i]:
-                read.add(p[i].untyped_storage().data_ptr())
-    positions = sum(1 for x in g if x.numel())
-    return len(written) == 3 * positions and not written & read
+    return checks.plain_and_apart(list(zip(g, m, v)), [x if d else None for x, d in zip(p, decayed)])
 
 
 # --------------------------------------------------------------------------- the check

@@ -94,20 +94,10 @@ def step(
 
 
 def _plain(g, m, v, vm) -> bool:
-    """Plain float32 CPU tensors of one size with row-major strides, no two sharing memory (the
-    ATen ops go a list at a time, the kernel a position at a time)."""
+    """:func:`checks.plain_and_apart`, each gradient and its state written; nothing that records a graph."""
     if tree_lib.needs_graph(list(g), list(m), list(v), list(vm)):
         return False
-    written: set[int] = set()
-    positions = 0
-    for roles in zip(g, m, v, vm):
-        n = roles[0].numel()
-        if not checks.plain_float32(roles, n, checks.row_major(roles[0].shape)):
-            return False
-        if n:
-            positions += 1
-            written.update(x.untyped_storage().data_ptr() for x in roles)
-    return len(written) == 4 * positions
+    return checks.plain_and_apart(list(zip(g, m, v, vm)), [None] * len(g))
 
 
 def _mismatch(kernel: _Kernel) -> str:

@@ -127,6 +127,28 @@ def plain_float32(tensors: Sequence[Any], n: int, strides: tuple[int, ...]) -> b
     return True
 
 
+def plain_and_apart(written: Sequence[Sequence[Any]], read: Sequence[Optional[Any]]) -> bool:
+    """Whether each position ``i`` holds plain float32 CPU tensors of one size with row-major
+    strides (a size-1 dimension's stride too: new outputs get those): those a kernel writes,
+    ``written[i]``, and the one it only reads, ``read[i]`` (or ``None``); and no written tensor
+    shares memory with another tensor of the group (the ATen ops go a list at a time, a kernel a
+    position at a time: where a buffer one writes is read elsewhere, the order would show). Read
+    tensors may repeat (tied params)."""
+    written_storages: set[int] = set()
+    read_storages: set[int] = set()
+    count = 0
+    for roles, only_read in zip(written, read):
+        n = roles[0].numel()
+        if not plain_float32(tuple(roles) if only_read is None else (*roles, only_read), n, row_major(roles[0].shape)):
+            return False
+        if n:
+            count += len(roles)
+            written_storages.update(x.untyped_storage().data_ptr() for x in roles)
+            if only_read is not None:
+                read_storages.add(only_read.untyped_storage().data_ptr())
+    return len(written_storages) == count and not written_storages & read_storages
+
+
 def torch_symbol(name: str) -> Optional[int]:
     """The address of an MKL function in torch's CPU library, where torch links MKL and exports it."""
     if not torch.backends.mkl.is_available():

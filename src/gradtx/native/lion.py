@@ -72,13 +72,13 @@ def step(
     if kernel is None or not _plain(g, m, decayed, p) or tree_lib.needs_graph(grad_scale, factor, step):
         return None
     decay = DECAY_PRODUCT if isinstance(factor, Tensor) else DECAY_FMA  # as add_decayed_weights adds it
-    scalars = (b1, 1.0 - b2, checks.float32(factor) if any(decayed) else 0.0, 1.0 if step is None else checks.float32(step))
+    wd = checks.float32(factor) if any(decayed) else 0.0
+    lr_step = 1.0 if step is None else checks.float32(step)
     scale = None if grad_scale is None else checks.float32(grad_scale)
     uo = list(g) if own_updates else [torch.empty_like(x) for x in g]
     mo = list(m) if inplace else [torch.empty_like(x) for x in m]
     for i in range(len(g)):
-        w1, w2, wd, lr_step = scalars
-        kernel(g[i], m[i], p[i] if decayed[i] else None, mo[i], uo[i], w1, w2, decay if decayed[i] else DECAY_NONE, wd, lr_step, scale)
+        kernel(g[i], m[i], p[i] if decayed[i] else None, mo[i], uo[i], b1, 1.0 - b2, decay if decayed[i] else DECAY_NONE, wd, lr_step, scale)
     # written in place: marked changed, as ATen's in-place ops mark them
     changed = [x for x in (mo if inplace else []) + (uo if own_updates else []) if x.numel()]
     if changed:
@@ -87,25 +87,11 @@ def step(
 
 
 def _plain(g: Sequence[Any], m: Sequence[Any], decayed: Sequence[bool], p: Sequence[Any]) -> bool:
-    """Plain float32 CPU tensors of one size with row-major strides, and no gradient or momentum
-    sharing memory with another tensor of the group (the ATen ops go a list at a time, the kernel a
-    position at a time); a decayed param is only read, and shares no memory with what is written."""
+    """:func:`checks.plain_and_apart`, each gradient and its momentum written, a decayed param read;
+    nothing that records a graph."""
     if tree_lib.needs_graph(list(g), list(m), [x for x, d in zip(p, decayed) if d]):
         return False
-    written: set[int] = set()
-    read: set[int] = set()
-    positions = 0
-    for i in range(len(g)):
-        n = g[i].numel()
-        roles = (g[i], m[i], p[i]) if decayed[i] else (g[i], m[i])
-        if not checks.plain_float32(roles, n, checks.row_major(g[i].shape)):
-            return False
-        if n:
-            positions += 1
-            written.update((g[i].untyped_storage().data_ptr(), m[i].untyped_storage().data_ptr()))
-            if decayed[i]:
-                read.add(p[i].untyped_storage().data_ptr())
-    return len(written) == 2 * positions and not written & read
+    return checks.plain_and_apart(list(zip(g, m)), [x if d else None for x, d in zip(p, decayed)])
 
 
 def _mismatch(kernel: _Kernel) -> str:

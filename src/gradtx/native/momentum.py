@@ -83,20 +83,10 @@ def step(
 
 
 def _plain(g: Sequence[Any], t: Sequence[Any]) -> bool:
-    """Plain float32 CPU tensors with row-major strides, and no memory shared between any two of
-    them (the ATen ops go a list at a time, the kernel a position at a time)."""
+    """:func:`checks.plain_and_apart`, each gradient and its trace written; nothing that records a graph."""
     if tree_lib.needs_graph(list(g), list(t)):
         return False
-    storages: set[int] = set()
-    positions = 0
-    for gi, ti in zip(g, t):
-        n = gi.numel()
-        if not checks.plain_float32((gi, ti), n, checks.row_major(gi.shape)):
-            return False
-        if n:
-            positions += 1
-            storages.update((gi.untyped_storage().data_ptr(), ti.untyped_storage().data_ptr()))
-    return len(storages) == 2 * positions
+    return checks.plain_and_apart(list(zip(g, t)), [None] * len(g))
 
 
 def _mismatch(kernel: _Kernel) -> str:
