@@ -1,6 +1,7 @@
 """A global-norm clip in a chain hands its coefficient to the Adam, AMSGrad, momentum or Lion step after it.
 
-``chain(clip_by_global_norm(...), adam/adamw/scale_by_adam/sgd with momentum/amsgrad/lion(...))`` does not make
+``chain(clip_by_global_norm(...), adam/adamw/scale_by_adam/sgd with momentum/amsgrad/lion(...))``, and
+``quantize_state(adamw(...), 8)`` after the clip, do not make
 a scaled copy of the gradients: the step's kernel takes the product where it reads them. Checked: the updates and
 state equal, bit for bit, those of the same chain with the ATen ops and of the chain with a member
 in between (so the clip scales on its own), for random trees, clip sizes, hyperparameters,
@@ -12,6 +13,7 @@ coefficient fails its check; ``observe``'s statistics of the gradients come from
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -26,6 +28,7 @@ from gradtx.native import checks
 from gradtx.native import amsgrad as native_amsgrad
 from gradtx.native import lion as native_lion
 from gradtx.native import momentum as native_momentum
+from gradtx.native import stored_adam
 from native_helpers import NEEDS_KERNELS, donated_run, equal_bits, probe_values
 
 pytestmark = NEEDS_KERNELS
@@ -44,12 +47,15 @@ def _optimizer(kind: str, lr, wd, mask):
         return gtx.amsgrad(lr)
     if kind == "lion":
         return gtx.lion(lr, weight_decay=wd, mask=mask)
+    if kind == "adamw_8bit":  # every leaf stored, in blocks of 64
+        return gtx.quantize_state(gtx.adamw(lr, weight_decay=wd, mask=mask), 8, block_size=64, min_size=1)
     return gtx.adamw(lr, weight_decay=wd, mask=mask)
 
 
 def _kernel_of(kind: str):
     """The C kernel that takes the clip's product for ``kind``."""
-    kernels = {"sgd": native_momentum, "sgd_nesterov": native_momentum, "amsgrad": native_amsgrad, "lion": native_lion}
+    kernels = {"sgd": native_momentum, "sgd_nesterov": native_momentum, "amsgrad": native_amsgrad, "lion": native_lion,
+               "adamw_8bit": stored_adam}
     return kernels.get(kind, native_adam).usable()
 
 
@@ -76,7 +82,7 @@ def _unclipped_state(result):
 @given(
     sizes=st.lists(_SIZES, min_size=1, max_size=3),
     max_norm=st.sampled_from([1e-3, 0.5, 1e6]),
-    kind=st.sampled_from(["adamw", "adam", "scale_by_adam", "sgd", "sgd_nesterov", "amsgrad", "lion"]),
+    kind=st.sampled_from(["adamw", "adam", "scale_by_adam", "sgd", "sgd_nesterov", "amsgrad", "lion", "adamw_8bit"]),
     lr=st.sampled_from([1e-3, "schedule"]),
     wd=st.sampled_from([0.0, 0.1, "schedule"]),
     masked=st.booleans(),
@@ -125,7 +131,7 @@ def _counting_scales(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "amsgrad", "lion"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "amsgrad", "lion", "adamw_8bit"])
 @pytest.mark.parametrize("inplace", [False, True, "updates"])
 def test_no_scaling_pass_runs_and_a_pure_step_leaves_the_gradients_alone(monkeypatch, inplace, optimizer):
     params = {"w": probe_values((300, 70), 1), "b": probe_values((70,), 2)}
@@ -165,6 +171,32 @@ def test_the_clip_scales_on_its_own_where_the_coefficient_cannot_be_handed(monke
     between = gtx.chain(gtx.clip_by_global_norm(1.0), gtx.identity(), gtx.adamw(1e-3))
     want, _ = between.update(low, between.init(low_params), low_params)
     assert equal_bits(want["w"], got["w"])
+    # quantized state: only the 8-bit Adam step on the codes takes it; 4 bits and other steps do not
+    assert gtx.base.scaled_update_of(_optimizer("adamw_8bit", 1e-3, 0.1, None).update) is not None
+    for other in (gtx.quantize_state(gtx.adamw(1e-3), 4), gtx.quantize_state(gtx.lion(1e-3), 8), gtx.quantize_state(gtx.adamw(1e-3, nesterov=True), 8)):
+        clipped = gtx.chain(gtx.clip_by_global_norm(1.0), other)
+        before = len(scales)
+        clipped.update(grads, clipped.init(params), params)
+        assert len(scales) == before + 1, other.update
+
+
+def test_a_handed_coefficient_the_8bit_step_cannot_take_is_applied_first():
+    """Where the 8-bit Adam step on the codes is not taken (a transposed gradient, the kernel off),
+    the handed coefficient scales the gradients first: the clip's numbers, and the caller's
+    gradients left alone."""
+    params = {"w": probe_values((40, 30), 4), "v": probe_values((50,), 5)}
+    kernel = _kernel_of("adamw_8bit")
+    for grads, route in (({"w": torch.randn(30, 40).t() * 10, "v": torch.randn(50)}, "kernel"),
+                         ({"w": torch.randn(40, 30) * 10, "v": torch.randn(50)}, "aten")):
+        kept = {k: g.clone() for k, g in grads.items()}
+        calls, results = kernel.calls, []
+        for between in (True, False):
+            middle = [gtx.identity()] if between else []
+            tx = gtx.chain(gtx.clip_by_global_norm(1.0), *middle, _optimizer("adamw_8bit", 1e-2, 0.1, None))
+            with checks.aten_only() if route == "aten" else contextlib.nullcontext():
+                results.append(donated_run(tx, params, [grads, grads], False))
+        _same(_unclipped_state(results[0]), results[1])
+        assert all(torch.equal(grads[k], kept[k]) for k in grads) and kernel.calls == calls
 
 
 def test_a_max_norm_that_requires_grad_keeps_its_gradient():

@@ -6,7 +6,7 @@ decays, learning rates and weight decays (numbers, schedules, masks), block size
 modes, three steps of ``quantize_state(adamw(...), 8)`` give the same updates, codes, scales and
 float32 leaves as the ATen ops, bit for bit, with one kernel call per stored leaf and step; the
 same at one and two threads; the route is not taken where it could change a number; its check
-refuses a kernel one float32 step off.
+refuses a kernel one float32 step off, and one that leaves a clip's coefficient out.
 """
 
 from __future__ import annotations
@@ -160,16 +160,21 @@ def test_the_route_is_declared_by_the_adam_aliases_alone():
     assert not stored_adam.declared(gtx.lion(1e-3).update)
 
 
-def test_the_check_refuses_a_kernel_whose_numbers_differ():
+def test_the_check_refuses_a_kernel_whose_numbers_differ_or_that_leaves_a_clips_coefficient_out():
     lib, _ = build.load("adam")
 
     class OffByOne(stored_adam._Kernel):  # b2 one float32 step off
-        def __call__(self, g, p, moments, out, uo, floats, decay, tables):
+        def __call__(self, g, p, moments, out, uo, floats, decay, tables, grad_scale=None):
             floats = list(floats)
             floats[1] = float(torch.nextafter(torch.tensor(floats[1]), torch.tensor(0.0)))
-            super().__call__(g, p, moments, out, uo, tuple(floats), decay, tables)
+            super().__call__(g, p, moments, out, uo, tuple(floats), decay, tables, grad_scale)
+
+    class Unscaled(stored_adam._Kernel):  # leaves a clip's coefficient out
+        def __call__(self, g, p, moments, out, uo, floats, decay, tables, grad_scale=None):
+            super().__call__(g, p, moments, out, uo, floats, decay, tables, None)
 
     assert "values of" in stored_adam._mismatch(OffByOne(lib, native_adam.usable()))
+    assert "coefficient=0.3711" in stored_adam._mismatch(Unscaled(lib, native_adam.usable()))
     assert stored_adam._mismatch(stored_adam._Kernel(lib, native_adam.usable())) == ""
 
 

@@ -17,6 +17,7 @@ from _layouts import Piece, cut
 from _world import case
 from test_sharding_collectives import count_collectives
 import gradtx as gtx
+from gradtx import tree as tree_lib
 from gradtx.quantization import blocks
 from gradtx.sharding import ShardingSpec
 
@@ -233,6 +234,30 @@ def hsdp_replicate_shard0_on_a_2x2_mesh_equals_dense(world):
     placements = {"w": [Replicate(), Shard(0)], "v": [Replicate(), Shard(0)]}
     for bits in (8, 4):
         assert _dtensor_run(world, mesh, placements, {"w": (5, 20), "v": (7,)}, bits) == 1, bits
+
+
+@case(2)
+def a_clips_coefficient_handed_to_the_sharded_8bit_step_gives_the_clipped_numbers(world):
+    """``chain(clip, quantize_state(adamw, 8))`` hands the clip's coefficient on; a sharded step
+    scales the gradients with it first, so its numbers and collectives are those of the chain
+    with a member between (where the clip scales on its own)."""
+    mesh = world.mesh((world.size,), ("dp",))
+    pieces = {"rows": Piece("rows", ((("dp",), 0),)), "cols": Piece("cols", ((("dp",), 1),))}
+    spec = ShardingSpec(mesh, [(name, piece.spec()) for name, piece in pieces.items()])
+    params, grads = _trees({"rows": (8, 20), "cols": (3, 36)}, seed=2)
+    local = {k: cut(v, pieces[k], mesh) for k, v in params.items()}
+    local_grads = [{k: cut(v, pieces[k], mesh) * 10 for k, v in g.items()} for g in grads]  # clipped
+    results = []
+    for between in (True, False):
+        middle = [gtx.identity()] if between else []
+        results.append(_run(gtx.chain(gtx.clip_by_global_norm(1.0, spec), *middle, _tx(8, spec)), local, local_grads))
+    (want_params, want_state, want_count), (got_params, got_state, got_count) = results
+    assert float(got_state[0].norm) > 1.0 and got_count == want_count
+    assert all(_same_bits(want_params[k], got_params[k]) for k in params)
+    want_leaves = [x for x in tree_lib.leaves((want_state[0], want_state[2])) if isinstance(x, torch.Tensor)]
+    got_leaves = [x for x in tree_lib.leaves(got_state) if isinstance(x, torch.Tensor)]
+    assert len(want_leaves) == len(got_leaves)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want_leaves, got_leaves))
 
 
 @pytest.mark.distributed

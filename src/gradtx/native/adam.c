@@ -182,11 +182,13 @@ void gradtx_adam_f32(const float *g, const float *m, const float *v, const float
  * `vs`, rows x blocks), stepped as above, and stored again: each block's absmax becomes its scale,
  * negated where the moment's map is the signed one (`m_signed`, `v_signed`), and its values are
  * encoded under it. The numbers of reading back, stepping with gradtx_adam_f32 and encoding; no
- * moment ever exists in float32 outside a block. Blocks of at most BLOCK values. */
+ * moment ever exists in float32 outside a block. Blocks of at most BLOCK values. With g * gscale
+ * in place of g where `scaled`, as gradtx_adam_f32 takes it. */
 void gradtx_adam_stored_f32(const float *g, const float *p, const uint8_t *mc, const float *ms, const uint8_t *vc,
                             const float *vs, uint8_t *mco, float *mso, uint8_t *vco, float *vso, float *uo,
                             int64_t rows, int64_t columns, int64_t block_size, int64_t blocks, float w1, float b2,
-                            float c2, float eps, float step, float factor, int decay, const float *joint, int32_t size,
+                            float c2, float eps, float step, float factor, int decay, int scaled, float gscale,
+                            const float *joint, int32_t size,
                             int m_signed, int v_signed, const int32_t *table_signed, const int32_t *table_unsigned,
                             int32_t shift, int32_t low, int32_t last, int32_t zero, vector_sqrt vsqrt, long long mode,
                             set_local_threads set_local, int threads) {
@@ -209,7 +211,7 @@ void gradtx_adam_stored_f32(const float *g, const float *p, const uint8_t *mc, c
             block_values(mc + at, len, ms[k], joint, size, m);
             block_values(vc + at, len, vs[k], joint, size, v);
             adam_block(g + at, m, v, decay ? p + at : 0, mn, vn, uo + at, len, small, coeff, b2, c2, eps, step,
-                       factor, decay, 0, 1.0f, vsqrt, mode, 0, 0, 0);
+                       factor, decay, scaled, gscale, vsqrt, mode, 0, 0, 0);
             const float m_absmax = block_absmax(mn, len), v_absmax = block_absmax(vn, len);
             mso[k] = m_signed ? -m_absmax : m_absmax;
             vso[k] = v_signed ? -v_absmax : v_absmax;

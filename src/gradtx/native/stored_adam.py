@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -85,7 +86,8 @@ class _Kernel:
     def __init__(self, lib: ctypes.CDLL, adam: native_adam._Kernel):
         fn = lib.gradtx_adam_stored_f32
         fn.argtypes = (
-            [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 4 + [ctypes.c_float] * 6 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int32]
+            [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 4 + [ctypes.c_float] * 6
+            + [ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int32]
             + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int32] * 4
             + [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int]
         )
@@ -93,7 +95,7 @@ class _Kernel:
         self.fn, self.adam, self.calls = fn, adam, 0
 
     def __call__(self, g: Tensor, p: Optional[Tensor], moments: Stored, out: tuple[Tensor, Tensor, Tensor, Tensor], uo: Tensor,
-                 floats: tuple[float, ...], decay: int, tables: Any) -> None:
+                 floats: tuple[float, ...], decay: int, tables: Any, grad_scale: Optional[float] = None) -> None:
         self.calls += 1
         columns = g.shape[-1] if g.ndim else 1
         rows = g.numel() // columns if columns else 0
@@ -103,7 +105,8 @@ class _Kernel:
             g.data_ptr(), p.data_ptr() if p is not None else None,
             moments.mu_codes.data_ptr(), moments.mu_scales.data_ptr(), moments.nu_codes.data_ptr(), moments.nu_scales.data_ptr(),
             mco.data_ptr(), mso.data_ptr(), vco.data_ptr(), vso.data_ptr(), uo.data_ptr(),
-            rows, columns, moments.block_size, blocks, *floats, decay, moments.book._joint.data_ptr(), 2**moments.book.bits,
+            rows, columns, moments.block_size, blocks, *floats, decay, grad_scale is not None,
+            1.0 if grad_scale is None else grad_scale, moments.book._joint.data_ptr(), 2**moments.book.bits,
             int(moments.mu_signed), int(moments.nu_signed), tables.signed.data_ptr(), tables.unsigned.data_ptr(),
             native_codebook.SHIFT, tables.low, tables.last, moments.book._zero,
             self.adam.vector_sqrt, native_adam._MKL_MODE, self.adam.set_local_threads, torch.get_num_threads(),
@@ -120,17 +123,21 @@ def usable() -> Optional[_Kernel]:
     return checks.under_check(_Kernel) or _kernel.usable()
 
 
-def step(g: Tensor, p: Optional[Tensor], moments: Stored, *, floats: tuple[float, ...], decay: int, own_update: bool) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
+def step(
+    g: Tensor, p: Optional[Tensor], moments: Stored, *, floats: tuple[float, ...], decay: int, own_update: bool,
+    grad_scale: Optional[float] = None,
+) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
     """One stored leaf's update and new ``(mu codes, mu scales, nu codes, nu scales)``. ``floats``
-    and ``decay`` as :func:`gradtx.native.adam.step` passes them; the caller has checked the leaf
-    (:func:`takes`)."""
+    and ``decay`` as :func:`gradtx.native.adam.step` passes them; ``grad_scale`` (a float32 value,
+    else ``None``): the step of ``g * grad_scale``, a clip's coefficient taken where the kernel
+    reads ``g``. The caller has checked the leaf (:func:`takes`)."""
     kernel = usable()
     tables = native_codebook.lookup(moments.book)
     if kernel is None or tables is None:
         raise RuntimeError("gradtx: the stored-moment Adam kernel was chosen but is not there")
     out = tuple(torch.empty_like(x) for x in (moments.mu_codes, moments.mu_scales, moments.nu_codes, moments.nu_scales))
     uo = g if own_update else torch.empty_like(g)
-    kernel(g, p, moments, out, uo, floats, decay, tables)
+    kernel(g, p, moments, out, uo, floats, decay, tables, grad_scale)
     if own_update and g.numel():  # written in place: changed, as ATen's in-place ops mark it
         torch.autograd.graph.increment_version(uo)
     return uo, out  # type: ignore[return-value]
@@ -174,15 +181,19 @@ def _build_and_check() -> tuple[Optional[_Kernel], str]:
 def _mismatch(kernel: _Kernel) -> str:
     """The first case where the route's updates, codes or scales differ from the other route's in any bit, or ``""``."""
     import gradtx as gtx
+    from gradtx.base import scaled_update_of
     from gradtx.transforms.adam import fused_adam
 
-    cases = [  # (b1, b2, learning rate, weight decay, block size)
-        (0.9, 0.999, 1e-3, 0.1, 256),
-        (0.3, 0.5, lambda count: 1e-2 / (1.0 + count), None, 64),
-        (0.0, 0.95, 0.5, 0.05, 2048),
+    cases = [  # (b1, b2, learning rate, weight decay, block size, a clip's coefficient handed to the step)
+        (0.9, 0.999, 1e-3, 0.1, 256, None),
+        (0.3, 0.5, lambda count: 1e-2 / (1.0 + count), None, 64, 0.3711),
+        (0.0, 0.95, 0.5, 0.05, 2048, 1.7),
     ]
-    for number, (b1, b2, lr, wd, block_size) in enumerate(cases):
+    for number, (b1, b2, lr, wd, block_size, coefficient) in enumerate(cases):
         tx = gtx.quantize_state(fused_adam(lr, b1, b2, weight_decay=wd), 8, block_size=block_size, min_size=1)
+        update = tx.update if coefficient is None else functools.partial(
+            scaled_update_of(tx.update), grad_scale=torch.tensor(coefficient)
+        )
         params = {"a": checks.probe(4099, number).reshape(1, 4099), "b": checks.probe(66001, 10 + number)}
         results = []
         for reference in (True, False):
@@ -190,7 +201,7 @@ def _mismatch(kernel: _Kernel) -> str:
                 state, out = tx.init(params), None
                 for t in range(3):
                     grads = {k: checks.probe(x.numel(), 100 * t + number).reshape(x.shape) for k, x in params.items()}
-                    out, state = tx.update(grads, state, params)
+                    out, state = update(grads, state, params)
             results.append([out, *state.codes, *state.scales])
         if not kernel.calls:
             return "the check never reached the kernel"
@@ -199,7 +210,7 @@ def _mismatch(kernel: _Kernel) -> str:
             [{k: v.to(torch.float32) for k, v in tree.items()} for tree in results[1]],
         )
         if difference:
-            return f"b1={b1}, b2={b2}, block_size={block_size}: {difference}"
+            return f"b1={b1}, b2={b2}, block_size={block_size}, coefficient={coefficient}: {difference}"
     return ""
 
 

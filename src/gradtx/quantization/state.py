@@ -16,13 +16,17 @@ from torch import Tensor
 
 from gradtx import tree as tree_lib
 from gradtx.base import (
+    DONATE_UPDATES,
     GradientTransformation,
     GradientTransformationExtraArgs,
+    donation,
     is_elementwise,
     returns_new_updates,
+    scaled_update_of,
     supports_donated_updates,
     takes_donated_updates,
     takes_extra_args,
+    takes_scaled_gradients,
     with_inplace,
 )
 from gradtx.native import stored_adam
@@ -227,7 +231,8 @@ def quantize_state(
     ``inner.update`` once, and encodes them all, with the same numbers either way. An eager
     8-bit ``adam``/``adamw`` (no Nesterov, no ``eps_root``) steps its stored moments where they lie,
     a block at a time in C (:mod:`~gradtx.quantization.direct`): no float32 moment outside a
-    block, one ``inner.update`` for the tree. Eagerly, the code books' per-value work (block
+    block, one ``inner.update`` for the tree; after a ``clip_by_global_norm`` in a ``chain`` it
+    also takes the clip's coefficient where it reads the gradients (no scaled copy of them). Eagerly, the code books' per-value work (block
     absmax, codes to nearest or stochastically rounded, values) runs in a C kernel, one pass each
     (:mod:`gradtx.native.codebook`, built on first use); where it cannot be built, or with
     ``GRADTX_NATIVE=0``, as one compiled loop (``torch.compile``) for leaves of 2**16 values or
@@ -400,6 +405,14 @@ def quantize_state(
         return leaves, state_def, found
 
     def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
+        return run(updates, state, params, inplace, extra_args)
+
+    def scaled_update(updates, state, params=None, *, inplace=False, grad_scale, scaling=None):
+        """A clip's coefficient handed to the 8-bit Adam step on the codes, taken where its kernel
+        reads the gradients; where that route is not taken, the gradients are scaled first."""
+        return run(updates, state, params, inplace, {}, (grad_scale, scaling))
+
+    def run(updates, state, params, inplace, extra_args, handed=None):
         leaves, state_def, found = stored_leaves(state)
         count = fe.increment(state.count, inplace=inplace)
         code_leaves = [tree_lib.leaves(tree) for tree in state.codes]
@@ -416,15 +429,21 @@ def quantize_state(
         eager_plain = found and mesh is None and _plain(updates, params) and not torch.compiler.is_compiling()
         if eager_plain and (direct or elementwise):
             step = Step(
-                inner_update, updates, params, leaves, state_def, params_parts(state_def, tree_lib.structure(state.codes[0])),
+                inner_update if handed is None else functools.partial(inner_scaled, grad_scale=handed[0], scaling=handed[1]),
+                updates, params, leaves, state_def, params_parts(state_def, tree_lib.structure(state.codes[0])),
                 code_leaves, scale_leaves, [not n for n in nonnegative], fmt, inplace, extra_args, lambda new: same_structure(new, state_def),
             )
             done = update_directly(step) if direct else None
+            if done is None and handed is not None:
+                updates, inplace, handed = *scaled_first(updates, inplace, handed), None
+                step = step._replace(inner_update=inner_update, updates=updates, inplace=inplace)
             if done is None and elementwise:
                 done = update_in_groups(step, functools.partial(rounding_of, count, paths))
             if done is not None:
                 new_updates, new_leaves, new_codes, new_scales = done
                 return new_updates, rebuild(state, new_leaves, state_def, new_codes, new_scales, count)
+        if handed is not None:
+            updates, inplace = scaled_first(updates, inplace, handed)
         for index, part, i in found:
             if mesh is not None and cuts[i] is None:
                 raise ValueError(
@@ -438,6 +457,15 @@ def quantize_state(
         new_leaves = same_structure(new_inner, state_def)
         new_codes, new_scales = store(new_leaves, found, nonnegative, paths, mesh, cuts, count)
         return new_updates, rebuild(state, new_leaves, state_def, new_codes, new_scales, count)
+
+    def scaled_first(updates: Any, inplace: Any, handed: tuple[Tensor, Any]) -> tuple[Any, Any]:
+        """The updates scaled by a handed coefficient, as the clip would have scaled them, and the
+        ``inplace`` to step them with: a scaled copy is the step's own, so it is donated on."""
+        own_updates, _ = donation(inplace)
+        scaled = fe.scaled_tree(updates, handed[0], handed[1], inplace=own_updates)
+        if not own_updates and takes_donated_updates(inner):
+            inplace = DONATE_UPDATES
+        return scaled, inplace
 
     def same_structure(new_inner: Any, state_def: Any) -> list[Any]:
         """The leaves of the inner state ``inner.update`` returned, or a ``ValueError`` if its structure is another."""
@@ -454,5 +482,8 @@ def quantize_state(
 
     if takes_donated_updates(inner):
         update_fn = supports_donated_updates(update_fn, returns_new_updates=returns_new_updates(inner))
+    inner_scaled = scaled_update_of(inner.update)
+    if direct and inner_scaled is not None and not extra:  # the 8-bit Adam step takes a clip's coefficient
+        update_fn = takes_scaled_gradients(update_fn, scaled_update)
     name = f"quantize_state({name_of(inner.update)})"
     return (GradientTransformationExtraArgs if extra else GradientTransformation)(init_fn, named(update_fn, name))

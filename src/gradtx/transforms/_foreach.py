@@ -263,6 +263,15 @@ def scaled(tensors: list[Tensor], factor: Tensor, scaling: Any, *, inplace: bool
     return tree_lib.scale_(tensors, factor, inplace=inplace)
 
 
+def scaled_tree(updates: Any, factor: Tensor, scaling: Any, *, inplace: bool) -> Any:
+    """The tree ``updates`` with its tensor leaves scaled by :func:`scaled` (in place when
+    ``inplace``: the updates are donated): a clip's scaling, where the coefficient handed to a
+    transformation cannot be taken by its kernel for the whole tree."""
+    tree_leaves, treedef, present = tree_lib.tensor_leaves(updates, what="scaled gradients")
+    new = scaled([tree_leaves[i] for i in present], factor, scaling, inplace=inplace)
+    return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, new))
+
+
 def lerp(selves: Sequence[Tensor], ends: Sequence[Tensor], weight: Scalar, *, inplace: bool) -> list[Tensor]:
     """``selves + weight * (ends - selves)``: an exponential moving average step."""
     if isinstance(weight, Tensor):

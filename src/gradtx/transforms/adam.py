@@ -172,9 +172,10 @@ class _Adam:
         ``grad_scale`` (a 0-d tensor): the step of ``updates * grad_scale``, with the numbers of
         scaling first (by ``scaling``, a :data:`~gradtx.base.Scaling`, else ``tree_lib.scale_``);
         the C kernel takes the product where it reads the gradients, so no scaled copy is made."""
-        if grad_scale is not None and stored_adam.current() is not None:  # stored moments: scaled first
-            updates, grad_scale = _scaled_tree(updates, grad_scale, scaling, inplace), None
         own_updates, inplace = donation(inplace)  # from here on ``inplace`` is about the state
+        if grad_scale is not None and stored_adam.current() is not None and (scaling is not None or tree_lib.needs_graph(grad_scale)):
+            # stored moments, and a scaling of the caller's or a coefficient with a graph: scaled first
+            updates, grad_scale = fe.scaled_tree(updates, grad_scale, scaling, inplace=own_updates), None
         leaves = fe.leaves_of(updates, what=self.owner)
         mu = leaves.aligned(state.mu, what=f"{self.owner}: state.mu")
         nu = leaves.aligned(state.nu, what=f"{self.owner}: state.nu")
@@ -210,7 +211,9 @@ class _Adam:
 
         stored = stored_adam.current()
         if stored is not None:  # quantize_state's stored moments: stepped where they lie, the rest below
-            return self._update_stored(stored, leaves, state, count, group, mu, nu, flags, param_values, step, factor, s.eps, own_updates)
+            return self._update_stored(
+                stored, leaves, state, count, group, mu, nu, flags, param_values, step, factor, s.eps, own_updates, grad_scale
+            )
         # handed a clip's coefficient, unpacked, as the clip's new gradients were (donated to this
         # step); a scaling that reads the gradients sees them as given
         pack = not (inplace or own_updates or grad_scale is not None)
@@ -220,14 +223,16 @@ class _Adam:
         )
         return leaves.rebuild(new_updates), new_state
 
-    def _update_stored(self, stored, leaves, state, count, group, mu, nu, flags, param_values, step, factor, eps, own_updates):
+    def _update_stored(self, stored, leaves, state, count, group, mu, nu, flags, param_values, step, factor, eps, own_updates, grad_scale):
         """:meth:`update` where some moments are stored in 8 bits (:mod:`gradtx.native.stored_adam`):
-        their leaves' updates and new codes by its kernel, the other leaves' by ``group``."""
+        their leaves' updates and new codes by its kernel (which takes ``grad_scale``, a clip's
+        coefficient, where it reads the gradients), the other leaves' by ``group``."""
         n = len(leaves.tensors)
         new_updates, new_mu, new_nu = [None] * n, list(mu), list(nu)
         decay_kind = native_adam.DECAY_PRODUCT if isinstance(factor, Tensor) else native_adam.DECAY_FMA
         floats = (1.0 - self.b1, self.b2, 1.0 - self.b2, checks_float32(eps), checks_float32(step),
                   checks_float32(factor) if any(flags) else 0.0)
+        scale = None if grad_scale is None else checks_float32(grad_scale)
         rest = []
         for i, g in enumerate(leaves.tensors):
             entry = stored.moments.get(id(mu[i]))
@@ -239,7 +244,8 @@ class _Adam:
                 raise RuntimeError(f"{self.owner}: a stored first moment came without its second moment")
             p = param_values[i] if flags[i] else None
             new_updates[i], stored.results[id(mu[i])] = stored_adam.step(
-                g, p, moments, floats=floats, decay=decay_kind if flags[i] else native_adam.DECAY_NONE, own_update=own_updates
+                g, p, moments, floats=floats, decay=decay_kind if flags[i] else native_adam.DECAY_NONE, own_update=own_updates,
+                grad_scale=scale,
             )
         if rest:
             pick = lambda values: [values[i] for i in rest]  # noqa: E731
@@ -250,15 +256,6 @@ class _Adam:
             count=count, mu=leaves.rebuild(new_mu, like=state.mu), nu=leaves.rebuild(new_nu, like=state.nu)
         )
         return leaves.rebuild(new_updates), new_state
-
-
-def _scaled_tree(updates: Any, factor: Tensor, scaling: Any, inplace: Any) -> Any:
-    """The tree ``updates`` with its tensor leaves scaled by ``fe.scaled`` (in place when the
-    updates are donated)."""
-    own_updates, _ = donation(inplace)
-    tree_leaves, treedef, present = tree_lib.tensor_leaves(updates, what="scaled gradients")
-    scaled = fe.scaled([tree_leaves[i] for i in present], factor, scaling, inplace=own_updates)
-    return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, scaled))
 
 
 def scale_by_adam(
