@@ -74,7 +74,10 @@ class Step:
         self.step, self.state = step, state
 
 
-def _gradtx(storage, compiled: bool) -> Callable[[dict, dict], Step]:
+def _gradtx(storage, compiled: bool, clip: bool = False) -> Callable[[dict, dict], Step]:
+    """AdamW with ``storage`` for its moments (``None``: float32), after a global-norm clip of 1.0
+    where ``clip`` (the random gradients' norm is far above it: every step clips)."""
+
     def build(params: dict, grads: dict) -> Step:
         import torch
 
@@ -83,6 +86,8 @@ def _gradtx(storage, compiled: bool) -> Callable[[dict, dict], Step]:
         tx = gtx.adamw(LR, weight_decay=WEIGHT_DECAY)
         if storage is not None:
             tx = gtx.quantize_state(tx, bits=getattr(torch, storage) if isinstance(storage, str) else storage)
+        if clip:
+            tx = gtx.chain(gtx.clip_by_global_norm(1.0), tx)
         box = {"params": params, "state": tx.init(params)}
         if compiled:
             step_fn = gtx.compile_step(tx)
@@ -141,6 +146,8 @@ CANDIDATES: dict[str, tuple[str, Callable[[dict, dict], Step]]] = {
     "gradtx-4bit": ("gradtx quantize_state(adamw, 4), eager pure", _gradtx(4, False)),
     "gradtx-bf16": ("gradtx quantize_state(adamw, bfloat16), eager pure", _gradtx("bfloat16", False)),
     "gradtx-fp8": ("gradtx quantize_state(adamw, float8_e4m3fn), eager pure", _gradtx("float8_e4m3fn", False)),
+    "gradtx-fp32-clip": ("gradtx chain(clip_by_global_norm, adamw), fp32 state, eager pure", _gradtx(None, False, clip=True)),
+    "gradtx-8bit-clip": ("gradtx chain(clip_by_global_norm, quantize_state(adamw, 8)), eager pure", _gradtx(8, False, clip=True)),
     "gradtx-fp32-cs": ("gradtx compile_step(adamw), fp32 state", _gradtx(None, True)),
     "gradtx-8bit-cs": ("gradtx compile_step(quantize_state(adamw, 8))", _gradtx(8, True)),
     "gradtx-4bit-cs": ("gradtx compile_step(quantize_state(adamw, 4))", _gradtx(4, True)),
@@ -157,6 +164,7 @@ NEEDS = {"torchao-8bit": "torchao", "torchao-4bit": "torchao", "bnb-8bit": "bits
 TARGETS = (
     ("gradtx-8bit", "gradtx-fp32", 1.3),
     ("gradtx-4bit", "gradtx-fp32", None),
+    ("gradtx-8bit-clip", "gradtx-fp32-clip", None),
     ("gradtx-8bit-cs", "gradtx-fp32-cs", 1.3),
     ("gradtx-4bit-cs", "gradtx-fp32-cs", None),
     ("gradtx-8bit", "torchao-8bit", 1.0),
