@@ -53,6 +53,11 @@ CHAINS = {
     "trace then scale": lambda: gtx.chain(gtx.trace(0.9), gtx.scale(-0.1)),
     "identity then scale": lambda: gtx.chain(gtx.identity(), gtx.scale(-0.1), gtx.add_decayed_weights(0.1)),
     "named": lambda: gtx.named_chain(("clip", gtx.clip_by_global_norm(1.0)), ("opt", gtx.adamw(1e-2, weight_decay=0.1))),
+    # quantized state after a clip: handed "updates", it must not advance the caller's step count
+    "clip+quantize_state(adamw, 4)": lambda: gtx.chain(
+        gtx.clip_by_global_norm(1.0), gtx.quantize_state(gtx.adamw(1e-2, weight_decay=0.1), 4, min_size=1)
+    ),
+    "clip+quantize_state(lion, 8)": lambda: gtx.chain(gtx.clip_by_global_norm(1.0), gtx.quantize_state(gtx.lion(1e-3), 8, min_size=1)),
 }
 
 
@@ -66,12 +71,12 @@ def _run(tx, *, mode: str, steps: int = 3):
             gtx.apply_updates(params, updates, inplace=True)
             continue
         held = copy.deepcopy((grads, state, params))
-        pointers = [t.data_ptr() for t in _leaves((grads, state, params))]
+        pointers = [t.data_ptr() for t in _leaves((grads, state, params)) if t.numel()]  # not empty placeholders
         updates, new_state = tx.update(grads, state, params)
         new_params = gtx.apply_updates(params, updates, donate_updates=(mode == "donate"))
         _assert_same((grads, state, params), held)  # nothing the caller passed was written
         # nothing returned shares memory with what was passed in
-        assert not {t.data_ptr() for t in _leaves((new_state, new_params))} & set(pointers)
+        assert not {t.data_ptr() for t in _leaves((new_state, new_params)) if t.numel()} & set(pointers)
         state, params = new_state, new_params
     return params, state
 

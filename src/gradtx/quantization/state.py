@@ -414,7 +414,7 @@ def quantize_state(
 
     def run(updates, state, params, inplace, extra_args, handed=None):
         leaves, state_def, found = stored_leaves(state)
-        count = fe.increment(state.count, inplace=inplace)
+        count = fe.increment(state.count, inplace=donation(inplace)[1])  # "updates": the state is not donated
         code_leaves = [tree_lib.leaves(tree) for tree in state.codes]
         scale_leaves = [tree_lib.leaves(tree) for tree in state.scales]
         mesh, cuts = layout_of(params if params is not None else updates) if found else (None, [])
