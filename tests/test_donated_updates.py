@@ -222,3 +222,45 @@ def test_a_pure_step_with_donation_compiles_to_one_graph():
     _assert_same((grads, params), held)
     for x, y in zip(_leaves(got), _leaves(eager)):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
+
+_LOW_PRECISION_GRADIENTS = ["sgd", "sgd_nesterov", "adam", "adamw", "nadam", "amsgrad", "adamax", "radam", "adabelief",
+                            "lion", "rmsprop", "adagrad", "yogi", "adan", "novograd", "lamb"]
+# Known: these donated steps round bfloat16 gradients beside float32 state at other points than
+# their pure steps (last-bit differences in the updates; RMSProp's and Adan's donated state keeps
+# float32 where the pure step's goes through bfloat16 products)
+_ROUNDED_ELSEWHERE = {("sgd", "updates"), ("sgd", True)} | {
+    (name, True) for name in ("adamax", "radam", "adabelief", "rmsprop", "adagrad", "yogi", "adan", "novograd", "lamb")
+}
+
+
+def _low_precision_cases():
+    for name in _LOW_PRECISION_GRADIENTS:
+        for mode in ("updates", True):
+            known = (name, mode) in _ROUNDED_ELSEWHERE
+            marks = [pytest.mark.xfail(strict=True, reason="rounds at other points than the pure step")] if known else []
+            yield pytest.param(name, mode, marks=marks, id=f"{name}-{mode}")
+
+
+@pytest.mark.parametrize("name,mode", _low_precision_cases())
+def test_donated_bfloat16_gradients_beside_float32_state_give_the_pure_steps_numbers(name, mode):
+    """A donated gradient buffer of another dtype than the state is no working buffer for the
+    state's values: the donated step equals the pure one bit for bit (AMSGrad rounded its
+    corrected second moment to bfloat16 there)."""
+    from test_differentiable import CASES
+
+    gen = torch.Generator().manual_seed(3)
+    params = {"w": torch.randn(6, 40, generator=gen), "b": torch.randn(40, generator=gen)}
+    grads = [{k: torch.randn(p.shape, generator=gen).to(torch.bfloat16) for k, p in params.items()} for _ in range(3)]
+    results = []
+    for inplace in (False, mode):
+        tx = CASES[name]()
+        state, out = tx.init({k: v.clone() for k, v in params.items()}), []
+        for g in grads:
+            updates, state = tx.update({k: v.clone() for k, v in g.items()}, state, params, inplace=inplace)
+            out.append(updates)
+        results.append(_leaves((out, state)))
+    assert len(results[1]) == len(results[0])
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), name

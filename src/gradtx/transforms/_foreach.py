@@ -413,9 +413,15 @@ def copy_into(buffers: Sequence[Tensor], sources: Sequence[Tensor]) -> list[Tens
     return buffers
 
 
+def _same_dtypes(buffers: Sequence[Tensor], sources: Sequence[Tensor]) -> bool:
+    return all(b.dtype == s.dtype for b, s in zip(buffers, sources))
+
+
 def fresh(sources: Sequence[Tensor], *, into: Optional[Sequence[Tensor]]) -> list[Tensor]:
-    """Working buffers holding ``sources``: the donated ``into`` overwritten, or new clones."""
-    if into is not None:
+    """Working buffers holding ``sources``: the donated ``into`` overwritten where it has their
+    dtypes (a buffer of another dtype would round them: bfloat16 gradients donated beside float32
+    moments), else new clones."""
+    if into is not None and _same_dtypes(into, sources):
         return copy_into(into, sources)
     return [s.clone() for s in sources]
 
@@ -434,8 +440,9 @@ def _out_traceable(outs: Sequence[Tensor]) -> bool:
 
 
 def sqrt_of(sources: Sequence[Tensor], *, into: Optional[Sequence[Tensor]]) -> list[Tensor]:
-    """``sqrt(sources)`` written into the donated ``into``, or into new tensors (same numbers)."""
-    if into is None:
+    """``sqrt(sources)`` written into the donated ``into`` where it has their dtypes, or into new
+    tensors (same numbers)."""
+    if into is None or not _same_dtypes(into, sources):
         return sqrt(sources, inplace=False)
     into = list(into)
     if _writes_out(into, sources) and _out_traceable(into):
