@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -117,6 +117,9 @@ def quantize(x: Tensor, scales: Tensor, geo: Geometry, codec: Codec, draws: Opti
         native = native_codebook.codes(x, scales, geo, codec)
         if native is not None:
             return native
+    if _padded_while_tracing(geo):
+        parts = [x.to(torch.float32)] + ([] if draws is None else [draws])
+        return _by_whole_blocks(lambda s, y, *d: codec.codes(y, s, *d), parts, scales, geo, x.shape)
     blocked_draws = None if draws is None else blocked(draws, geo)
     return unblocked(codec.codes(blocked(x.to(torch.float32), geo), scales, blocked_draws), geo, x.shape)
 
@@ -126,7 +129,41 @@ def dequantize(codes: Tensor, scales: Tensor, geo: Geometry, codec: Codec, dtype
     native = native_codebook.values(codes, scales, geo, codec)
     if native is not None:
         return native.to(dtype)
+    if _padded_while_tracing(geo):
+        return _by_whole_blocks(lambda s, c: codec.values(c, s), [codes], scales, geo, codes.shape).to(dtype)
     return unblocked(codec.values(blocked(codes, geo), scales), geo, codes.shape).to(dtype)
+
+
+def _padded_while_tracing(geo: Geometry) -> bool:
+    """Whether a traced step would pad this piece into whole blocks for an elementwise op. Inductor
+    (torch 2.13 and 2.14, CPU) compiles a pointwise op over such a padded view, sliced back and fed
+    to another op, into a loop over whole blocks only: the values of a last partial block are never
+    written. Traced, such a piece takes :func:`_by_whole_blocks` instead (the same numbers)."""
+    return bool(geo.lead or geo.trail) and torch.compiler.is_compiling()
+
+
+def _by_whole_blocks(op: Callable[..., Tensor], parts: list[Tensor], scales: Tensor, geo: Geometry, shape: Any) -> Tensor:
+    """``op(block scales, *blocked parts)`` (each part ``(..., columns)``) without padding: the
+    columns of a partial first block, the whole blocks, and those of a partial last block each as
+    blocks of their own length, the results laid side by side again, ``shape`` restored."""
+    rows = row_count(shape)
+    flat = [p.reshape(rows, geo.columns) for p in parts]
+    block_scales = scales.reshape(rows, geo.blocks)
+    first = min(geo.columns, geo.block_size - geo.lead) if geo.lead else 0
+    whole = (geo.columns - first) // geo.block_size
+    stop = first + whole * geo.block_size
+    pieces = []  # (first column, columns, block lengths, first block, blocks)
+    if first:
+        pieces.append((0, first, first, 0, 1))
+    if whole:
+        pieces.append((first, stop - first, geo.block_size, 1 if first else 0, whole))
+    if stop < geo.columns:
+        pieces.append((stop, geo.columns - stop, geo.columns - stop, geo.blocks - 1, 1))
+    out = []
+    for start, columns, length, block, count in pieces:
+        blocked_parts = [f[:, start : start + columns].reshape(rows, count, length) for f in flat]
+        out.append(op(block_scales[:, block : block + count], *blocked_parts).reshape(rows, columns))
+    return torch.cat(out, dim=1).reshape(shape)
 
 
 def pack_nibbles(codes: Tensor, offset: int = 0) -> Tensor:

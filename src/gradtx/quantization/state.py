@@ -388,7 +388,8 @@ def quantize_state(
     def stored_leaves(state: QuantizedState) -> tuple[list[Any], Any, list[tuple[int, int, int]]]:
         """The inner state's leaves, its structure, and ``(leaf index, part, param index)`` of each stored leaf."""
         leaves, state_def = tree_lib.flatten(state.inner)
-        if not state.codes:
+        if not any(code is not None for tree in state.codes for code in tree_lib.leaves(tree)):
+            # nothing stored (also: Dynamo takes the structure of a tree of None alone for another)
             return leaves, state_def, []
         params_def = tree_lib.structure(state.codes[0])
         starts = params_parts(state_def, params_def)
@@ -420,7 +421,7 @@ def quantize_state(
         mesh, cuts = layout_of(params if params is not None else updates) if found else (None, [])
         if not extra:
             extra_args = {}
-        nonnegative = nonnegative_parts(state_def, tree_lib.structure(state.codes[0])) if state.codes else ()
+        nonnegative = nonnegative_parts(state_def, tree_lib.structure(state.codes[0])) if found else ()
         paths = [""] * len(code_leaves[0]) if code_leaves else []
         if fmt.stochastic and code_leaves:
             paths = tree_lib.paths(state.codes[0])
@@ -455,6 +456,8 @@ def quantize_state(
         inner_state = tree_lib.unflatten(state_def, leaves)
         new_updates, new_inner = inner_update(updates, inner_state, params, inplace=inplace, **extra_args)
         new_leaves = same_structure(new_inner, state_def)
+        if not found:  # the codes and scales (None) as they were
+            return new_updates, QuantizedState(tree_lib.unflatten(state_def, new_leaves), state.codes, state.scales, count)
         new_codes, new_scales = store(new_leaves, found, nonnegative, paths, mesh, cuts, count)
         return new_updates, rebuild(state, new_leaves, state_def, new_codes, new_scales, count)
 
