@@ -236,6 +236,20 @@ def test_a_traced_quantized_step_is_one_whole_tree_step_without_piece_copies(mon
     _assert_identical((updates, new_state), (eager_updates, eager_state))
 
 
+def _compiled_and_eager(tx, params: dict, gen: torch.Generator, steps: int = 2):
+    """``(params, state)`` after ``steps`` steps of ``compile_step(tx)`` and after as many eager
+    steps, on the same random gradients."""
+    step = gtx.compile_step(tx)
+    state = eager_state = tx.init(params)
+    eager = params
+    for _ in range(steps):
+        grads = {n: torch.randn(p.shape, generator=gen) for n, p in params.items()}
+        params, state = step(grads, state, params)
+        updates, eager_state = tx.update(grads, eager_state, eager)
+        eager = gtx.apply_updates(eager, updates)
+    return params, state, eager, eager_state
+
+
 def test_a_quantized_step_compiles_with_inductor_and_tracks_the_eager_step(monkeypatch):
     """``compile_step`` (Inductor, C++ on CPU) of a two-layer quantized AdamW step: the codes equal
     the eager step's but where Inductor's AdamW arithmetic, an ulp off, moves a value across a
@@ -244,14 +258,7 @@ def test_a_quantized_step_compiles_with_inductor_and_tracks_the_eager_step(monke
     gen = torch.Generator().manual_seed(0)
     params = {f"layer{i}.weight": torch.randn(64, 128, generator=gen) for i in range(2)}
     tx = gtx.quantize_state(gtx.adamw(1e-2, weight_decay=0.1), 8, min_size=1024)
-    step = gtx.compile_step(tx)
-    state = eager_state = tx.init(params)
-    eager = params
-    for k in range(2):
-        grads = {n: torch.randn(p.shape, generator=gen) for n, p in params.items()}
-        params, state = step(grads, state, params)
-        updates, eager_state = tx.update(grads, eager_state, eager)
-        eager = gtx.apply_updates(eager, updates)
+    params, state, eager, eager_state = _compiled_and_eager(tx, params, gen)
     for name in params:
         torch.testing.assert_close(params[name], eager[name], rtol=1e-6, atol=1e-6)
         for part in (0, 1):
@@ -271,14 +278,7 @@ def test_a_compiled_step_writes_the_partial_last_blocks(bits):
     gen = torch.Generator().manual_seed(1)
     params = {"flat": torch.randn(5000, generator=gen), "rows": torch.randn(3, 2000, generator=gen), "small": torch.randn(5, generator=gen)}
     tx = gtx.quantize_state(gtx.adamw(1e-2, weight_decay=0.1), bits, min_size=1024)
-    step = gtx.compile_step(tx)
-    state = eager_state = tx.init(params)
-    eager = params
-    for _ in range(2):
-        grads = {n: torch.randn(p.shape, generator=gen) for n, p in params.items()}
-        params, state = step(grads, state, params)
-        updates, eager_state = tx.update(grads, eager_state, eager)
-        eager = gtx.apply_updates(eager, updates)
+    params, state, eager, eager_state = _compiled_and_eager(tx, params, gen)
     for name in params:
         torch.testing.assert_close(params[name], eager[name], rtol=1e-6, atol=1e-6)
     for part in (0, 1):
