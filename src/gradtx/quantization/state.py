@@ -232,8 +232,9 @@ def quantize_state(
     8-bit ``adam``/``adamw`` (no Nesterov, no ``eps_root``) steps its stored moments where they lie,
     a block at a time in C (:mod:`~gradtx.quantization.direct`): no float32 moment outside a
     block, one ``inner.update`` for the tree; after a ``clip_by_global_norm`` in a ``chain`` it
-    also takes the clip's coefficient where it reads the gradients (no scaled copy of them). Eagerly, the code books' per-value work (block
-    absmax, codes to nearest or stochastically rounded, values) runs in a C kernel, one pass each
+    also takes the clip's coefficient where it reads the gradients (no scaled copy of them).
+    Eagerly, the code books' per-value work (block absmax, codes to nearest or stochastically
+    rounded, values) runs in a C kernel, one pass each
     (:mod:`gradtx.native.codebook`, built on first use); where it cannot be built, or with
     ``GRADTX_NATIVE=0``, as one compiled loop (``torch.compile``) for leaves of 2**16 values or
     more: ``GRADTX_QUANTIZE_COMPILE=0`` keeps it eager, ``=1`` compiles it for every leaf
