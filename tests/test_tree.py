@@ -344,3 +344,18 @@ def test_unflattening_a_flat_ordered_dict_makes_no_object_per_leaf():
     finally:
         gc.callbacks.remove(callback)
     assert not collections_seen and list(rebuilt) == list(tree)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_in_place_product_by_a_number_equals_the_out_of_place_one(dtype):
+    """On the CPU, ``torch._foreach_mul_`` rounds a number to bfloat16 / float16 before the product
+    (0.1 as 0.10009765625), where ``mul``, ``mul_`` and ``_foreach_mul`` take it as a float32:
+    ``tree.foreach("mul", ..., inplace=True)`` gives the out-of-place numbers, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(1000, generator=gen).to(dtype), torch.randn(7, 3, generator=gen).to(dtype)]
+    want = [t * -0.1 for t in tensors]
+    got = tree_lib.foreach("mul", [t.clone() for t in tensors], -0.1, inplace=True)
+    assert all(torch.equal(w.view(torch.int16), g.view(torch.int16)) for w, g in zip(want, got))
+    raw = [t.clone() for t in tensors]
+    torch._foreach_mul_(raw, -0.1)
+    assert not all(torch.equal(w, r) for w, r in zip(want, raw)), "torch's in-place product now takes the number as is"

@@ -835,9 +835,25 @@ def foreach(name: str, selves: Sequence[Tensor], *args: Any, inplace: bool, **kw
         if on_shards is not None:
             return on_shards
     if inplace:
+        if name == "mul" and _rounds_its_scalar(selves, args):
+            args = (torch.tensor(args[0], dtype=torch.float32),)
         kernel(selves, *args, **kwargs)
         return selves
     return list(kernel(selves, *args, **kwargs))
+
+
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def _rounds_its_scalar(selves: list[Tensor], args: tuple) -> bool:
+    """Whether ``torch._foreach_mul_`` would round a number to ``selves``' dtype before the product:
+    on the CPU (torch 2.13 and 2.14) it does for bfloat16 and float16, where ``mul``, ``mul_`` and
+    ``_foreach_mul`` multiply by the number as a float32 (and so does ``_foreach_mul_`` given a 0-d
+    float32 tensor): an in-place step would scale by a learning rate of 0.10009765625 for 0.1."""
+    return (
+        len(args) == 1 and isinstance(args[0], float) and bool(selves)
+        and selves[0].dtype in _REDUCED and selves[0].device.type == "cpu"
+    )
 
 
 def foreach_mul(tensors: Sequence[Tensor], scalar: Tensor | float | Sequence[Tensor], *, inplace: bool) -> list[Tensor]:
