@@ -67,6 +67,22 @@ def donated_run(tx: gtx.GradientTransformation, params: dict, grads_per_step: li
     return out, state
 
 
+KERNEL_REFUSALS = ("a recorded graph", "bfloat16 leaves", "a transposed leaf", "one gradient twice")
+"""Gradients no elementwise kernel may take: the ATen ops run, or a number could change."""
+
+
+def refused_gradients(case: str, g: torch.Tensor) -> dict:
+    """The gradients of one of :data:`KERNEL_REFUSALS`, from the float32 matrix ``g``: ``"one
+    gradient twice"`` holds it under two keys (stepped donated, the first position's update would be
+    the second's gradient)."""
+    return {
+        "a recorded graph": lambda: {"w": g.requires_grad_()},
+        "bfloat16 leaves": lambda: {"w": g.bfloat16()},
+        "a transposed leaf": lambda: {"w": g.t()},
+        "one gradient twice": lambda: {"w": g, "x": g},
+    }[case]()
+
+
 def in_threads(fn, count: int) -> list:
     """``[fn(0), ..., fn(count - 1)]``, each run on a Python thread of its own, all at once."""
     import threading
