@@ -10,7 +10,10 @@ Candidates, for each optimizer:
 - ``torch``: ``clip_grad_norm_`` + ``torch.optim.<Optimizer>(fused=True).step()``, in place (Lion,
   which torch lacks: its update rule with torch's foreach ops, in place, ``ForeachLion``);
 - ``gradtx``: ``chain(clip_by_global_norm, <optimizer>)`` and ``apply_updates``, pure and eager
-  (new params and state every step), with gradtx's C kernels where they apply;
+  (new params and state every step), with gradtx's C kernels where they apply, the large new
+  tensors written into the memory of those the step before returned and the caller let go of
+  (``gradtx.buffer_pool``);
+- ``gradtx-fresh``: the same with ``GRADTX_RECYCLE=0``: every new tensor freshly allocated;
 - ``gradtx-aten``: the same with ``GRADTX_NATIVE=0``: one ATen kernel per operation.
 
 Method: each candidate runs in a process of its own (``--worker``), which builds its trees, takes
@@ -64,7 +67,7 @@ class ForeachLion:
         torch._foreach_sign_(direction)
         torch._foreach_add_(self.params, direction, alpha=-self.lr)
         torch._foreach_lerp_(self.momenta, grads, 1.0 - b2)
-CANDIDATES = ("torch", "gradtx", "gradtx-aten")
+CANDIDATES = ("torch", "gradtx", "gradtx-fresh", "gradtx-aten")
 MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 
 
@@ -91,6 +94,8 @@ def _step(candidate: str, optimizer: str):
         return step
     if candidate == "gradtx-aten":
         os.environ["GRADTX_NATIVE"] = "0"
+    if candidate == "gradtx-fresh":
+        os.environ["GRADTX_RECYCLE"] = "0"
     import gradtx as gtx
 
     tx = gtx.chain(gtx.clip_by_global_norm(MAX_NORM), getattr(gtx, gradtx_name)(**gradtx_args))
@@ -145,7 +150,7 @@ def main() -> None:
                     ["--worker", candidate, optimizer, "--threads", str(args.threads), "--warmup", str(args.warmup), "--steps", str(args.steps)],
                     label=f"{candidate} {optimizer}",
                     env=MALLOC if args.malloc else None,
-                    unset=("GRADTX_NATIVE",),
+                    unset=("GRADTX_NATIVE", "GRADTX_RECYCLE"),
                 )
                 if out is not None:
                     medians.setdefault((optimizer, candidate), []).append(statistics.median(out["times"]))

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs read: the same names, imported 
         Updates,
         with_extra_args_support,
     )
+    from gradtx.buffer_pool import release_buffers
     from gradtx.compiled_step import compile_step
     from gradtx.quantization import quantize_state, QuantizedState
     from gradtx.sharding import LeafSpec, Replicate, Shard, ShardingSpec
@@ -517,6 +518,7 @@ __all__ = [
     "quantize_state",
     "radam",
     "reduce_on_plateau",
+    "release_buffers",
     "rmsprop",
     "rprop",
     "safe_increment",
@@ -612,6 +614,7 @@ _SOURCES = {
         "stateless_with_tree_map", "TransformInitFn", "TransformUpdateExtraArgsFn", "TransformUpdateFn",
         "Updates", "with_extra_args_support",
     ),
+    "gradtx.buffer_pool": ("release_buffers",),
     "gradtx.compiled_step": ("compile_step",),
     "gradtx.quantization": ("QuantizedState", "quantize_state"),
     "gradtx.sharding": ("LeafSpec", "Replicate", "Shard", "ShardingSpec"),

@@ -24,7 +24,7 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple, Union
 
 import torch
 
-from gradtx import packing, state_check
+from gradtx import buffer_pool, packing, state_check
 from gradtx import torch_internals
 from gradtx import tree as tree_lib
 
@@ -412,7 +412,9 @@ def apply_updates(params: Params, updates: Updates, *, inplace: bool = False, do
                 summed = _sum_into_updates(group_params, group_updates)
             elif not inplace and packing.wanted([group_params, group_updates]):
                 # new params: many small ones are summed packed into one (the same sums, fewer calls)
-                (summed,) = packing.map_packed(lambda p, u: (tree_lib.foreach_add(p, u, inplace=False),), [group_params, group_updates], 1)
+                (summed,) = packing.map_packed(lambda p, u: (_new_sums(p, u),), [group_params, group_updates], 1)
+            elif not inplace and not tree_lib.needs_graph(group_params, group_updates):
+                summed = _new_sums(group_params, group_updates)
             else:
                 summed = tree_lib.foreach_add(group_params, group_updates, inplace=inplace)
             if inplace:  # where a graph is recorded the sums are new tensors: write them back
@@ -421,6 +423,26 @@ def apply_updates(params: Params, updates: Updates, *, inplace: bool = False, do
             for i, value in zip(indices, summed):
                 new_leaves[pairs[i]] = value if value.dtype == dtype else value.to(dtype)
     return params if inplace else tree_lib.unflatten(treedef, new_leaves)
+
+
+def _new_sums(params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``params + updates`` of one (device, dtype) group as new tensors, the large CPU ones written
+    into buffers recycled from earlier steps' new params (:func:`gradtx.buffer_pool.new_like`), so
+    a pure step does not fault a new params tree in; the same sums as ``foreach_add``."""
+    pooled = [
+        i for i, (p, u) in enumerate(zip(params, updates))
+        if u.dtype == p.dtype and u.layout == torch.strided and u.shape == p.shape and buffer_pool.poolable(p)
+    ]
+    if not pooled:
+        return tree_lib.foreach_add(params, updates, inplace=False)
+    out: list[Any] = [None] * len(params)
+    for i, buffer in zip(pooled, buffer_pool.new_like([params[i] for i in pooled], "apply_updates")):
+        out[i] = torch.add(params[i], updates[i], out=buffer)
+    others = [i for i in range(len(params)) if out[i] is None]
+    if others:
+        for i, value in zip(others, tree_lib.foreach_add([params[i] for i in others], [updates[i] for i in others], inplace=False)):
+            out[i] = value
+    return out
 
 
 def _sum_into_updates(params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -24,6 +24,7 @@ where this torch build does not lay them out as expected (checked once, at impor
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 import weakref
@@ -191,3 +192,69 @@ class BufferPool:
         with self._lock:
             unique = {id(s): s for generation in self._kept for s in generation}
             return sum(s.nbytes() for s in unique.values())
+
+
+# --------------------------------------------------------------------------- eager pure steps
+
+# Calls of one site kept: a step may call a site once per group of leaves (dtype, device), and a
+# partition or a chain of two optimizers more often; a storage kept longer is dropped.
+_EAGER_GENERATIONS = 8
+_eager_pools: dict[str, BufferPool] = {}
+_eager_lock = threading.Lock()
+
+
+def recycling() -> bool:
+    """Whether eager pure steps take their large outputs from the pools of :func:`new_like`
+    (``GRADTX_RECYCLE=0`` says no)."""
+    return os.environ.get("GRADTX_RECYCLE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def poolable(template: Any) -> bool:
+    """Whether :func:`new_like` serves an output shaped like ``template`` from a pool: recycling is
+    on, nothing is being compiled, and the template is :func:`recyclable` (and not a tensor wrapped
+    by a ``torch.func`` transform)."""
+    return (
+        recycling()
+        and not torch.compiler.is_compiling()
+        and recyclable(template)
+        and not torch._C._functorch.is_functorch_wrapped_tensor(template)
+    )
+
+
+def new_like(templates: Sequence[Tensor], site: str) -> list[Tensor]:
+    """New tensors for an eager pure step's outputs, one per template (its shape, strides, dtype,
+    device; contents undefined), as ``torch.empty_like`` gives them: the :func:`recyclable` ones
+    from ``site``'s pool, so that a step whose caller let go of the step before's outputs writes
+    into their memory instead of page-faulting new memory in (what ``compile_step`` does with its
+    own pool). ``site`` names the code asking (``"adam"``, ``"apply_updates"``, ...): one pool
+    each. Called only where the outputs are computed by kernels that write every element."""
+    chosen = [t if poolable(t) else None for t in templates]
+    if not any(t is not None for t in chosen):
+        return [torch.empty_like(t) for t in templates]
+    with _eager_lock:
+        pool = _eager_pools.get(site)
+        if pool is None:
+            pool = _eager_pools[site] = BufferPool(_EAGER_GENERATIONS)
+    taken = pool.take(chosen)
+    return [buffer if buffer is not None else torch.empty_like(t) for buffer, t in zip(taken, templates)]
+
+
+def outputs(site: str, *groups: tuple[Sequence[Tensor], bool]) -> list[list[Tensor]]:
+    """A kernel's outputs, per ``(tensors, in_place)`` group: the tensors themselves where written in
+    place, else new ones from :func:`new_like` (one call for all of them, one generation of the pool)."""
+    wanted = [t for tensors, in_place in groups if not in_place for t in tensors]
+    fresh = iter(new_like(wanted, site) if wanted else [])
+    return [list(tensors) if in_place else [next(fresh) for _ in tensors] for tensors, in_place in groups]
+
+
+def release_buffers() -> None:
+    """Lets go of the buffers eager pure steps keep for their next outputs (those a caller still
+    holds stay alive with it). With large CPU leaves, a pure step's outputs come from these pools
+    (:func:`new_like`): between steps the process then keeps the memory of the outputs the caller
+    dropped, as a caching allocator does, instead of handing it back to the system and faulting it
+    in again at the next step. ``GRADTX_RECYCLE=0`` turns the pools off."""
+    with _eager_lock:
+        pools = list(_eager_pools.values())
+        _eager_pools.clear()
+    for pool in pools:
+        pool.clear()

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from gradtx import buffer_pool
 from gradtx import tree as tree_lib
 from gradtx.native import build, checks, observed
 
@@ -117,9 +118,7 @@ def step(
     factor = checks.float32(factor) if any(decayed) else 0.0
     floats = (1.0 - b1, b2, 1.0 - b2, checks.float32(eps), checks.float32(step), factor)
     scale = None if grad_scale is None else checks.float32(grad_scale)
-    uo = list(g) if own_updates else [torch.empty_like(x) for x in g]
-    mo = list(m) if inplace else [torch.empty_like(x) for x in m]
-    vo = list(v) if inplace else [torch.empty_like(x) for x in v]
+    uo, mo, vo = buffer_pool.outputs("adam", (g, own_updates), (m, inplace), (v, inplace))
     tally = observed.current_tally()
     found: list[tuple[Tensor, Optional[Tensor], float, float]] = []  # (update, param read, their sums)
     sums = (ctypes.c_double * 2)() if tally is not None else None

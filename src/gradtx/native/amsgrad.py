@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
+from gradtx import buffer_pool
 from gradtx import tree as tree_lib
 from gradtx.native import checks
 from gradtx.native.adam import _MKL_MODE, built_and_checked
@@ -82,8 +83,7 @@ def step(
         1.0 - b1, b2, 1.0 - b2, None if inv_bc2 is None else checks.float32(inv_bc2), checks.float32(eps),
         checks.float32(hat), None if step is None else checks.float32(step), None if grad_scale is None else checks.float32(grad_scale),
     )
-    uo = list(g) if own_updates else [torch.empty_like(x) for x in g]
-    mo, vo, vmo = ([list(x) if inplace else [torch.empty_like(t) for t in x] for x in (m, v, vm)])
+    uo, mo, vo, vmo = buffer_pool.outputs("amsgrad", (g, own_updates), (m, inplace), (v, inplace), (vm, inplace))
     for i in range(len(g)):
         kernel(g[i], m[i], v[i], vm[i], mo[i], vo[i], vmo[i], uo[i], *scalars)
     # written in place: marked changed, as ATen's in-place ops mark them

@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
+from gradtx import buffer_pool
 from gradtx import tree as tree_lib
 from gradtx.native import checks
 
@@ -75,8 +76,7 @@ def step(
     wd = checks.float32(factor) if any(decayed) else 0.0
     lr_step = 1.0 if step is None else checks.float32(step)
     scale = None if grad_scale is None else checks.float32(grad_scale)
-    uo = list(g) if own_updates else [torch.empty_like(x) for x in g]
-    mo = list(m) if inplace else [torch.empty_like(x) for x in m]
+    uo, mo = buffer_pool.outputs("lion", (g, own_updates), (m, inplace))
     for i in range(len(g)):
         kernel(g[i], m[i], p[i] if decayed[i] else None, mo[i], uo[i], b1, 1.0 - b2, decay if decayed[i] else DECAY_NONE, wd, lr_step, scale)
     # written in place: marked changed, as ATen's in-place ops mark them

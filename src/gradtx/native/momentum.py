@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
+from gradtx import buffer_pool
 from gradtx import tree as tree_lib
 from gradtx.native import checks
 
@@ -68,8 +69,7 @@ def step(
     kernel = checks.under_check(_Kernel) or usable()
     if kernel is None or not _plain(g, t) or tree_lib.needs_graph(grad_scale, update_scale):
         return None
-    uo = list(g) if own_updates else [torch.empty_like(x) for x in g]
-    to = list(t) if inplace else [torch.empty_like(x) for x in t]
+    uo, to = buffer_pool.outputs("momentum", (g, own_updates), (t, inplace))
     factor = checks.float32(decay)
     scale = None if grad_scale is None else checks.float32(grad_scale)
     step_size = None if update_scale is None else checks.float32(update_scale)

@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from gradtx import buffer_pool
 from gradtx import tree as tree_lib
 from gradtx.native import checks
 
@@ -95,7 +96,7 @@ def scale_observed(tensors: Sequence[Tensor], factor: Tensor, *, inplace: bool) 
     value = factor.item()
     if inplace and not abs(value) <= 1.0:  # the count reads the products (observed.c): NaN and |c| > 1 stay out
         return None
-    outs = list(tensors) if inplace else [torch.empty_like(x) for x in tensors]
+    (outs,) = buffer_pool.outputs("observed", (tensors, inplace))
     largest, bad = kernel.scale(tensors, value, outs)
     if inplace and outs:  # written in place: changed, as ATen's in-place ops mark it
         torch.autograd.graph.increment_version(outs)

@@ -26,6 +26,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from gradtx import buffer_pool
 from gradtx.native import adam as native_adam
 from gradtx.native import checks
 from gradtx.native import codebook as native_codebook
@@ -135,8 +136,9 @@ def step(
     tables = native_codebook.lookup(moments.book)
     if kernel is None or tables is None:
         raise RuntimeError("gradtx: the stored-moment Adam kernel was chosen but is not there")
-    out = tuple(torch.empty_like(x) for x in (moments.mu_codes, moments.mu_scales, moments.nu_codes, moments.nu_scales))
-    uo = g if own_update else torch.empty_like(g)
+    fresh = [moments.mu_codes, moments.mu_scales, moments.nu_codes, moments.nu_scales] + ([] if own_update else [g])
+    (new,) = buffer_pool.outputs("stored_adam", (fresh, False))
+    out, uo = tuple(new[:4]), (g if own_update else new[4])
     kernel(g, p, moments, out, uo, floats, decay, tables, grad_scale)
     if own_update and g.numel():  # written in place: changed, as ATen's in-place ops mark it
         torch.autograd.graph.increment_version(uo)
