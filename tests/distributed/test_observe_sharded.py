@@ -118,6 +118,38 @@ def observe_fsdp2_hsdp_dtensors(world):
     _check_against_dense(sharded, sharded_params, dict(dense, absent=None), dict(params, absent=None), None, "module")
 
 
+@case(2)
+def observe_dtensors_in_place_and_under_wrap_with_fully_shard(world):
+    """Donated (``inplace=True``) steps on DTensor leaves, and ``wrap`` (which donates) around an
+    observed clip on a ``fully_shard`` model: the same statistics as the pure step and the dense twin."""
+    from test_sharding_decisions import _backward, _sharded_model
+
+    reference, model = _sharded_model()
+    _backward(model, reference, 0)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    pure_tx = gtx.observe(_inner(None), groups="module")
+    pure_updates, pure_state = pure_tx.update(grads, pure_tx.init(weights), weights)
+    donated = {n: g.clone() for n, g in grads.items()}
+    updates, state = pure_tx.update(donated, pure_tx.init(weights), weights, inplace=True)
+    logged, expected = gtx.observations(state), gtx.observations(pure_state)
+    assert logged.keys() == expected.keys()
+    for key, value in expected.items():  # NaN: the update statistics before the first step
+        assert logged[key] == value or (math.isnan(logged[key]) and math.isnan(value)), key
+    for name, u in updates.items():
+        assert torch.equal(u.to_local(), pure_updates[name].to_local()), name
+    dense_tx = gtx.observe(_inner(None), groups="module")
+    dense_grads = {n: p.grad for n, p in reference.named_parameters()}
+    dense_weights = {n: p.detach() for n, p in reference.named_parameters()}
+    _, dense_state = dense_tx.update(dense_grads, dense_tx.init(dense_weights), dense_weights)
+    opt = gtx.wrap(torch.optim.SGD(model.parameters(), lr=0.1), gtx.observe(gtx.clip_by_global_norm(1.0), groups="module"), model=model)
+    opt.step()
+    logged, expected = gtx.observations(opt), gtx.observations(dense_state)
+    for key in ("grad_norm", "grad_norm/0", "grad_norm/2", "param_norm", "grad_max", "grad_nonfinite", "clip/norm"):
+        assert math.isclose(logged[key], expected[key], rel_tol=RTOL), f"{key}: wrap {logged[key]}, dense {expected[key]}"
+    _same_on_every_rank(logged)
+
+
 def _pipeline(world):
     """A 2-stage x 2-way TP model: its spec, this rank's gradients, the dense shapes."""
     mesh = world.mesh((2, 2), ("pp", "tp"))

@@ -23,6 +23,7 @@ from gradtx.base import (
     with_inplace,
 )
 from gradtx.chains._select import counter, safe_increment
+from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.state_check import named
 
 PyTree = Any
@@ -42,8 +43,6 @@ class MonitorState(NamedTuple):
     measure_states: tuple
 
 
-def _storages(tree: PyTree) -> set[int]:
-    return {leaf.untyped_storage().data_ptr() for leaf in tree_lib.leaves(tree) if isinstance(leaf, Tensor)}
 
 
 def _detached_from(measurement: PyTree, updates: PyTree) -> PyTree:
@@ -52,12 +51,12 @@ def _detached_from(measurement: PyTree, updates: PyTree) -> PyTree:
     On the donated path later transformations overwrite the updates in place; a measurement that
     is (a view of) an update must not change with them.
     """
-    shared = _storages(updates)
+    shared = dtensor_lib.storage_pointers(tree_lib.leaves(updates))
     if not shared:
         return measurement
 
     def own(x: Any) -> Any:
-        if isinstance(x, Tensor) and x.untyped_storage().data_ptr() in shared:
+        if isinstance(x, Tensor) and dtensor_lib.storage_pointers([x]) & shared:
             return x.clone()
         return x
 

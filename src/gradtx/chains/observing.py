@@ -49,6 +49,7 @@ from gradtx.base import (
     with_inplace,
 )
 from gradtx.native import observed as native_observed
+from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding import statistics as stats_lib
 from gradtx.sharding.plan import _layout_key
 from gradtx.sharding.spec import nearest_paths
@@ -233,8 +234,7 @@ def _param_sq(layout: stats_lib.GroupLayout, counted_params: Optional[list[Any]]
 
 def _apart(params: list[Any], written: Any) -> bool:
     """Whether no param shares memory with a tensor of ``written`` (donated updates and state)."""
-    storages = {t.untyped_storage().data_ptr() for t in tree_lib.leaves(written) if isinstance(t, Tensor) and t.layout == torch.strided}
-    return not any(isinstance(x, Tensor) and x.layout == torch.strided and x.untyped_storage().data_ptr() in storages for x in params)
+    return not dtensor_lib.storage_pointers(tree_lib.leaves(written)) & dtensor_lib.storage_pointers(params)
 
 
 class _Extremes:

@@ -19,6 +19,7 @@ import torch
 from gradtx import tree as tree_lib
 from gradtx.native import stored_adam
 from gradtx.quantization.streaming import Step
+from gradtx.sharding import dtensor as dtensor_lib
 
 
 def update_directly(step: Step) -> Optional[tuple[Any, list[Any], list[list[Any]], list[list[Any]]]]:
@@ -46,7 +47,7 @@ def update_directly(step: Step) -> Optional[tuple[Any, list[Any], list[list[Any]
             return None  # one placeholder for two leaves: the step could not tell them apart
         moments[id(mu_placeholder)] = (entry, mu_placeholder, nu_placeholder)
         written.add(g.untyped_storage().data_ptr())
-    params_read = {p.untyped_storage().data_ptr() for p in param_leaves if isinstance(p, torch.Tensor)}
+    params_read = dtensor_lib.storage_pointers(param_leaves)
     if not moments or len(written) != len(moments) or written & params_read:
         return None  # a gradient twice, or one sharing memory with a param: the order of the leaves would show
     with stored_adam.stored_moments(moments) as stepped:

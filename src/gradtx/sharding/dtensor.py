@@ -38,6 +38,14 @@ def local(tensor: Tensor) -> Tensor:
     return _local_of(tensor) if is_dtensor(tensor) else tensor
 
 
+def storage_pointers(tensors: Sequence[Any]) -> set[int]:
+    """The addresses of the memory ``tensors`` hold on this rank (a DTensor's local shard's), to
+    tell whether two trees share memory; sparse and other unstrided tensors, and non-tensors, add none."""
+    return {
+        local(t).untyped_storage().data_ptr() for t in tensors if isinstance(t, Tensor) and t.layout == torch.strided
+    }
+
+
 def _local_of(tensor: Any) -> Tensor:
     """A DTensor's local shard: its ``_local_tensor`` itself (no autograd node, so results written
     into it land in the DTensor), or ``to_local()`` where this torch has no such attribute."""
