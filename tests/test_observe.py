@@ -353,6 +353,14 @@ def test_bad_groups_name_the_problem():
         gtx.observe(gtx.sgd(0.1), groups=0)
 
 
+def test_a_gradient_of_an_integer_dtype_is_refused_by_name():
+    params = _tree(0)
+    grads = dict(params, embed={"weight": params["embed"]["weight"].to(torch.int64)})
+    tx = gtx.observe(gtx.chain(gtx.clip_by_global_norm(1.0), gtx.sgd(0.1)))
+    with pytest.raises(TypeError, match=r"leaf 'embed.weight' is a torch.int64 tensor; observe's gradients must be floating point"):
+        tx.update(grads, tx.init(params), params)
+
+
 def test_through_wrap():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))

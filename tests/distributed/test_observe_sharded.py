@@ -259,6 +259,25 @@ def observe_grouping_errors_raise_alike_on_every_rank(world):
     tx.update(local, tx.init(local), local)
 
 
+@case(2)
+def observe_a_bad_input_on_one_rank_raises_alike_on_every_rank(world):
+    """A gradient of an integer dtype, or params without a leaf, on rank 1 only: every rank raises
+    that rank's error from the one all-reduce (its error bit), none waits; the ranks stay in step."""
+    mesh = world.mesh((2,), ("tp",))
+    spec = ShardingSpec(mesh, [("w", gtx.sharding.Shard("tp", dim=0)), ("b", gtx.sharding.Replicate())], timeout=60)
+    grads = {"w": torch.ones(2, 3), "b": torch.ones(3)}
+    tx = gtx.observe(_inner(spec), groups=["w", "b"], spec=spec)
+    _, state = tx.update(grads, tx.init(grads), grads)
+    bad = {"w": torch.ones(2, 3, dtype=torch.int64), "b": torch.ones(3)} if dist.get_rank() == 1 else grads
+    with pytest.raises(TypeError, match=r"rank 1 cannot run observe: leaf 'w' is a torch.int64 tensor; observe's gradients"):
+        tx.update(bad, state, grads)
+    params = {"w": torch.ones(2, 3)} if dist.get_rank() == 1 else grads
+    with pytest.raises(ValueError, match=r"rank 1 cannot run observe: observe: params do not match updates: updates has leaf 'b'"):
+        tx.update(grads, state, params)
+    _, state = tx.update(grads, state, grads)
+    _same_on_every_rank(gtx.observations(state))
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("size,name", _world.params_for(__name__))
 def test_observe_sharded(size, name):

@@ -232,6 +232,14 @@ def _param_sq(layout: stats_lib.GroupLayout, counted_params: Optional[list[Any]]
     return stats_lib.squared_sums(layout, counted_params, device, tally)
 
 
+def _check_gradients(layout: stats_lib.GroupLayout, grads: Sequence[Any]) -> None:
+    """A ``TypeError`` naming the first gradient that is a tensor of neither a floating-point nor a
+    complex dtype."""
+    for path, g in zip(layout.paths, grads):
+        if isinstance(g, Tensor) and not (g.dtype.is_floating_point or g.dtype.is_complex):
+            raise TypeError(f"leaf {path!r} is a {g.dtype} tensor; observe's gradients must be floating point or complex")
+
+
 def _apart(params: list[Any], written: Any) -> bool:
     """Whether no param shares memory with a tensor of ``written`` (donated updates and state)."""
     return not dtensor_lib.storage_pointers(tree_lib.leaves(written)) & dtensor_lib.storage_pointers(params)
@@ -392,21 +400,31 @@ def observe(
         layout = layout_of(updates)
         grads = tree_lib.leaves(updates)
         device = stats_lib.local_device(grads, layout.plan)
-        dtype = tree_lib.accumulation_dtype(tree_lib.real_dtypes(updates))
-        forwarded = extra_args if extra else {}
+        eager = not torch.compiler.is_compiling()
+        # under sharding a rank that fails here still joins the one all-reduce, with an error bit:
+        # every rank then raises its error instead of the others waiting for it
+        collective = eager and layout.plan is not None and layout.plan.global_group() is not None
+        error: Optional[Exception] = None
         counted_params = None
-        if params is not None:
-            param_leaves = tree_lib.flatten_like(params, tree_lib.structure(updates), updates, what="observe: params", like="updates")
-            counted_params = [p if g is not None else None for p, g in zip(param_leaves, grads)]
+        try:
+            _check_gradients(layout, grads)
+            if params is not None:
+                param_leaves = tree_lib.flatten_like(params, tree_lib.structure(updates), updates, what="observe: params", like="updates")
+                counted_params = [p if g is not None else None for p, g in zip(param_leaves, grads)]
+        except (TypeError, ValueError) as exc:
+            if not collective:
+                raise
+            error = exc
+        dtype = torch.float32 if error is not None else tree_lib.accumulation_dtype(tree_lib.real_dtypes(updates))
+        forwarded = extra_args if extra else {}
         pending = state.pending_update_sq
         if pending.shape != (len(layout.names) + 1,):  # a new tree structure: no update of its own before
             pending = torch.full((len(layout.names) + 1,), float("nan"), dtype=torch.float64, device=device)
         fused = _fusable(lead, layout, spec)
         p = lead.norm_type if fused else 2.0  # type: ignore[union-attr]
-        eager = not torch.compiler.is_compiling()
         # the params' sums may be taken after ``inner`` (from its tally) when nothing it may write holds them
         params_kept = counted_params is None or not inplace or _apart(counted_params, (updates, state.inner_state))
-        if fused == "local" and p == 2.0 and eager and params_kept and native_observed.usable() is not None:
+        if error is None and fused == "local" and p == 2.0 and eager and params_kept and native_observed.usable() is not None:
             # nothing is sharded, so no statistic waits for a collective: all are read in the passes
             # the step makes (the clip's norm, its scaling, the Adam kernel's tally), none of their own
             norms = stats_lib.counted_norms(layout, grads)
@@ -419,14 +437,24 @@ def observe(
             sums = torch.stack([partials.sq, pending.to(device), _param_sq(layout, counted_params, partials.sq, device, tally), partials.nonfinite])
             maxima = partials.max
         else:
-            partials = stats_lib.gradient_partials(layout, grads, device)
             # without a collective the params' sums may wait for the step's tally; with one they ride in it
-            late = eager and params_kept and (layout.plan is None or layout.plan.global_group() is None)
-            param_sq = torch.full_like(partials.sq, float("nan")) if late else _param_sq(layout, counted_params, partials.sq, device)
-            share = stats_lib.norm_share(layout, grads, p) if fused == "reduced" else None
+            late = eager and params_kept and not collective
+            try:
+                if error is not None:
+                    raise error
+                partials = stats_lib.gradient_partials(layout, grads, device)
+                param_sq = torch.full_like(partials.sq, float("nan")) if late else _param_sq(layout, counted_params, partials.sq, device)
+                share = stats_lib.norm_share(layout, grads, p) if fused == "reduced" else None
+            except (TypeError, ValueError, RuntimeError) as exc:
+                if not collective:
+                    raise
+                error = exc  # this rank's share is zeros of the shapes every rank sends
+                zeros = torch.zeros(len(layout.names) + 1, dtype=torch.float64, device=device)
+                partials, param_sq = stats_lib.GradientPartials(zeros, zeros, zeros, [], None), zeros
+                share = zeros[:1] if fused == "reduced" and p not in (2.0, math.inf) else None
             rows = torch.stack([partials.sq, pending.to(device), param_sq, partials.nonfinite]).reshape(-1)
             buffer = rows if share is None else torch.cat([rows, share.reshape(1)])
-            buffer, maxima = stats_lib.reduce_statistics(layout, buffer, partials.max, what="observe")
+            buffer, maxima = stats_lib.reduce_statistics(layout, buffer, partials.max, what="observe", error=error)
             sums = buffer[: rows.numel()].reshape(4, -1)
             clip_norm = None
             if fused == "reduced":

@@ -320,23 +320,26 @@ def extremes_of(tensors: list[Tensor], device: torch.device) -> tuple[Tensor, Te
     return maxima, _nonfinite_counts(tensors, maxima, device)
 
 
-def reduce_statistics(layout: GroupLayout, sums: Tensor, maxima: Tensor, *, what: str) -> tuple[Tensor, Tensor]:
+def reduce_statistics(
+    layout: GroupLayout, sums: Tensor, maxima: Tensor, *, what: str, error: Optional[BaseException] = None
+) -> tuple[Tensor, Tensor]:
     """``sums`` (any shape) summed and ``maxima`` (1-D) maxed over the reduction group, in one
-    SUM all-reduce (float64), identical on every rank; the local values when there is no group."""
+    SUM all-reduce (float64), identical on every rank; the local values when there is no group.
+
+    ``error``: what went wrong on this rank while computing its share (its ``sums`` and ``maxima``
+    are then placeholders of the right shapes); it rides in the all-reduce as an error bit, with the
+    call count of ``what``, so every rank of the group raises the same error, naming the rank (see
+    :func:`gradtx.sharding.waiting.all_reduce`)."""
     plan = layout.plan
     group = plan.global_group() if plan is not None else None
     if group is None:
+        if error is not None:
+            raise error
         return sums, maxima
     slots = torch.zeros(layout.slots, maxima.numel(), dtype=_DTYPE, device=maxima.device)
     slots[layout.slot] = maxima
     buffer = torch.cat([sums.reshape(-1).to(_DTYPE), slots.reshape(-1)])
-    if torch.compiler.is_compiling():
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
-    else:
-        try:
-            waiting.wait(dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True), buffer, plan.timeout)
-        except RuntimeError as failure:
-            raise RuntimeError(f"gradtx.sharding: {what} waited for the other ranks of its group, which did not join ({failure})") from failure
+    buffer = waiting.all_reduce(buffer, dist.ReduceOp.SUM, group, what=what, calls=plan.calls, error=error, timeout=plan.timeout)
     n = sums.numel()
     return buffer[:n].reshape(sums.shape), buffer[n:].reshape(layout.slots, -1).amax(0)
 
