@@ -276,6 +276,8 @@ def observe_a_bad_input_on_one_rank_raises_alike_on_every_rank(world):
         tx.update(grads, state, params)
     _, state = tx.update(grads, state, grads)
     _same_on_every_rank(gtx.observations(state))
+    with pytest.raises(ValueError, match=r"leading clip_by_global_norm has a ShardingSpec and observe has none"):
+        gtx.observe(_inner(spec))
 
 
 @pytest.mark.distributed

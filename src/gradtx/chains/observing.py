@@ -345,7 +345,8 @@ def observe(
         Leaves in no group still count in the total.
       spec: how the gradients are sharded (DTensors need none): every statistic is then that of the
         logical tensors, identical on every rank, with one all-reduce per step, a leading clip's
-        included when it has the same ``spec``.
+        included when it has the same ``spec``. A leading clip with a spec beside no ``spec`` here
+        is a ``ValueError``.
 
     The state is an :class:`ObserveState`; read it with :func:`observations`. The gradient and
     param statistics belong to the step that produced the state; ``prev_update_norm`` and
@@ -362,6 +363,11 @@ def observe(
     extra = takes_extra_args(inner)
     clip = _find_clip(inner)
     lead = leading_clip(inner)
+    if spec is None and lead is not None and lead.spec is not None:
+        raise ValueError(
+            "observe: its leading clip_by_global_norm has a ShardingSpec and observe has none, so the statistics "
+            "would be of this rank's pieces only: pass the same spec to observe (observe(inner, spec=spec))"
+        )
     layouts: dict[Any, stats_lib.GroupLayout] = {}
 
     def layout_of(tree: PyTree) -> stats_lib.GroupLayout:
