@@ -169,3 +169,47 @@ def test_adamw_with_a_scheduled_learning_rate_matches_torch_adamw_with_lambda_lr
         scheduler.step()
         torch.testing.assert_close(params["w"], w.detach(), rtol=1e-5, atol=1e-6)
     assert "learning_rate" in state.hyperparams and "weight_decay" in state.hyperparams
+
+
+def test_a_factory_taking_keyword_arguments_gets_each_one_injected():
+    def factory(**hyperparams):
+        return gtx.scale(hyperparams["step_size"])
+
+    tx = gtx.inject_hyperparams(factory)(step_size=lambda count: 0.5 / (1.0 + count))
+    params = {"w": torch.ones(3)}
+    state = tx.init(params)
+    for step in range(3):
+        updates, state = tx.update({"w": torch.ones(3)}, state, params)
+        assert torch.equal(updates["w"], torch.full((3,), 0.5 / (1.0 + step)))
+    assert set(state.hyperparams) == {"step_size"}
+
+
+def test_positional_only_and_variadic_arguments_reach_the_factory():
+    def factory(step_size, /, *offsets, flip=False):
+        return gtx.scale(-step_size - sum(offsets) if flip else step_size + sum(offsets))
+
+    tx = gtx.inject_hyperparams(factory)(0.25, 1.0, 2.0, flip=True)
+    updates, state = tx.update({"w": torch.ones(2)}, tx.init({"w": torch.ones(2)}))
+    assert torch.equal(updates["w"], torch.full((2,), -3.25)) and set(state.hyperparams) == {"step_size"}
+
+
+def test_a_torch_optimizer_in_a_chain_follows_a_scheduled_learning_rate_as_torch_does():
+    """from_torch takes the optimizer class (a callable, but no schedule) and its keyword
+    arguments; the learning rate scheduled in the state gives torch's own SGD's numbers."""
+    schedule = lambda count: 0.1 / (1.0 + count)  # noqa: E731
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(4, 3, generator=generator)
+    tx = gtx.inject_hyperparams(gtx.from_torch)(torch.optim.SGD, lr=schedule, momentum=0.9)
+    params = {"w": start.clone()}
+    state = tx.init(params)
+    reference = torch.nn.Parameter(start.clone())
+    opt = torch.optim.SGD([reference], lr=0.1, momentum=0.9)
+    for step in range(4):
+        grad = torch.randn(4, 3, generator=generator)
+        updates, state = tx.update({"w": grad}, state, params)
+        params = gtx.apply_updates(params, updates)
+        opt.param_groups[0]["lr"] = schedule(step)
+        reference.grad = grad.clone()
+        opt.step()
+        assert torch.equal(params["w"], reference.detach()), step
+    assert float(state.hyperparams["lr"]) == pytest.approx(schedule(3))

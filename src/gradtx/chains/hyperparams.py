@@ -102,35 +102,53 @@ def inject_hyperparams(
     """
     static_args = {static_args} if isinstance(static_args, str) else set(static_args)
     signature = inspect.signature(inner_factory)
+    kinds = {name: param.kind for name, param in signature.parameters.items()}
+    takes_keywords = inspect.Parameter.VAR_KEYWORD in kinds.values()  # any name may be an argument
     unknown = static_args - set(signature.parameters)
-    if unknown:
+    if unknown and not takes_keywords:
         raise ValueError(
             f"inject_hyperparams: static_args {sorted(unknown)} are not parameters of "
             f"{getattr(inner_factory, '__name__', inner_factory)!r} ({list(signature.parameters)})"
         )
     integer_params = _integer_params(signature)
 
+    positional_only = [name for name, kind in kinds.items() if kind == inspect.Parameter.POSITIONAL_ONLY]
+
     @functools.wraps(inner_factory)
     def wrapped(*args: Any, **kwargs: Any) -> GradientTransformation:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
+        arguments: dict[str, Any] = {}  # by name: the arguments ``**kwargs`` takes each on its own
+        variadic: tuple = ()  # what ``*args`` takes, passed on as it is
+        for name, value in bound.arguments.items():
+            if kinds[name] == inspect.Parameter.VAR_KEYWORD:
+                arguments.update(value)
+            elif kinds[name] == inspect.Parameter.VAR_POSITIONAL:
+                variadic = tuple(value)
+            else:
+                arguments[name] = value
         schedules: dict[str, Callable] = {}
         numeric: dict[str, Any] = {}
         other: dict[str, Any] = {}
-        for name, value in bound.arguments.items():
+        for name, value in arguments.items():
             if name in static_args or isinstance(value, bool):
                 other[name] = value
             elif name in integer_params and isinstance(value, int):
                 other[name] = value
-            elif callable(value) and not isinstance(value, Tensor):
+            elif callable(value) and not isinstance(value, (Tensor, type)):  # a class is no schedule
                 schedules[name] = value
             elif isinstance(value, (int, float, Tensor)):
                 numeric[name] = value
             else:
                 other[name] = value
 
+        def inner_factory_of(values: dict[str, Any]) -> GradientTransformation:
+            """``inner_factory`` called with ``values`` by name, positional-only ones by position."""
+            leading = [values.pop(name) for name in positional_only]
+            return inner_factory(*leading, *variadic, **values)
+
         # whether the inner update takes ``inplace``, decided once on a probe built with the first values
-        probe = inner_factory(**other, **numeric, **{name: fn(0) for name, fn in schedules.items()})
+        probe = inner_factory_of({**other, **numeric, **{name: fn(0) for name, fn in schedules.items()}})
         takes_inplace = with_inplace(probe) is probe.update
         extra = takes_extra_args(probe)
 
@@ -144,7 +162,7 @@ def inject_hyperparams(
         def init_fn(params: PyTree) -> InjectHyperparamsState:
             count = counter(params)
             hyperparams = current(numeric, count, _hyperparam_dtype(params, hyperparam_dtype))
-            inner = inner_factory(**other, **hyperparams)
+            inner = inner_factory_of({**other, **hyperparams})
             return InjectHyperparamsState(count=count, hyperparams=hyperparams, inner_state=inner.init(params))
 
         def step(updates, state, params, inplace, extra_args, norm=None, scale=None):
@@ -159,7 +177,7 @@ def inject_hyperparams(
             hyperparams = current(state.hyperparams, state.count, dtype)
             if not inplace:  # values read from the state are copied: the new state shares no storage with the old
                 hyperparams.update({name: hyperparams[name].clone() for name in numeric})
-            inner = inner_factory(**other, **hyperparams)
+            inner = inner_factory_of({**other, **hyperparams})
             if not extra:
                 extra_args = {}
             if norm is not None:  # the inner's leading clip takes a norm reduced by the caller
@@ -184,7 +202,7 @@ def inject_hyperparams(
                 return update_given
 
             def coefficient(state, norm):  # the clip built from the values the last update used
-                return leading_clip(inner_factory(**other, **state.hyperparams)).coefficient(state.inner_state, norm)
+                return leading_clip(inner_factory_of({**other, **state.hyperparams})).coefficient(state.inner_state, norm)
 
             clip = LeadingClip(probe_clip.spec, probe_clip.norm_type, lambda state: probe_clip.norm_of(state.inner_state), coefficient, given)
         set_leading_clip(update_fn, clip)
