@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -130,6 +131,27 @@ def sparse_embedding_run(make_optimizer, *, wrapped: bool, steps: int = 5) -> to
 )
 def test_sparse_gradients_behind_a_clip_match_torch(make):
     torch.testing.assert_close(sparse_embedding_run(make, wrapped=True), sparse_embedding_run(make, wrapped=False))
+
+
+def test_a_chain_that_cannot_take_sparse_gradients_says_which_params_have_them():
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(12, 4, sparse=True)
+    opt = gtx.wrap(torch.optim.SGD(embedding.parameters(), lr=0.1), gtx.chain(gtx.clip_by_global_norm(1.0), gtx.trace(0.9)), model=embedding)
+    embedding(torch.tensor([1, 2, 2])).sum().backward()
+    with pytest.raises(TypeError, match=r"could not take the sparse gradients of \['weight'\] \(RuntimeError: .*keeps per-element state"):
+        opt.step()
+
+
+def test_selecting_sparse_updates_warns_of_nothing():
+    """apply_if_finite around a clip of sparse gradients: the selection rebuilds a sparse tensor
+    from coalesced indices, with no warning about invariant checks every step."""
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(12, 4, sparse=True)
+    opt = gtx.wrap(torch.optim.SGD(embedding.parameters(), lr=0.1), gtx.apply_if_finite(gtx.clip_by_global_norm(1.0), 3))
+    embedding(torch.tensor([1, 2, 2])).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
 
 
 def test_sparse_gradient_norms_are_those_of_the_dense_gradient():

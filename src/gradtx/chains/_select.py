@@ -80,7 +80,7 @@ def _where_or_zero(condition: Tensor, tensor: Tensor) -> Tensor:
     # a sparse tensor selects its stored values: the implicit zeros are zeros either way
     coalesced = tensor.coalesce()
     values = torch.where(condition, coalesced.values(), 0)
-    return torch.sparse_coo_tensor(coalesced.indices(), values, coalesced.shape, is_coalesced=True)
+    return torch.sparse_coo_tensor(coalesced.indices(), values, coalesced.shape, is_coalesced=True, check_invariants=False)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -506,6 +506,20 @@ class ChainedOptimizer(torch.optim.Optimizer):
 
     def _run_tx(self, allow_fold: bool, extra_args: dict[str, Any]) -> Optional[Tensor]:
         grads = self._grad_tree()
+        try:
+            return self._run_tx_on(grads, allow_fold, extra_args)
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            sparse = [name for name, g in grads.items() if isinstance(g, Tensor) and g.layout != torch.strided]
+            if not sparse or torch.compiler.is_compiling():
+                raise
+            raise TypeError(
+                f"wrap: the transformation could not take the sparse gradients of {sparse} ({type(exc).__name__}: {exc}). "
+                "Sparse gradients pass through stateless transformations (clip_by_global_norm, clip_by_value, scale, "
+                "apply_if_finite around them); one that keeps per-element state or adds a dense term (trace, MultiSteps, "
+                "add_noise, an optimizer) needs dense ones: Embedding(sparse=False)"
+            ) from exc
+
+    def _run_tx_on(self, grads: dict[str, Any], allow_fold: bool, extra_args: dict[str, Any]) -> Optional[Tensor]:
         params = self._param_tree()
         present = [g for g in grads.values() if g is not None]
         if allow_fold and not extra_args and self._can_fold(present):
