@@ -4,6 +4,7 @@ Every candidate does one full step, clip by global norm 1.0 + the optimizer + ap
 GPT_41M tree of ``benchmarks/common.py`` (52 float32 leaves, 41.7M elements)::
 
     python benchmarks/eager.py [--optimizers adamw adam sgd amsgrad lion] [--threads N] [--rounds R] [--malloc]
+        [--candidates gradtx gradtx-fresh gradtx-aten]
 
 Candidates, for each optimizer:
 
@@ -129,6 +130,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--malloc", action="store_true", help="glibc keeps freed memory mapped (see the docstring)")
+    parser.add_argument("--candidates", nargs="+", choices=CANDIDATES, default=list(CANDIDATES), help="torch is always run")
     parser.add_argument("--worker", nargs=2, metavar=("CANDIDATE", "OPTIMIZER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -141,10 +143,11 @@ def main() -> None:
         f"{args.threads or 'as is'}, allocator: {'malloc (no trimming)' if args.malloc else 'as is'}; "
         f"{args.rounds} rounds, {args.warmup} warm-up + {args.steps} timed steps per worker"
     )
+    candidates = ["torch"] + [c for c in args.candidates if c != "torch"]
     medians: dict[tuple[str, str], list[float]] = {}
     for round_ in range(args.rounds):
         for optimizer in args.optimizers:
-            for candidate in CANDIDATES:
+            for candidate in candidates:
                 out = run_worker(
                     __file__,
                     ["--worker", candidate, optimizer, "--threads", str(args.threads), "--warmup", str(args.warmup), "--steps", str(args.steps)],
@@ -158,7 +161,7 @@ def main() -> None:
     print("\nclip + optimizer + apply, one step, wall-clock (median over rounds; ratio: median of per-round ratios to torch)")
     for optimizer in args.optimizers:
         base = medians.get((optimizer, "torch"), [])
-        for candidate in CANDIDATES:
+        for candidate in candidates:
             times = medians.get((optimizer, candidate), [])
             if not times or not base:
                 continue

@@ -32,7 +32,7 @@ NOT_TRANSFORMATIONS = {
     "cosine_onecycle_schedule", "exponential_decay", "get_measurement", "global_norm", "incremental_update",
     "init_empty_state", "join_schedules", "linear_onecycle_schedule", "linear_schedule", "matrix_inverse_pth_root",
     "microbatch", "multi_normal", "observations", "periodic_update", "piecewise_constant_schedule", "piecewise_interpolate_schedule",
-    "polynomial_schedule", "power_iteration", "safe_increment", "safe_int32_increment", "safe_norm",
+    "polynomial_schedule", "power_iteration", "release_buffers", "safe_increment", "safe_int32_increment", "safe_norm",
     "safe_root_mean_squares", "scale_gradient", "schedule_free_eval_params", "sgdr_schedule", "tree_map_params",
     "update_infinity_moment", "update_moment", "update_moment_per_elem_norm", "warmup_constant_schedule",
     "warmup_cosine_decay_schedule", "warmup_exponential_decay_schedule", "MaskOrFn", "ScalarOrSchedule", "Schedule",

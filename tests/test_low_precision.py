@@ -281,6 +281,28 @@ def test_kahan_summation_keeps_tiny_updates_that_plain_bfloat16_loses():
     assert float((kahan["w"].double() + state.compensation["w"].double() - exact).abs().max()) < 1e-7
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["stochastic_rounding", "kahan_summation", "master_weights"])
+def test_an_infinite_low_precision_param_stays_infinite(name, dtype):
+    """As ``p + u`` keeps it (no ``inf - inf`` in the emitted update or the compensation), over steps."""
+    make = {
+        "stochastic_rounding": lambda: gtx.chain(gtx.sgd(1.0), gtx.stochastic_rounding(0)),
+        "kahan_summation": lambda: gtx.chain(gtx.sgd(1.0), gtx.kahan_summation()),
+        "master_weights": lambda: gtx.master_weights(gtx.sgd(1.0)),
+    }[name]
+    tx = make()
+    params = {"w": torch.tensor([float("inf"), -float("inf"), 1.0], dtype=dtype)}
+    state = tx.init(params)
+    for _ in range(3):
+        updates, state = tx.update({"w": torch.full((3,), 1e-3)}, state, params)
+        assert torch.equal(updates["w"][:2], torch.zeros(2, dtype=updates["w"].dtype))
+        params = gtx.apply_updates(params, updates)
+    assert params["w"][0] == float("inf") and params["w"][1] == -float("inf") and params["w"][2] <= 1.0
+    if name == "kahan_summation":  # the compensation holds what the infinite params could not take
+        compensation = state[1].compensation["w"]
+        assert torch.equal(compensation[:2], torch.full((2,), -3e-3))
+
+
 def test_kahan_summation_passes_wider_params_through():
     params = {"a": torch.zeros(3), "b": torch.zeros(3, dtype=torch.float64)}
     tx = gtx.kahan_summation()

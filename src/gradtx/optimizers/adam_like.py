@@ -665,9 +665,12 @@ def adan(
     ``v = b2 v + (1 - b2) d``, ``n = b3 n + (1 - b3) (g + (1 - b2) d)^2``, each bias-corrected by
     its own rate, and the update is
     ``-learning_rate * ((m_hat + (1 - b2) v_hat) / (sqrt(n_hat + eps_root) + eps) + weight_decay * param)``,
-    optax's definition (the paper applies the decay as a proximal step instead). ``b1``, ``b2``
-    and ``b3`` are decay rates, as in optax: the paper's ``1 - beta_1``, ``1 - beta_2``,
-    ``1 - beta_3``.
+    optax's definition, with optax's numbers. ``b1``, ``b2`` and ``b3`` are decay rates, as in
+    optax: the paper's ``1 - beta_1``, ``1 - beta_2``, ``1 - beta_3``. Two differences from the
+    paper and its official code follow optax: the gradient differences enter ``n`` and the update
+    with weight ``1 - b2`` (the paper's ``beta_2``, 0.08 by default) where the paper weights them
+    by its ``1 - beta_2`` (``b2``, 0.92), and the weight decay is added to the update where the
+    paper applies it as a proximal step.
 
     Args:
       learning_rate: the step size: a number, a 0-d tensor, or a schedule called with the step

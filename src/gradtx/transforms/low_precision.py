@@ -148,9 +148,11 @@ def round_stochastic(x: Tensor, dtype: torch.dtype, draws: Tensor) -> Tensor:
 
 
 def updates_to(new: Tensor, param: Tensor, dtype: UpdatesDtype) -> Tensor:
-    """``new - param`` in the dtype the updates are emitted in (see the module's docstring)."""
+    """``new - param`` in the dtype the updates are emitted in (see the module's docstring); 0
+    where ``new`` is ``param`` itself, so that an infinite param stays as it is (``inf - inf``
+    would be NaN, and ``p + NaN`` NaN)."""
     out = param.dtype if dtype == "param" else (dtype or torch.float32)
-    return new.to(out) - param.to(out)
+    return torch.where(new == param, 0.0, new.to(out) - param.to(out))
 
 
 # --------------------------------------------------------------------------- random bits
@@ -402,7 +404,7 @@ def kahan_summation(*, dtype: UpdatesDtype = None) -> GradientTransformation:
             (p_local, u_local, c_local), rewrap = dtensor_lib.locals_of([p, u, c])
             y = exact_sum(c_local, u_local)
             new = exact_sum(p_local, y).to(p.dtype)
-            exact = new.to(torch.float32) - p_local.to(torch.float32)
+            exact = updates_to(new, p_local, torch.float32)
             emitted = exact if dtype is None or dtype == torch.float32 else updates_to(new, p_local, dtype)
             _, wrapped_update, wrapped_c = rewrap([p_local, emitted, (y - exact).to(c.dtype)])
             out.append(wrapped_update)
