@@ -429,9 +429,10 @@ def _new_sums(params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[t
     """``params + updates`` of one (device, dtype) group as new tensors, the large CPU ones written
     into buffers recycled from earlier steps' new params (:func:`gradtx.buffer_pool.new_like`), so
     a pure step does not fault a new params tree in; the same sums as ``foreach_add``."""
-    pooled = [
+    pooled = [  # laid out row-major, as the sum of two such tensors is (strides of size-1 dims too)
         i for i, (p, u) in enumerate(zip(params, updates))
         if u.dtype == p.dtype and u.layout == torch.strided and u.shape == p.shape and buffer_pool.poolable(p)
+        and p.stride() == u.stride() == buffer_pool.row_major(p.shape)
     ]
     if not pooled:
         return tree_lib.foreach_add(params, updates, inplace=False)

@@ -77,6 +77,15 @@ def _counts_readable() -> bool:
 _COUNTS_READABLE = _counts_readable()
 
 
+def row_major(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a new tensor of ``shape`` (what the ATen ops' outputs get)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def dense(template: Tensor) -> bool:
     """Whether ``template``'s elements fill a block of memory exactly once, in some order of its
     dimensions (contiguous or permuted; not a slice with gaps, nor an ``expand`` or another

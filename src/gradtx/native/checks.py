@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from gradtx import torch_internals
+from gradtx.buffer_pool import row_major
 from gradtx.native import build
 
 # Per thread: ``reference`` (ATen ops only, :func:`aten_only`), ``checking`` (the kernel under check).
@@ -106,15 +107,6 @@ def float32(value: Any) -> float:
     if isinstance(value, Tensor):
         return value.to(torch.float32).item()
     return float(torch.tensor(value, dtype=torch.float32))
-
-
-def row_major(shape: torch.Size) -> tuple[int, ...]:
-    """The strides of a new tensor of ``shape`` (what the ATen ops' outputs get)."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def plain_float32(tensors: Sequence[Any], n: int, strides: tuple[int, ...]) -> bool:
