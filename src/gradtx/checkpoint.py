@@ -197,7 +197,10 @@ def _dims_of(leaf: Tensor, param: Any, index: int, contexts: tuple[_Context, ...
     raise ValueError(
         f"state leaf {path!r} ({leaf_shape} on this rank) was made from param {param_path!r} ({local_shape} on this rank, "
         f"split across ranks), but has another shape, and no state type above it declares how its dims follow the "
-        "param's; a transformation declares that with gradtx.state_dims.state_dims on its state type"
+        "param's for this layout; a transformation declares that with gradtx.state_dims.state_dims on its state type. "
+        "quantize_state's codes and scales follow a param split along any dim but its last (its blocks run along "
+        "the last dim, and a piece of it may hold part of a block another rank holds too): shard such a param along "
+        "another dim, or keep it out of quantize_state (a min_size above its size)"
     )
 
 

@@ -4,7 +4,8 @@ Each rank trains its FSDP2-sharded model (``fully_shard``: parameters and gradie
 with a wrapped optimizer whose chain keeps counters (a clip, a scheduled scale, accumulation over 2
 calls, a finite check). At step k the run saves with ``get_state_dict`` + ``dcp.save`` and goes on;
 fresh model and optimizer objects then load with ``dcp.load`` + ``set_state_dict`` and go on too.
-Both must end bit for bit where the uninterrupted run does, on every rank. And a wrapped optimizer
+Both must end bit for bit where the uninterrupted run does, on every rank; so must a chain holding
+``quantize_state``, whose codes and scales are plain pieces of the DTensor params' state. And a wrapped optimizer
 built before the model is sharded, its parameters swapped for DTensor shards afterwards as
 accelerate does, trains on with its chain's state following the parameters.
 """
@@ -50,6 +51,9 @@ def make_optimizer(model: nn.Module, inner: str):
     tx = gtx.apply_if_finite(
         gtx.MultiSteps(gtx.chain(gtx.clip_by_global_norm(0.5), scheduled), 2).gradient_transformation(), 3
     )
+    if inner == "quantized":  # the chain keeps 8-bit moments: plain pieces of DTensor params' state
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        return gtx.wrap(opt, gtx.chain(gtx.quantize_state(gtx.adam(1e-2), 8, min_size=64), gtx.scale(-1.0)), model=model)
     if inner == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     else:  # stateless: DCP's initialising step runs on the live optimizer when it saves
@@ -94,7 +98,8 @@ def check(rank: int, mesh, inner: str, checkpoint_dir: str) -> None:
     model_sd, optim_sd = get_state_dict(resumed, opt)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint_dir)
     set_state_dict(resumed, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    assert int(opt.tx_state.inner_state.mini_step) == 1
+    if inner != "quantized":
+        assert int(opt.tx_state.inner_state.mini_step) == 1
     train(resumed, opt, rank, range(SAVE_AT, STEPS))
     for got, want in zip(full_params(resumed), expected):
         assert torch.equal(got, want), f"{inner}: the resumed run differs from the uninterrupted one"
@@ -163,7 +168,7 @@ def worker(rank: int, init_file: str, checkpoint_root: str) -> None:
     try:
         torch.set_num_threads(1)
         mesh = dist.device_mesh.init_device_mesh("cpu", (WORLD,))  # no axis names, as fully_shard's default
-        for inner in ("adamw", "sgd"):
+        for inner in ("adamw", "sgd", "quantized"):
             check(rank, mesh, inner, os.path.join(checkpoint_root, inner))
         check_accelerate_swap(rank, mesh)
         dist.barrier()

@@ -788,16 +788,29 @@ class ChainedOptimizer(torch.optim.Optimizer):
     def _chain_state_dict(self) -> dict[str, Any]:
         """The transformation's state as ``state_dict()`` carries it, keyed by state path.
 
-        With ``spec``: as :func:`gradtx.checkpoint.state_dict` lays it out, each plain piece a piece
-        of its logical tensor, so ``torch.distributed.checkpoint`` reshards it to any other layout
-        (every rank must call ``state_dict()`` then: it makes one ``all_gather_object``). Without:
-        the leaves as they are (DTensor leaves reshard by themselves).
+        With ``spec``, or DTensor params and a ``quantize_state`` in the chain: as
+        :func:`gradtx.checkpoint.state_dict` lays it out, each plain piece a piece of its logical
+        tensor, so ``torch.distributed.checkpoint`` reshards it to any other layout (every rank must
+        call ``state_dict()`` then: it makes one ``all_gather_object``). Otherwise: the leaves as
+        they are (DTensor leaves reshard by themselves).
         """
-        if self.spec is None:
+        if self.spec is None and not self._pieces_in_state():
             return to_plain(self._tx_state)
         from gradtx import checkpoint as checkpoint_lib
 
         return checkpoint_lib.state_dict(self._tx_state, self._param_tree(), self.spec)
+
+    def _pieces_in_state(self) -> bool:
+        """Whether plain tensors of the state are this rank's pieces of a DTensor param's state
+        (``quantize_state``'s codes and scales): ``torch.distributed.checkpoint`` would take them
+        for copies of one tensor and keep one rank's, so they go as :mod:`gradtx.checkpoint` lays
+        them out, each a piece of its logical tensor."""
+        from gradtx.sharding import dtensor as dtensor_lib
+        from gradtx.tree_utils import tree_get_all_with_path
+
+        return dtensor_lib.has_dtensor(tree_lib.leaves(self._param_tree())) and bool(
+            tree_get_all_with_path(self._tx_state, "QuantizedState")
+        )
 
     def _chain_state_from(self, saved: Any) -> Any:
         """A new transformation state from the saved entry: a :mod:`gradtx.checkpoint` dict (it
