@@ -41,7 +41,6 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Optional
 
-import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
@@ -49,7 +48,7 @@ from gradtx.sharding import checkpointing as ckpt_lib
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding.checkpointing import Layout, Pieces
 from gradtx.sharding.spec import ShardingSpec
-from gradtx.state_dims import Dims, ParamLeaf, rules_of, same, state_dims, whole
+from gradtx.state_dims import Dims, ParamLeaf, rules_of, same, state_dims, whole, without_rank_shares
 
 __all__ = ["MANIFEST", "ParamLeaf", "Pieces", "load_state_dict", "same", "state_dict", "state_dims", "whole"]
 
@@ -370,6 +369,8 @@ def state_dict(state: Any, params: Any, spec: Optional[ShardingSpec] = None, *, 
     are the same ``ValueError`` on every rank, naming the path.
     """
     owner = "gradtx.checkpoint.state_dict"
+    if spec is not None or dtensor_lib.has_dtensor(tree_lib.leaves(params)):
+        state = without_rank_shares(state)  # this rank's shares of sums no other layout could take back
     resolved = _resolve(state, params, spec, owner=owner)
     error = resolved.error
     records = None

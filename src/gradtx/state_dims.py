@@ -96,3 +96,47 @@ def state_dims(**rules: Rule) -> Callable[[type], type]:
 def rules_of(node_type: Any) -> Mapping[str, Rule]:
     """The rules a state type declares (empty when it declares none)."""
     return getattr(node_type, ATTRIBUTE, None) or {}
+
+
+# --------------------------------------------------------------------------- shares of a sum over ranks
+
+SHARES_ATTRIBUTE = "__rank_shares__"
+
+
+def rank_shares(*fields: str) -> Callable[[type], type]:
+    """Class decorator for a state type (a NamedTuple): the named fields hold this rank's share of
+    a sum over ranks that a later collective completes (``observe``'s pending update norms). Under
+    sharding no other layout could take such shares back, so a checkpoint saves NaN in their place
+    (see :func:`without_rank_shares`): the loaded state reads "unknown" there, the same on every
+    rank, where it would otherwise hold one rank's share for all."""
+
+    def declare(cls: type) -> type:
+        check_fields("rank_shares", cls, fields)
+        setattr(cls, SHARES_ATTRIBUTE, tuple(fields))
+        return cls
+
+    return declare
+
+
+def without_rank_shares(state: Any) -> Any:
+    """``state`` with every field :func:`rank_shares` declares filled with NaN (floating-point
+    tensors; anything else as it is), for a checkpoint of a sharded state."""
+    import torch
+
+    def nan_like(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return torch.full_like(value, float("nan"))
+        return value
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            shared = getattr(type(node), SHARES_ATTRIBUTE, ())
+            values = {name: nan_like(value) if name in shared else walk(value) for name, value in zip(node._fields, node)}
+            return type(node)(**values)
+        if isinstance(node, (tuple, list)):
+            return type(node)(walk(child) for child in node)
+        if isinstance(node, dict):
+            return type(node)((key, walk(child)) for key, child in node.items())
+        return node
+
+    return walk(state)

@@ -260,6 +260,30 @@ def observe_grouping_errors_raise_alike_on_every_rank(world):
 
 
 @case(2)
+def observe_state_checkpointed_under_sharding_reads_unknown_update_norms(world):
+    """gtx.checkpoint saves a sharded observe state (its pending update norms are this rank's
+    shares, which no layout could take back: saved as NaN); the loaded state's next step reports
+    prev_update_norm NaN on every rank, everything else as the uninterrupted run."""
+    mesh = world.mesh((2,), ("tp",))
+    spec = ShardingSpec(mesh, [("w", gtx.sharding.Shard("tp", dim=0)), ("b", gtx.sharding.Replicate())])
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    params = {"w": torch.randn(2, 3, generator=gen), "b": torch.ones(3)}
+    grads = {"w": torch.randn(2, 3, generator=gen), "b": torch.full((3,), 0.5)}
+    tx = gtx.observe(_inner(spec), spec=spec)
+    _, state = tx.update(grads, tx.init(params), params)
+    saved = gtx.checkpoint.state_dict(state, params, spec, copy=True)
+    loaded = gtx.checkpoint.load_state_dict(tx.init(params), saved, params, spec)
+    _, straight = tx.update(grads, state, params)
+    _, resumed = tx.update(grads, loaded, params)
+    logged, expected = gtx.observations(resumed), gtx.observations(straight)
+    assert math.isnan(logged["prev_update_norm"]) and not math.isnan(expected["prev_update_norm"])
+    for key, value in expected.items():
+        if not key.startswith("prev_update"):
+            assert logged[key] == value or (math.isnan(logged[key]) and math.isnan(value)), key
+    _same_on_every_rank(logged)
+
+
+@case(2)
 def observe_a_bad_input_on_one_rank_raises_alike_on_every_rank(world):
     """A gradient of an integer dtype, or params without a leaf, on rank 1 only: every rank raises
     that rank's error from the one all-reduce (its error bit), none waits; the ranks stay in step."""

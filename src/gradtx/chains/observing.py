@@ -53,6 +53,7 @@ from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding import statistics as stats_lib
 from gradtx.sharding.plan import _layout_key
 from gradtx.sharding.spec import nearest_paths
+from gradtx.state_dims import rank_shares
 
 PyTree = Any
 Groups = Union[None, str, int, Sequence[Union[str, tuple[str, str]]], Callable[[str], Optional[str]]]
@@ -92,13 +93,16 @@ class ObservedClip(NamedTuple):
     clipped: Tensor
 
 
+@rank_shares("pending_update_sq")
 class ObserveState(NamedTuple):
     """``inner_state``: ``inner``'s state; ``total``: the statistics of all leaves together;
     ``groups``: group name -> its statistics (every group of every rank, in the same order on every
     rank); ``clip``: the clip's statistics, or ``None`` when ``inner`` has no global-norm clip;
     ``pending_update_sq``: this rank's share (float64 ``[total, group 0, ...]``, not yet reduced) of
     the squared norms of the updates ``inner`` returned at the last step, reduced with the next
-    step's statistics and reported there as ``prev_update_norm`` (NaN before the first step)."""
+    step's statistics and reported there as ``prev_update_norm`` (NaN before the first step, and at
+    the first step after a state of a sharded run was loaded from a checkpoint: see
+    :func:`gradtx.state_dims.rank_shares`)."""
 
     inner_state: Any
     total: ObservedStats

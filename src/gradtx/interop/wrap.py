@@ -67,6 +67,8 @@ from gradtx.chains import step_gates
 from gradtx.chains.accumulation import MultiSteps
 from gradtx.chains.chain import _PARTS
 from gradtx.interop.checkpoint import STATE_KEY, called_by_checkpoint, check_inner_fits, from_plain, in_checkpoint_init_step, split_chain_state, to_plain
+from gradtx.sharding import dtensor as dtensor_lib
+from gradtx.state_dims import without_rank_shares
 from gradtx.transforms.clipping import clip_by_global_norm, clip_by_value
 
 
@@ -795,6 +797,8 @@ class ChainedOptimizer(torch.optim.Optimizer):
         they are (DTensor leaves reshard by themselves).
         """
         if self.spec is None and not self._pieces_in_state():
+            if dtensor_lib.has_dtensor(tree_lib.leaves(self._param_tree())):
+                return to_plain(without_rank_shares(self._tx_state))  # one rank's shares would go for all
             return to_plain(self._tx_state)
         from gradtx import checkpoint as checkpoint_lib
 
@@ -805,7 +809,6 @@ class ChainedOptimizer(torch.optim.Optimizer):
         (``quantize_state``'s codes and scales): ``torch.distributed.checkpoint`` would take them
         for copies of one tensor and keep one rank's, so they go as :mod:`gradtx.checkpoint` lays
         them out, each a piece of its logical tensor."""
-        from gradtx.sharding import dtensor as dtensor_lib
         from gradtx.tree_utils import tree_get_all_with_path
 
         return dtensor_lib.has_dtensor(tree_lib.leaves(self._param_tree())) and bool(
