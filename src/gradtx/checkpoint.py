@@ -48,9 +48,9 @@ from gradtx.sharding import checkpointing as ckpt_lib
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding.checkpointing import Layout, Pieces
 from gradtx.sharding.spec import ShardingSpec
-from gradtx.state_dims import Dims, ParamLeaf, rules_of, same, state_dims, whole, without_rank_shares
+from gradtx.state_dims import Dims, ParamLeaf, rank_shares, rules_of, same, state_dims, whole, without_rank_shares
 
-__all__ = ["MANIFEST", "ParamLeaf", "Pieces", "load_state_dict", "same", "state_dict", "state_dims", "whole"]
+__all__ = ["MANIFEST", "ParamLeaf", "Pieces", "load_state_dict", "rank_shares", "same", "state_dict", "state_dims", "whole"]
 
 MANIFEST = "__gradtx_checkpoint__"
 """The key of the manifest: every state leaf's kind, dtype and logical shape, on every layout alike."""
