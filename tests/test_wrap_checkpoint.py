@@ -249,6 +249,13 @@ def _inner_case(what: str):
 
         return corrupt_it
 
+    def drop_state_key(key):
+        def corrupt_it(sd):
+            del sd["state"][1][key]
+            return sd
+
+        return corrupt_it
+
     def step_as_number(sd):
         for entry in sd["state"].values():
             entry["step"] = float(entry["step"])
@@ -263,6 +270,7 @@ def _inner_case(what: str):
         "a group without lr": (adamw, drop_group_key("lr"), True),
         "a group without betas": (adamw, drop_group_key("betas"), True),
         "adafactor row_var of another size": (adafactor, set_state("row_var", torch.zeros(7)), True),
+        "adamw state without step": (adamw, drop_state_key("step"), True),
         "an older group without foreach": (adamw, drop_group_key("foreach"), False),
         "an older state with a number for step": (adamw, step_as_number, False),
     }[what]
@@ -276,6 +284,7 @@ def _inner_case(what: str):
         "a group without lr",
         "a group without betas",
         "adafactor row_var of another size",
+        "adamw state without step",
         "an older group without foreach",
         "an older state with a number for step",
     ],

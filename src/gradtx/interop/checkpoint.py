@@ -122,7 +122,8 @@ def check_inner_fits(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any
 
     Checked: the param groups' number and sizes (as torch checks them), that every hyperparameter
     of ``optimizer.defaults`` is in each loaded group once the optimizer's own ``__setstate__`` has
-    filled in what older checkpoints lack, and that each loaded state tensor has the shape the
+    filled in what older checkpoints lack, that each loaded state entry holds every key the
+    optimizer keeps for its parameter, and that each loaded state tensor has the shape the
     optimizer gives that entry. The expected shapes come from a probe: a copy of the optimizer, its
     parameters replaced by meta tensors and its groups by the loaded ones, stepped once on meta zero
     gradients (no memory, no compute). Where the probe cannot run (an optimizer that needs a closure
@@ -158,6 +159,12 @@ def check_inner_fits(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any
             continue
         expected = probe.state.get(probe_params[index], {}) if probe is not None else {}
         reference = expected or optimizer.state.get(param, {})
+        absent = sorted(key for key in expected if key not in entry) if entry else []
+        if absent:  # the inner optimizer's load would take it, and its step (or __setstate__) fail
+            raise ValueError(
+                f"wrap: the state dict's entry of parameter {index} (shape {tuple(param.shape)}) lacks {absent[0]!r}, "
+                f"which {type(optimizer).__name__} keeps for it"
+            )
         for key, value in entry.items():
             want = reference.get(key)
             if isinstance(value, Tensor) and isinstance(want, Tensor) and value.shape != want.shape:
