@@ -222,12 +222,12 @@ def poolable(template: Any) -> bool:
     """Whether :func:`new_like` serves an output shaped like ``template`` from a pool: recycling is
     on, nothing is being compiled, and the template is :func:`recyclable` (and not a tensor wrapped
     by a ``torch.func`` transform)."""
-    return (
-        recycling()
-        and not torch.compiler.is_compiling()
-        and recyclable(template)
-        and not torch._C._functorch.is_functorch_wrapped_tensor(template)
-    )
+    return _served(template) and recycling() and not torch.compiler.is_compiling()
+
+
+def _served(template: Any) -> bool:
+    """:func:`recyclable`, and not a tensor wrapped by a ``torch.func`` transform."""
+    return recyclable(template) and not torch._C._functorch.is_functorch_wrapped_tensor(template)
 
 
 def new_like(templates: Sequence[Tensor], site: str) -> list[Tensor]:
@@ -237,7 +237,8 @@ def new_like(templates: Sequence[Tensor], site: str) -> list[Tensor]:
     into their memory instead of page-faulting new memory in (what ``compile_step`` does with its
     own pool). ``site`` names the code asking (``"adam"``, ``"apply_updates"``, ...): one pool
     each. Called only where the outputs are computed by kernels that write every element."""
-    chosen = [t if poolable(t) else None for t in templates]
+    pooled = recycling() and not torch.compiler.is_compiling()  # asked once per call, not per template
+    chosen = [t if pooled and _served(t) else None for t in templates]
     if not any(t is not None for t in chosen):
         return [torch.empty_like(t) for t in templates]
     with _eager_lock:
