@@ -222,7 +222,7 @@ def poolable(template: Any) -> bool:
     """Whether :func:`new_like` serves an output shaped like ``template`` from a pool: recycling is
     on, nothing is being compiled, and the template is :func:`recyclable` (and not a tensor wrapped
     by a ``torch.func`` transform)."""
-    return _served(template) and recycling() and not torch.compiler.is_compiling()
+    return not torch.compiler.is_compiling() and _served(template) and recycling()  # traced: no pool, nothing read
 
 
 def _served(template: Any) -> bool:
