@@ -136,9 +136,9 @@ def step(
     tables = native_codebook.lookup(moments.book)
     if kernel is None or tables is None:
         raise RuntimeError("gradtx: the stored-moment Adam kernel was chosen but is not there")
-    fresh = [moments.mu_codes, moments.mu_scales, moments.nu_codes, moments.nu_scales] + ([] if own_update else [g])
-    (new,) = buffer_pool.outputs("stored_adam", (fresh, False))
-    out, uo = tuple(new[:4]), (g if own_update else new[4])
+    stored = [moments.mu_codes, moments.mu_scales, moments.nu_codes, moments.nu_scales]
+    new, (uo,) = buffer_pool.outputs("stored_adam", (stored, False), ([g], own_update))
+    out = tuple(new)
     kernel(g, p, moments, out, uo, floats, decay, tables, grad_scale)
     if own_update and g.numel():  # written in place: changed, as ATen's in-place ops mark it
         torch.autograd.graph.increment_version(uo)
