@@ -224,8 +224,59 @@ def test_the_check_refuses_a_product_one_step_off():
         def squares(self, x):
             return good.squares(x)
 
+        def squares_extremes(self, xs):
+            return good.squares_extremes(xs)
+
     assert "x * " in observed._mismatch(Off())
     assert observed._mismatch(good) == ""
+
+
+@pytest.mark.parametrize("wrong", ["sum", "max", "count"])
+def test_the_check_refuses_a_one_pass_sum_or_extreme_that_is_off(wrong):
+    good = _kernel()
+
+    class Off:
+        calls = scaled = squared = 0
+        scale, squares = good.scale, good.squares
+
+        def squares_extremes(self, xs):
+            sums, largest, bad = good.squares_extremes(xs)
+            if wrong == "sum":
+                sums = torch.nextafter(sums, torch.full_like(sums, math.inf))
+            elif wrong == "max":
+                largest = torch.nextafter(largest, torch.full_like(largest, math.inf))
+            else:
+                bad = bad + 1
+            return sums, largest, bad
+
+    assert "one pass" in observed._mismatch(Off())
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    shapes=st.lists(st.sampled_from([(0,), (1,), (31,), (2049,), (3, 700), (70_001,)]), min_size=1, max_size=3),
+    threads=st.sampled_from([1, 2]),
+    poison=st.sampled_from([None, float("nan"), float("inf"), -float("inf")]),
+    seed=st.integers(0, 2**16),
+)
+def test_one_pass_sums_and_extremes_are_the_separate_passes_numbers(shapes, threads, poison, seed):
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(shape, generator=gen) * 3 for shape in shapes]
+    if poison is not None and xs[-1].numel():
+        xs[-1].view(-1)[torch.randint(0, xs[-1].numel(), (3,), generator=gen)] = poison
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        sums, largest, counts = observed.squares_extremes(xs)
+    finally:
+        torch.set_num_threads(before)
+    for k, x in enumerate(xs):
+        alone = observed.squares(x)
+        assert sums[k].item() == alone or (math.isnan(alone) and sums[k].isnan())
+        low, high = torch.aminmax(x) if x.numel() else (torch.zeros(()), torch.zeros(()))
+        top = torch.maximum(low.abs(), high.abs())
+        assert torch.equal(largest[k], top) or (top.isnan() and largest[k].isnan())
+        assert counts[k].item() == int((~torch.isfinite(x)).sum())
 
 
 @pytest.mark.parametrize("inner", [lambda: gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(1e-2, weight_decay=0.1)), lambda: gtx.adamw(1e-2)])

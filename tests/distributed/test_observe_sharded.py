@@ -304,6 +304,65 @@ def observe_a_bad_input_on_one_rank_raises_alike_on_every_rank(world):
         gtx.observe(_inner(spec))
 
 
+@case(2)
+def observe_reads_each_sharded_gradient_once(world):
+    """Under sharding the gradients' sums of squares, maxima and non-finite counts (all needed
+    before the one all-reduce) come from one pass over each gradient, by one kernel call for all;
+    the clip's global norm follows from those sums bit for bit, as it reduces them alone; a NaN
+    is counted and its maximum is NaN on every rank."""
+    from gradtx.native import observed as native_observed
+    from gradtx.sharding import statistics as stats_lib
+
+    kernel = native_observed.usable()
+    assert kernel is not None, native_observed.status()
+    mesh = world.mesh((2,), ("dp",))
+    spec = ShardingSpec(mesh, [("*", gtx.sharding.Shard("dp", dim=0))])
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    grads = {"w": torch.randn(300, 70, generator=gen), "b": torch.randn(4100, generator=gen), "e": torch.zeros(0, 3)}
+    params = {k: torch.randn(g.shape, generator=gen) for k, g in grads.items()}
+    tx = gtx.observe(_inner(spec, max_norm=0.5), groups=1, spec=spec)
+    state = tx.init(params)
+    _, state = tx.update(grads, state, params)
+    separate = stats_lib.extremes_of
+
+    def refused(*args):
+        raise AssertionError("a pass of its own over the gradients' extremes")
+
+    one_pass, calls = kernel.squares_extremes, []
+
+    def counted(xs):
+        calls.append(len(xs))
+        return one_pass(xs)
+
+    stats_lib.extremes_of, kernel.squares_extremes = refused, counted
+    before = state
+    try:
+        updates, state = tx.update(grads, state, params)
+    finally:
+        stats_lib.extremes_of = separate
+        del kernel.squares_extremes
+    assert calls == [len(grads)]  # every gradient, by one call
+    plain_updates, plain_state = _inner(spec, max_norm=0.5).update(grads, before.inner_state, params)
+    assert torch.equal(state.inner_state[0].norm, plain_state[0].norm)
+    assert all(torch.equal(updates[k], plain_updates[k]) for k in grads)
+    dense = {k: torch.cat(_gather(g)) for k, g in grads.items()}
+    expected = torch.sqrt(sum(g.double().square().sum() for g in dense.values()))
+    assert math.isclose(float(state.total.grad_norm), float(expected), rel_tol=1e-6)
+    assert float(state.total.grad_max) == max(float(g.abs().max()) for g in dense.values() if g.numel())
+    if dist.get_rank() == 1:
+        grads["b"][7] = float("nan")
+    _, state = tx.update(grads, state, params)
+    logged = gtx.observations(state)
+    assert logged["grad_nonfinite"] == 1 and math.isnan(logged["grad_max/b"]) and not math.isnan(logged["grad_max/w"])
+    _same_on_every_rank(logged)
+
+
+def _gather(tensor):
+    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, tensor.contiguous())
+    return pieces
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("size,name", _world.params_for(__name__))
 def test_observe_sharded(size, name):

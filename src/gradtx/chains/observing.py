@@ -20,7 +20,9 @@ Nothing is communicated when nothing is sharded; such a clip (of order 2 or ``in
 norm from the statistics' per-leaf norms, the gradients being read for the norm once. Eagerly, with
 nothing sharded and float32 CPU tensors, the other statistics ride in the step's own passes
 (:mod:`gradtx.native.observed`): ``max |g|`` where a leading 2-norm clip scales the gradients, the
-params' and updates' sums of squares in the Adam kernel's loop.
+params' and updates' sums of squares in the Adam kernel's loop. Under sharding the gradients'
+statistics are read in one pass over each (their sums of squares are the ones the sharded clip's
+norm adds up), the params' in one more, and the updates' in the Adam kernel's loop.
 """
 
 from __future__ import annotations

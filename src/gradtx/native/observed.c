@@ -8,6 +8,9 @@
  *   coefficient), where x * c is non-finite exactly where x is.
  * gradtx_squares_f64: the sum of squares in squares.h's order (float32 within blocks, float64
  *   across them; the Adam step's tally gives the same bits).
+ * gradtx_squares_extremes_f32: that sum, max |x| and the non-finite count of x in one pass (a
+ *   block's values read again from cache for the maximum): the statistics of a sharded gradient,
+ *   which must all be ready for the one all-reduce before the step's own passes.
  * out may be x itself: each value is read before it is written (see the count above).
  */
 #include <stdint.h>
@@ -63,4 +66,41 @@ double gradtx_squares_f64(const float *x, int64_t n, int threads) {
     const double sum = blocks_total(partial, blocks);
     free(partial);
     return sum;
+}
+
+/* The sum of squares (as gradtx_squares_f64), max |x| and the non-finite count (as
+ * gradtx_scale_observed_f32) of `count` tensors (xs[k] of ns[k] values), by one call: into
+ * sums[k], largest[k] and nonfinite[k]; sums[k] is -1 where no memory was had for the blocks' sums. */
+void gradtx_squares_extremes_list_f32(const float *const *xs, const int64_t *ns, int64_t count, double *sums, float *largest,
+                                      int64_t *nonfinite, int threads) {
+    for (int64_t k = 0; k < count; k++) {
+        const float *x = xs[k];
+        const int64_t n = ns[k];
+        const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+        double one = 0.0;
+        double *partial = blocks <= 1 ? &one : malloc(sizeof(double) * (size_t)blocks);
+        if (!partial) {
+            sums[k] = -1.0;
+            continue;
+        }
+        uint32_t top = 0;
+        int64_t bad = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n >= 65536) reduction(max : top) reduction(+ : bad)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t s = b * BLOCK;
+            const int len = (int)(n - s < BLOCK ? n - s : BLOCK);
+            partial[b] = block_squares(x + s, len);
+            uint32_t block_top = 0;
+            for (int i = 0; i < len; i++) {
+                const uint32_t bits = magnitude_bits(x[s + i]);
+                block_top = bits > block_top ? bits : block_top;
+            }
+            if (block_top >= EXTREMES_INFINITY) bad += block_nonfinite(x + s, len);
+            top = block_top > top ? block_top : top;
+        }
+        sums[k] = blocks <= 1 ? one : blocks_total(partial, blocks);
+        if (blocks > 1) free(partial);
+        store_top(top, largest + k);
+        nonfinite[k] = bad;
+    }
 }

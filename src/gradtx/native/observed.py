@@ -8,7 +8,10 @@ count over the gradients, and the norms of the params and of the updates. Here t
 - :func:`tallying`: within it, the Adam kernel (:mod:`gradtx.native.adam`) adds up the squares of
   the params it reads and of the updates it writes, and records them by tensor;
 - :func:`squares`: the same sums (``squares.h``'s order, so the same bits) for a tensor no kernel
-  tallied: float32 within blocks of 2048 values, float64 across them.
+  tallied: float32 within blocks of 2048 values, float64 across them;
+- :func:`squares_extremes`: those sums with ``max |g|`` and the non-finite count, in one pass: under
+  sharding all three must be ready for the one all-reduce before the step runs, and a sharded
+  2-norm adds up the same sums (:func:`gradtx.sharding.reductions.piece_squares`).
 
 Before its first use the kernel is checked on probe values against ATen's product and ``aminmax``
 and a float64 sum, and kept only if the product and the extremes agree in every bit and the sum
@@ -36,8 +39,11 @@ class _Kernel:
         sums = lib.gradtx_squares_f64
         sums.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
         sums.restype = ctypes.c_double
-        self.scale_fn, self.squares_fn = scale, sums
-        self.calls = self.scaled = self.squared = 0  # calls in all, of scale and of squares
+        both = lib.gradtx_squares_extremes_list_f32
+        both.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        both.restype = None
+        self.scale_fn, self.squares_fn, self.both_fn = scale, sums, both
+        self.calls = self.scaled = self.squared = 0  # calls in all, of scale and of squares (alone or with extremes)
 
     def scale(self, xs: Sequence[Tensor], factor: float, outs: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
         """``outs[k] = xs[k] * factor``, by one call; returns ``max |x|`` (float32) and the non-finite
@@ -53,6 +59,19 @@ class _Kernel:
             torch.get_num_threads(),
         )
         return largest, bad
+
+    def squares_extremes(self, xs: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """Each ``x``'s sum of squares (float64, -1 where it could not be taken), ``max |x|``
+        (float32) and non-finite count (int64), by one call."""
+        count = len(xs)
+        self.calls += 1
+        self.squared += count
+        sums, largest, bad = torch.empty(count, dtype=torch.float64), torch.empty(count, dtype=torch.float32), torch.empty(count, dtype=torch.int64)
+        self.both_fn(
+            (ctypes.c_void_p * count)(*[x.data_ptr() for x in xs]), (ctypes.c_int64 * count)(*[x.numel() for x in xs]), count,
+            sums.data_ptr(), largest.data_ptr(), bad.data_ptr(), torch.get_num_threads(),
+        )
+        return sums, largest, bad
 
     def squares(self, x: Tensor) -> float:
         self.calls += 1
@@ -111,6 +130,19 @@ def squares(x: Tensor) -> Optional[float]:
         return None
     total = kernel.squares(x)
     return None if total < 0.0 else total  # -1: no memory for the blocks' sums
+
+
+def squares_extremes(tensors: Sequence[Tensor]) -> Optional[tuple[Tensor, Tensor, Tensor]]:
+    """Per tensor of ``tensors`` (plain float32 CPU tensors), in one pass each: the sum of squares
+    (float64, :func:`squares`' bits), ``max |x|`` (float32, aminmax's) and the non-finite count
+    (float64); ``None`` where the kernel does not apply to all of them."""
+    kernel = usable()
+    if kernel is None or torch.compiler.is_compiling() or not tensors or not plain(tensors) or tree_lib.needs_graph(list(tensors)):
+        return None
+    sums, largest, bad = kernel.squares_extremes(tensors)
+    if bool((sums < 0.0).any()):  # no memory for some tensor's blocks' sums
+        return None
+    return sums, largest, bad.to(torch.float64)
 
 
 # --------------------------------------------------------------------------- the tally
@@ -182,6 +214,12 @@ def _mismatch(kernel: _Kernel) -> str:
         exact = float(modest.double().square().sum())
         if not abs(total - exact) <= 1e-5 * exact:  # float32 sums of at most 128 squares each
             return f"the sum of squares over {n} values: {total} against {exact}"
+        sums, largest, counts = kernel.squares_extremes([modest, x])
+        expected = torch.tensor([float(torch.maximum(*(v.abs() for v in torch.aminmax(v)))) if n else 0.0 for v in (modest, x)])
+        if sums[0].item() != total or not torch.equal(largest.isnan(), expected.isnan()) or not torch.equal(largest.nan_to_num(), expected.nan_to_num()):
+            return f"the sum of squares and max |x| over {n} values, in one pass"
+        if counts.tolist() != [0, int((~torch.isfinite(x)).sum())]:
+            return f"the non-finite count over {n} values, in one pass"
     return ""
 
 

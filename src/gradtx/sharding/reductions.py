@@ -1,7 +1,8 @@
 """The exact reductions: the global norm (one collective) and per-leaf norms (one per group).
 
 Global norm: each rank sums ``|g|^p`` over the pieces it owns (see :mod:`gradtx.sharding.plan`)
-in float32 or wider, then ONE all-reduce (SUM; MAX for ``p = inf``, carrying a NaN flag in the same
+in float32 or wider (for ``p = 2``, eagerly, a plain float32 CPU piece's sum of squares in one
+pass that can also read its extremes: :func:`piece_squares`), then ONE all-reduce (SUM; MAX for ``p = inf``, carrying a NaN flag in the same
 buffer) runs over the smallest group spanning every sharded or staged axis. Per-leaf norms reduce
 each leaf over its own ``Shard`` axes only: the partial sums of all leaves sharing a group are
 stacked into one buffer, so there is one all-reduce per distinct group, in a fixed order on every rank.
@@ -12,13 +13,14 @@ Without a spec and without DTensors, everything is the local computation of :mod
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from gradtx import tree as tree_lib
+from gradtx.native import observed as native_observed
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding import probe as probe_lib
 from gradtx.sharding import waiting
@@ -55,6 +57,35 @@ def _local_norms(tensors: Sequence[Tensor], p: float) -> list[Tensor]:
     for i, norm in zip(nonempty, tree_lib.local_norms([tensors[i] for i in nonempty], p)):
         norms[i] = norm.to(dtype)
     return norms
+
+
+def piece_squares(
+    tensors: Sequence[Tensor], device: torch.device, *, norms: Callable[[list[Tensor]], list[Tensor]] = lambda ts: _local_norms(ts, 2.0),
+    known: Optional[Sequence[Optional[float]]] = None,
+) -> Tensor:
+    """Per-piece sums of squares (float64, on ``device``), as a sharded 2-norm adds them up.
+
+    Eagerly, a plain float32 CPU piece's sum is :func:`gradtx.native.observed.squares`' (float32
+    within blocks of 2048 values, float64 across them), the order in which
+    :func:`gradtx.sharding.statistics.gradient_partials` reads it with the piece's extremes in one
+    pass; any other piece's is the square of its norm, taken by ``norms``. ``known``: sums already
+    taken in that order (``None`` where none is)."""
+    found = list(known) if known is not None else [None] * len(tensors)
+    found = [total if total is not None else native_observed.squares(t) for t, total in zip(tensors, found)]
+    rest = [i for i, total in enumerate(found) if total is None]
+    if len(rest) == len(tensors):
+        return _squares(norms(list(tensors)), device) if tensors else torch.zeros(0, dtype=_REDUCE_DTYPE, device=device)
+    out = torch.tensor([0.0 if total is None else total for total in found], dtype=_REDUCE_DTYPE, device=device)
+    if rest:
+        out[rest] = _squares(norms([tensors[i] for i in rest]), device)
+    return out
+
+
+def _squares(norms: list[Tensor], device: torch.device) -> Tensor:
+    """The squares (float64, on ``device``) of per-piece norms: stacked, then cast once."""
+    if all(n.device == device for n in norms):
+        return torch.stack(norms).to(_REDUCE_DTYPE) ** 2
+    return torch.stack([n.to(device=device, dtype=_REDUCE_DTYPE) for n in norms]) ** 2
 
 
 def is_sharded(tree_leaves: Sequence[Any], spec: Optional[ShardingSpec]) -> bool:
@@ -134,12 +165,15 @@ def _norm_buffer(plan: Plan, tree_leaves: Sequence[Any], p: float, with_finite: 
     dtype = tree_lib.accumulation_dtype(dtypes)
     device = _device_of(present, plan.mesh)
     local_finite = tree_lib.all_finite(present, device=device) if with_finite else None
-    norms = [n.to(device) for n in _local_norms(owned, p)]
-    stacked = torch.stack(norms) if norms else torch.zeros(1, dtype=dtype, device=device)
-    if p == math.inf:
-        buffer = _norm_partials([stacked.max()], p)[0].to(_REDUCE_DTYPE)
+    if p == 2.0:
+        buffer = piece_squares(owned, device).sum().reshape(1)
     else:
-        buffer = (stacked.to(_REDUCE_DTYPE) ** p).sum().reshape(1)
+        norms = [n.to(device) for n in _local_norms(owned, p)]
+        stacked = torch.stack(norms) if norms else torch.zeros(1, dtype=dtype, device=device)
+        if p == math.inf:
+            buffer = _norm_partials([stacked.max()], p)[0].to(_REDUCE_DTYPE)
+        else:
+            buffer = (stacked.to(_REDUCE_DTYPE) ** p).sum().reshape(1)
     if local_finite is not None:
         buffer = torch.cat([buffer, (~local_finite).to(_REDUCE_DTYPE).reshape(1)])
     return buffer, dtype, local_finite

@@ -32,7 +32,7 @@ from gradtx.native import observed as native_observed
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding import waiting
 from gradtx.sharding.plan import Plan, plan_for
-from gradtx.sharding.reductions import _finish_norm, _local_norms, _norm_buffer, is_sharded
+from gradtx.sharding.reductions import _finish_norm, _local_norms, _norm_buffer, _squares, is_sharded, piece_squares
 from gradtx.sharding.spec import ShardingSpec
 
 _DTYPE = torch.float64
@@ -160,13 +160,6 @@ def _per_group(layout: GroupLayout, groups: Optional[Tensor], values: Optional[T
     return torch.cat([total, grouped[1:]])
 
 
-def _squares(norms: list[Tensor], device: torch.device) -> Tensor:
-    """The squares (float64, on ``device``) of per-leaf norms of one dtype: stacked, then cast once."""
-    if all(n.device == device for n in norms):
-        return torch.stack(norms).to(_DTYPE) ** 2
-    return torch.stack([n.to(device=device, dtype=_DTYPE) for n in norms]) ** 2
-
-
 def _compiled_reductions(tensors: Sequence[Tensor]) -> bool:
     """Whether the statistics of ``tensors`` are taken as plain reductions Inductor lowers (under
     ``torch.compile``, for dense real non-empty tensors) instead of torch's per-list kernels."""
@@ -252,24 +245,16 @@ def leaf_squares(tensors: list[Tensor], device: torch.device, tally: Optional[na
     bits either way); else the squares of the tensors' 2-norms (:func:`_fusable_norms`)."""
     if torch.compiler.is_compiling() or native_observed.usable() is None:
         return _squares(_fusable_norms(tensors), device)
-    found: list[Optional[float]] = []
-    for t in tensors:
-        total = tally.squares(t) if tally is not None else None
-        found.append(native_observed.squares(t) if total is None else total)
-    rest = [i for i, total in enumerate(found) if total is None]
-    if len(rest) == len(tensors):
-        return _squares(_fusable_norms(tensors), device)
-    out = torch.tensor([0.0 if total is None else total for total in found], dtype=_DTYPE, device=device)
-    if rest:
-        out[rest] = _squares(_fusable_norms([tensors[i] for i in rest]), device)
-    return out
+    known = [tally.squares(t) for t in tensors] if tally is not None else None
+    return piece_squares(tensors, device, norms=_fusable_norms, known=known)
 
 
 class GradientPartials(NamedTuple):
     """This rank's ``[total, per group]`` sums of squares (``sq``), non-finite counts and ``max |g|``
     of the gradients; and, per leaf that entered them (in leaf order), its 2-norm (``norms``, as
-    :func:`_local_norms` takes it) and its ``max |g|`` (``maxima``, 1-D), from which a clip's global
-    norm follows without reading the gradients again."""
+    :func:`_local_norms` takes it; empty under sharding, whose sums are taken directly) and its
+    ``max |g|`` (``maxima``, 1-D), from which a clip's global norm follows without reading the
+    gradients again."""
 
     sq: Tensor
     nonfinite: Tensor
@@ -289,13 +274,32 @@ def gradient_partials(
     ``aminmax`` (non-finite elements are counted only in a leaf whose maximum is not finite, where
     that can be known without a host sync: see :func:`_nonfinite_counts`). ``norms`` (of the
     counted tensors, as :func:`counted_norms` takes them) and ``extremes(tensors)`` (their
-    ``max |g|`` and non-finite counts), when given, are taken instead of reading the gradients."""
+    ``max |g|`` and non-finite counts), when given, are taken instead of reading the gradients.
+
+    Under sharding the sums of squares are those a sharded 2-norm adds up
+    (:func:`~gradtx.sharding.reductions.piece_squares`), so a clip's global norm follows from them
+    bit for bit; eagerly, for plain float32 CPU pieces, they and the extremes come from one pass
+    over each gradient (``norms`` is then empty)."""
     counted = _counted(layout, tree_leaves)
     if not counted:
         zeros = _per_group(layout, None, None, "sum", device)
         return GradientPartials(zeros, zeros, zeros, [], None)
     indices, tensors = [i for i, _ in counted], [t for _, t in counted]
     groups = _group_index(layout, indices, device)
+    if layout.plan is not None and norms is None and extremes is None:
+        found = native_observed.squares_extremes(tensors)
+        if found is not None:
+            sums, maxima, counts = (x.to(device) for x in found)
+        else:
+            sums = piece_squares(tensors, device)
+            maxima, counts = extremes_of(tensors, device)
+        return GradientPartials(
+            _per_group(layout, groups, sums, "sum", device),
+            _per_group(layout, groups, counts, "sum", device),
+            _per_group(layout, groups, maxima.to(_DTYPE), "max", device),
+            [],
+            maxima,
+        )
     if norms is None:
         norms = _local_norms(tensors, 2.0)
     maxima, counts = extremes_of(tensors, device) if extremes is None else extremes(tensors)
