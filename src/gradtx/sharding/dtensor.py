@@ -41,8 +41,11 @@ def local(tensor: Tensor) -> Tensor:
 def storage_pointers(tensors: Sequence[Any]) -> set[int]:
     """The addresses of the memory ``tensors`` hold on this rank (a DTensor's local shard's), to
     tell whether two trees share memory; sparse and other unstrided tensors, and non-tensors, add none."""
+    strided = torch.strided
     return {
-        local(t).untyped_storage().data_ptr() for t in tensors if isinstance(t, Tensor) and t.layout == torch.strided
+        (t if type(t) is Tensor else local(t)).untyped_storage().data_ptr()
+        for t in tensors
+        if isinstance(t, Tensor) and t.layout == strided
     }
 
 
