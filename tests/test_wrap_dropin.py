@@ -305,6 +305,23 @@ def fused_scaled_run(wrapped: bool, inject_at: int = 1) -> tuple[list[list[torch
     return snapshots, scales
 
 
+def test_last_step_skipped_tells_a_step_the_fused_inner_step_skipped_for_grad_scaler():
+    model = mlp()
+    opt = gtx.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    seen = []
+    for step in range(3):
+        opt.zero_grad()
+        scaler.scale(loss_of(model, step)).backward()
+        if step == 1:
+            model[0].weight.grad[1, 1] = math.inf
+        before = params_of(model)
+        scaler.step(opt)
+        scaler.update()
+        seen.append((opt.last_step_skipped, same(before, params_of(model))))
+    assert seen == [(False, False), (True, True), (False, False)]
+
+
 def test_grad_scaler_fused_path_reaches_the_inner_kernel():
     snapshots, scales = fused_scaled_run(wrapped=True)
     ref_snapshots, ref_scales = fused_scaled_run(wrapped=False)

@@ -54,7 +54,7 @@ import itertools
 import operator
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -257,7 +257,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self._gate = None if tx is None else step_gates.gate_of(tx)
         if tx is not None:
             _check_gates(self._tx_state, self._gate)
-        self._skipped_box: list[Optional[bool]] = [None]  # in a list for the reason _state_box is
+        self._skipped_box: list[Union[None, bool, Tensor]] = [None]  # in a list for the reason _state_box is
         self._keep_state_slot()
         self._tx_update = None if tx is None else with_inplace(tx)
         self._fold_plan = self._plan_fold(tx)
@@ -325,16 +325,23 @@ class ChainedOptimizer(torch.optim.Optimizer):
         A step is skipped when the transformation skipped it (a ``MultiSteps`` mini-step, a
         non-finite step under ``apply_if_finite``) or when ``found_inf`` was set. The inner
         optimizer then learns nothing of it: its ``step`` is not called, so its parameters, state,
-        step counts and own hooks stay as they were, exactly as the pure path leaves them.
+        step counts and own hooks stay as they were, exactly as the pure path leaves them. Without
+        a transformation, ``found_inf`` goes to the inner (fused) step, which skips itself; it is
+        read here, on the host, only when this is asked.
+
+        ``GradScaler`` with a transformation unscales the gradients itself and, when they are not
+        finite, does not call :meth:`step` at all: the wrapper does not see that step, and this
+        keeps the value of the step before (read ``scaler.get_scale()``, which drops on such a step).
         """
-        return self._skipped_box[0]
+        skipped = self._skipped_box[0]
+        return bool(skipped) if isinstance(skipped, Tensor) else skipped
 
     @property
     def _last_step_skipped(self) -> Optional[bool]:
         return self._skipped_box[0]
 
     @_last_step_skipped.setter
-    def _last_step_skipped(self, skipped: bool) -> None:
+    def _last_step_skipped(self, skipped: Union[bool, Tensor]) -> None:
         self._skipped_box[0] = skipped
 
     @property
@@ -645,6 +652,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
                 return loss
 
             if self._gate is None:
+                self._note_found_inf(amp)
                 return _Prepared((transformed_closure,), amp)
             # A gated chain decides before the inner step whether there is one: the first evaluation
             # runs here, and the inner step's first call of the closure gets its loss.
@@ -655,7 +663,14 @@ class ChainedOptimizer(torch.optim.Optimizer):
         grad_scale = self._transform(allow_fold=not amp, extra_args=extra_args)
         if self._last_step_skipped:
             return _Prepared((), {}, run_inner=False)
+        self._note_found_inf(amp)
         return _Prepared((), {"grad_scale": grad_scale} if grad_scale is not None else amp)
+
+    def _note_found_inf(self, amp: dict[str, Tensor]) -> None:
+        """Without a transformation ``found_inf`` goes to the inner step, which skips itself where it
+        is set: :attr:`last_step_skipped` reads it when asked (no host sync in the step)."""
+        if "found_inf" in amp:
+            self._last_step_skipped = amp["found_inf"].detach().clone()
 
     def step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """``step(closure=None, **extra_args)``: transforms the gradients, writes them back to ``.grad``,
