@@ -401,6 +401,25 @@ def test_load_state_dict_of_the_bare_optimizer_and_of_a_different_chain():
         opt.load_state_dict(other.state_dict())
 
 
+def test_pickling_a_wrap_with_a_transformation_is_refused_clearly():
+    import io
+    import pickle
+
+    for tx in (gtx.clip_by_global_norm(1.0), gtx.MultiSteps(gtx.scale(1.0), 2)):
+        opt = gtx.wrap(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), tx)
+        with pytest.raises(TypeError, match=r"with a transformation .* cannot be pickled: transformations are closures\. Save opt\.state_dict\(\)"):
+            pickle.dumps(opt)
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            torch.save(opt, io.BytesIO())
+        assert copy.copy(opt).tx is opt.tx
+    model = torch.nn.Linear(2, 2)
+    plain = gtx.wrap(torch.optim.SGD(model.parameters(), lr=0.1))  # no transformation: pickles as torch's
+    model(torch.ones(1, 2)).sum().backward()
+    plain.step()
+    again = pickle.loads(pickle.dumps(plain))
+    assert again.tx is None and again.param_groups[0]["lr"] == 0.1
+
+
 def test_deepcopy_gives_an_independent_optimizer():
     model = mlp()
     opt = gtx.wrap(torch.optim.Adam(model.parameters(), lr=1e-2), gtx.clip_by_global_norm(1.0), model=model)

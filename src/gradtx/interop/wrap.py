@@ -49,6 +49,7 @@ dtype, device and layout ``tx.init`` gives it (a DTensor keeps this rank's slice
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import operator
@@ -888,6 +889,30 @@ class ChainedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickles only without a transformation: a transformation is a pair of closures (as optax's
+        are), which pickle cannot take; say so, instead of naming a closure deep inside it."""
+        if self.tx is not None:
+            raise TypeError(
+                f"a gradtx.wrap optimizer with a transformation ({_describe(self.tx)}) cannot be pickled: transformations "
+                "are closures. Save opt.state_dict() (the transformation's state included; torch.load(..., "
+                "weights_only=True) reads it) and load it into an optimizer built again; copy.deepcopy works"
+            )
+        return super().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ChainedOptimizer:
+        """What ``copy.deepcopy`` does for any object (a new instance, then the state deep-copied),
+        which shares the transformation's functions, as it shares any function."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
+
+    def __copy__(self) -> ChainedOptimizer:
+        copied = type(self).__new__(type(self))
+        copied.__setstate__(self.__getstate__())
+        return copied
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
