@@ -227,20 +227,7 @@ def test_a_pure_step_with_donation_compiles_to_one_graph():
 
 _LOW_PRECISION_GRADIENTS = ["sgd", "sgd_nesterov", "adam", "adamw", "nadam", "amsgrad", "adamax", "radam", "adabelief",
                             "lion", "rmsprop", "adagrad", "yogi", "adan", "novograd", "lamb"]
-# Known: Adan's pure step keeps its previous gradient in the gradients' dtype (bfloat16), its
-# donated step in the float32 buffer init made, and the later steps differ by that rounding
-_ROUNDED_ELSEWHERE = {("adan", True)}
-
-
-def _low_precision_cases():
-    for name in _LOW_PRECISION_GRADIENTS:
-        for mode in ("updates", True):
-            known = (name, mode) in _ROUNDED_ELSEWHERE
-            marks = [pytest.mark.xfail(strict=True, reason="keeps its state in another dtype than the pure step")] if known else []
-            yield pytest.param(name, mode, marks=marks, id=f"{name}-{mode}")
-
-
-@pytest.mark.parametrize("name,mode", _low_precision_cases())
+@pytest.mark.parametrize("name,mode", [(name, mode) for name in _LOW_PRECISION_GRADIENTS for mode in ("updates", True)])
 def test_donated_bfloat16_gradients_beside_float32_state_give_the_pure_steps_numbers(name, mode):
     """A donated gradient buffer of another dtype than the state is no working buffer for the
     state's values, and a number multiplies bfloat16 in place as out of place: the donated step
@@ -262,3 +249,5 @@ def test_donated_bfloat16_gradients_beside_float32_state_give_the_pure_steps_num
     assert len(results[1]) == len(results[0])
     for a, b in zip(*results):
         assert a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), name
+    init_dtypes = [x.dtype for x in _leaves(CASES[name]().init(params))]
+    assert [x.dtype for x in _leaves(state)] == init_dtypes, f"{name}: the state changed dtype"

@@ -75,7 +75,8 @@ def scale_by_adan(
             # a new tensor for the sum: autograd needs the square root as it was
             d = fe.add(fe.sqrt(d, inplace=True), eps, inplace=False)
             out = fe.finish(fe.div(numer, d, inplace=True), g)
-            new_prev = fe.copy_into(p, g) if inplace else [x.clone() for x in g]
+            # kept in the state's dtype (init's), as the donated step keeps it in its buffer
+            new_prev = fe.copy_into(p, g) if inplace else [x.to(dtype=q.dtype, copy=True) for x, q in zip(g, p)]
             return (fe.copy_into(g, out) if inplace else out), m, v, n, new_prev
 
         new_updates, new_m, new_v, new_n, new_g = fe.map_groups(
