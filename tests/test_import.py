@@ -170,3 +170,26 @@ def test_a_submodule_that_fails_to_import_says_why(tmp_path, monkeypatch):
     with pytest.raises(ModuleNotFoundError, match="no_such_dependency_of_gradtx"):
         gradtx.needs_a_missing_dependency
     assert "gradtx.needs_a_missing_dependency" not in sys.modules
+
+
+def test_threads_touching_names_first_at_once_all_get_them():
+    """Lazy imports run one at a time: gradtx's subpackages import one another, and two threads
+    importing two of them at once would otherwise each wait for the other's module (Python then
+    hands one of them a half-built module: an ImportError or a KeyError)."""
+    code = """
+import threading, gradtx as gtx
+names = ["chain", "adamw", "clip_by_global_norm", "wrap", "observe", "lion", "masked", "contrib"]
+errors, barrier = [], threading.Barrier(len(names))
+def touch(name):
+    barrier.wait()
+    try:
+        getattr(gtx, name)
+    except BaseException as exc:
+        errors.append(f"{name}: {type(exc).__name__}: {exc}")
+threads = [threading.Thread(target=touch, args=(n,)) for n in names]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(errors)
+"""
+    for _ in range(3):  # a race: each fresh interpreter is one more chance to lose it
+        assert run_python(code).strip().splitlines()[-1] == "[]"

@@ -6,6 +6,7 @@ pays for the features it uses only (``benchmarks/import_time.py`` measures what 
 """
 
 import importlib
+import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what type checkers and IDEs read: the same names, imported where they live
@@ -689,12 +690,23 @@ _SOURCES = {
     "gradtx.tree_utils": ("tree_map_params",),
 }
 _MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
+# One lazy import at a time: gradtx's subpackages import one another, and two threads importing two
+# of them at once would each wait for the other's module (Python then hands one a half-built module).
+_LAZY_IMPORTS = threading.RLock()
 
 
 if not TYPE_CHECKING:  # hidden from type checkers, which would otherwise accept any name as gradtx's
 
     def __getattr__(name: str) -> object:
-        """A public name's value or a submodule, imported on first use and then kept in the module."""
+        """A public name's value or a submodule, imported on first use and then kept in the module
+        (one thread at a time: see ``_LAZY_IMPORTS``)."""
+        if name.startswith("__"):
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        with _LAZY_IMPORTS:
+            found = globals().get(name, _LAZY_IMPORTS)
+            return found if found is not _LAZY_IMPORTS else _import_lazily(name)
+
+    def _import_lazily(name: str) -> object:
         module = _MODULE_OF.get(name)
         if module is not None:
             value = getattr(importlib.import_module(module), name)
