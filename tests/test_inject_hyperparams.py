@@ -150,6 +150,36 @@ def test_compiles_once_over_a_schedule():
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize(
+    "factory, hyperparams",
+    [
+        ("sgd", {}),  # built from a chain: its members' signatures read as Dynamo can trace them
+        ("amsgrad", {"eps_root": 0.0}),  # a zero eps_root, skipped when it is a number
+        ("radam", {}),
+        ("adagrad", {"eps": 0.0}),  # its clamp where the sum is 0 (kept: eps is symbolic)
+        ("fromage", {}),  # a weight decay factor tested for 0
+        ("adafactor", {}),  # clip_by_block_rms's threshold checked when built
+    ],
+)
+def test_compiled_steps_of_injected_factories_that_test_their_numbers(factory, hyperparams):
+    """Traced, ``inject_hyperparams`` builds its inner transformation from Dynamo's scalars of the
+    state's values: no factory may test them in Python. The compiled steps equal the eager ones,
+    over steps whose gradients are zero first (0 / 0 guarded) and then not."""
+    tx = gtx.inject_hyperparams(getattr(gtx, factory))(learning_rate=0.1, **hyperparams)
+    params = {"w": torch.randn(4, 3, generator=torch.Generator().manual_seed(0)), "b": torch.ones(3)}
+    step = gtx.compile_step(tx, backend="eager")
+    state = eager_state = tx.init(params)
+    compiled_params = eager_params = params
+    for i in range(3):
+        grads = {k: torch.full_like(p, 0.0 if i == 0 else 0.5 * i) for k, p in params.items()}
+        compiled_params, state = step(grads, state, compiled_params)
+        updates, eager_state = tx.update(grads, eager_state, eager_params)
+        eager_params = gtx.apply_updates(eager_params, updates)
+        for k in params:
+            torch.testing.assert_close(compiled_params[k], eager_params[k], rtol=1e-6, atol=1e-7)
+            assert torch.isfinite(compiled_params[k]).all()
+
+
 def test_adamw_with_a_scheduled_learning_rate_matches_torch_adamw_with_lambda_lr():
     torch.manual_seed(0)
     w0 = torch.randn(5)

@@ -20,6 +20,7 @@ says so (:func:`supports_donated_updates`); the others are called pure.
 from __future__ import annotations
 
 import inspect
+import types
 from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple, Union
 
 import torch
@@ -234,7 +235,19 @@ GradientTransformation.__new__ = _checked_transformation  # type: ignore[method-
 
 
 def _accepts_inplace(update_fn: Callable, *, var_keyword: bool = True) -> bool:
-    """Whether ``update_fn`` takes ``inplace=`` (by name, or through ``**kwargs`` if ``var_keyword``)."""
+    """Whether ``update_fn`` takes ``inplace=`` (by name, or through ``**kwargs`` if ``var_keyword``).
+
+    A Python function (through ``functools.wraps``' ``__wrapped__``, as ``inspect.signature`` goes)
+    is read from its code object: Dynamo traces that where it cannot trace ``inspect.signature``,
+    and transformations are built while a step is traced (``inject_hyperparams`` builds its inner
+    transformation from each step's values)."""
+    fn = update_fn
+    while isinstance(fn, types.FunctionType) and hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    if isinstance(fn, types.FunctionType):
+        code = fn.__code__
+        named = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        return "inplace" in named or (var_keyword and bool(code.co_flags & inspect.CO_VARKEYWORDS))
     try:
         parameters = inspect.signature(update_fn).parameters.values()
     except (TypeError, ValueError):

@@ -224,7 +224,7 @@ def _explain(
     error: Exception, owner: str, init: Callable, kind: Optional[type], state: Any, updates: Any, params: Any
 ) -> None:
     """Raises the state's first difference from what ``init`` makes, if there is one, in place of ``error``."""
-    if getattr(error, _SEEN, False) or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or getattr(error, _SEEN, False):
         return  # explained already, by the transformation it arose in
     if state is None and "NoneType" not in str(error):
         return  # a None state is taken where it is not read: the error is about something else

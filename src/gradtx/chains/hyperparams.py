@@ -30,6 +30,7 @@ from gradtx.base import (
 )
 from gradtx.chains._select import counter, safe_increment
 from gradtx.state_check import named
+from gradtx.transforms import _foreach as fe
 
 PyTree = Any
 
@@ -177,6 +178,16 @@ def inject_hyperparams(
             hyperparams = current(state.hyperparams, state.count, dtype)
             if not inplace:  # values read from the state are copied: the new state shares no storage with the old
                 hyperparams.update({name: hyperparams[name].clone() for name in numeric})
+            symbolic = torch.compiler.is_compiling()
+            if symbolic:  # the inner transformation's numbers are Dynamo's scalars: none is tested
+                fe._SYMBOLIC_HYPERPARAMS[0] = True
+            try:
+                return run_inner(updates, state, params, inplace, extra_args, norm, scale, hyperparams)
+            finally:
+                if symbolic:
+                    fe._SYMBOLIC_HYPERPARAMS[0] = False
+
+        def run_inner(updates, state, params, inplace, extra_args, norm, scale, hyperparams):
             inner = inner_factory_of({**other, **hyperparams})
             if not extra:
                 extra_args = {}

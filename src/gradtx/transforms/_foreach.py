@@ -71,6 +71,24 @@ class Leaves(NamedTuple):
         return tree_lib.unflatten(self.treedef, tree_lib.replace_present(base, self.present, values))
 
 
+# True while ``inject_hyperparams`` builds and runs its inner transformation in a traced step: its
+# numeric arguments are then symbolic (Dynamo's scalars of the state's tensors), which no Python
+# branch may test. Set and read only while compiling.
+_SYMBOLIC_HYPERPARAMS = [False]
+
+
+def symbolic_hyperparams() -> bool:
+    """Whether a factory's numbers may be symbolic here (see ``_SYMBOLIC_HYPERPARAMS``): a check of
+    their values is then left to the eager call that built the same transformation first."""
+    return torch.compiler.is_compiling() and _SYMBOLIC_HYPERPARAMS[0]
+
+
+def known_zero(value: Any) -> bool:
+    """Whether ``value`` is a number known to be 0 (an op it scales or adds may be skipped): not
+    a tensor, and not a symbolic hyperparameter (where the op is kept, with the same numbers)."""
+    return isinstance(value, (int, float)) and not symbolic_hyperparams() and value == 0
+
+
 def leaves_of(updates: Any, *, what: str) -> Leaves:
     """Flattens ``updates`` and checks that every leaf is a tensor or ``None``."""
     all_leaves, treedef, present = tree_lib.tensor_leaves(updates, what=what)

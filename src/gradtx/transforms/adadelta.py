@@ -90,7 +90,7 @@ def scale_by_yogi(
             direction = fe.sign(fe.add(v, g_sq, alpha=-1.0, inplace=False), inplace=True)
             v = fe.add(v, fe.mul(direction, g_sq, inplace=True), alpha=-(1.0 - b2), inplace=inplace)
             d = fe.mul(v, fe.on(inv_bc2, v), inplace=False)
-            if eps_root:
+            if not fe.known_zero(eps_root):
                 d = fe.add(d, eps_root, inplace=True)
             # a new tensor for the sum: autograd needs the square root as it was
             d = fe.add(fe.sqrt(d, inplace=True), eps, inplace=False)

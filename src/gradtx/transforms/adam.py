@@ -141,7 +141,7 @@ def _adam_scalars(b1: Any, b2: Any, eps: Any, eps_root: Any, nesterov: bool, cou
         c_a = b1 / _correction(b1, count + 1)
         c_b = (1.0 - b1) / bc1
         hat, ratio = c_a, c_b / c_a
-    root_shift = eps_root * bc2 if isinstance(eps_root, Tensor) or eps_root else None
+    root_shift = None if fe.known_zero(eps_root) else eps_root * bc2
     return _Scalars(*fe.realized(hat, hat * sqrt_bc2, eps * sqrt_bc2, root_shift, ratio))
 
 
@@ -374,7 +374,7 @@ def _amsgrad_step(updates, state, b1, b2, eps, eps_root, bias_correction_mu, bia
         factor = grad_scale
         if factor is not None and scaling is not None:  # a scaling that reads the gradients (observe's) scales them
             g, factor = fe.scaled(list(g), factor, scaling, inplace=own_updates), None
-        if not (eps_root or torch.compiler.is_compiling()):  # one pass for plain float32 CPU tensors, the same numbers
+        if not (torch.compiler.is_compiling() or eps_root):  # one pass for plain float32 CPU tensors, the same numbers
             done = native_amsgrad.step(
                 g, m, v, v_max, b1=b1, b2=b2, inv_bc2=inv_bc2, eps=eps, hat=1.0 if inv_bc1 is None else inv_bc1,
                 step=update_scale, inplace=own_state, own_updates=own_updates, grad_scale=factor,
@@ -389,7 +389,7 @@ def _amsgrad_step(updates, state, b1, b2, eps, eps_root, bias_correction_mu, bia
         if inv_bc2 is not None:
             corrected = fe.mul(corrected, fe.on(inv_bc2, corrected), inplace=True)
         v_max = fe.maximum(v_max, fe.cast(corrected, v_max[0].dtype), inplace=own_state)
-        root = eps_root if eps_root else None
+        root = None if fe.known_zero(eps_root) else eps_root
         d = denominator(v_max, eps, root, g[0].dtype, into=corrected if own_updates else None)
         out = divide(m, False, d, 1.0 if inv_bc1 is None else fe.on(inv_bc1, d))
         if update_scale is not None:  # ``out`` is new, or the donated gradients

@@ -70,7 +70,7 @@ def scale_by_adan(
             numer = fe.mul(fe.cast(m, corrected[0].dtype), fe.on(inv_bc1, corrected), inplace=False)
             numer = fe.add(numer, fe.mul(v, fe.on(inv_bc2, corrected), inplace=False), alpha=1.0 - b2, inplace=True)
             d = fe.mul(fe.cast(n, corrected[0].dtype), fe.on(inv_bc3, corrected), inplace=False)
-            if eps_root:
+            if not fe.known_zero(eps_root):
                 d = fe.add(d, eps_root, inplace=True)
             # a new tensor for the sum: autograd needs the square root as it was
             d = fe.add(fe.sqrt(d, inplace=True), eps, inplace=False)

@@ -258,7 +258,7 @@ def clip_by_block_rms(threshold: float, spec: Optional[sharding.ShardingSpec] = 
     its own shard axes, batched into one collective per distinct group.
     """
     threshold = float(threshold)
-    if not threshold > 0.0:
+    if not fe.symbolic_hyperparams() and not threshold > 0.0:
         raise ValueError(f"clip_by_block_rms: threshold must be > 0, got {threshold}")
 
 

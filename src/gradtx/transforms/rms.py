@@ -162,7 +162,7 @@ def scale_by_stddev(
 def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7) -> GradientTransformation:
     """AdaGrad's scaling: ``g / sqrt(sum_of_squares + eps)``, and ``0`` where the sum is still 0."""
     initial_accumulator_value, eps = float(initial_accumulator_value), float(eps)
-    if initial_accumulator_value < 0.0:
+    if not fe.symbolic_hyperparams() and initial_accumulator_value < 0.0:
         raise ValueError(f"scale_by_rss: initial_accumulator_value must be >= 0, got {initial_accumulator_value}")
 
     def init_fn(params: Any) -> ScaleByRssState:
@@ -176,8 +176,9 @@ def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7) -> G
         def group(g, acc):
             acc = fe.add_squares(acc, g, 1.0, inplace=inplace)
             d = fe.add(fe.cast(acc, g[0].dtype), eps, inplace=False)
-            if eps == 0.0:
-                # A zero sum means every gradient so far was zero: the update is 0, not 0 / 0.
+            if fe.symbolic_hyperparams() or eps == 0.0:
+                # A zero sum means every gradient so far was zero: the update is 0, not 0 / 0. (With
+                # eps > 0 the clamp changes nothing: kept where eps is symbolic.)
                 d = fe.clamp_min(d, torch.finfo(d[0].dtype).tiny, inplace=True)
             return fe.div(g, fe.sqrt(d, inplace=True), inplace=inplace), acc
 

@@ -61,7 +61,7 @@ class WeightDecayTerm:
             state = WeightDecaySchedule(count=fe.increment(state.count, inplace=inplace))
         else:
             factor = self.value
-        if isinstance(factor, float) and factor == 0.0:
+        if isinstance(factor, float) and fe.known_zero(factor):
             return None, state
         leaves = fe.leaves_of(updates, what=self.owner)
         param_values = fe.params_of(leaves, params, owner=self.owner)
