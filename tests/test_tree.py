@@ -7,6 +7,7 @@ import math
 import re
 from typing import NamedTuple
 
+import numpy as np
 import optree
 import pytest
 import torch
@@ -225,6 +226,23 @@ def test_mask_mismatch_names_the_path():
         tree_lib.mask_leaves({"enc": True, "head": True, "extra": False}, MASK_TREE)
     with pytest.raises(ValueError, match="weight_decay mask does not fit"):
         tree_lib.mask_leaves({"enc": True, "head": [True]}, MASK_TREE, what="weight_decay mask")
+
+
+def test_a_misfit_after_a_prefix_leaf_is_named_where_it_is():
+    """A leaf of the prefix covers a whole subtree: the misfit named is the first container that
+    does not fit, not the prefix leaf before it; dicts of other kinds and key orders still fit."""
+    tree = {"a": {"x": torch.ones(2)}, "b": [torch.ones(2), torch.ones(2)]}
+    for mask in ({"a": True, "b": (True, False)}, {"a": {"x": True}, "b": (True, False)}):
+        with pytest.raises(ValueError, match=r"the prefix has a tuple of 2 at 'b' where the tree has a list of 2"):
+            tree_lib.mask_leaves(mask, tree)
+    ordered = collections.OrderedDict([("b", [torch.ones(1)]), ("a", {"x": torch.ones(1), "y": torch.ones(1)})])
+    assert tree_lib.mask_leaves({"a": True, "b": [False]}, ordered) == [False, True, True]
+    with pytest.raises(ValueError, match=r"the prefix has a tuple of 1 at 'b' where the tree has a list of 1"):
+        tree_lib.mask_leaves({"a": True, "b": (False,)}, ordered)
+
+
+def test_numpy_bools_are_mask_values():
+    assert tree_lib.mask_leaves({"enc": np.True_, "head": np.False_}, MASK_TREE) == [True, True, False, False]
 
 
 def test_mask_non_bool_value_is_a_type_error():

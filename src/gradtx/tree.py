@@ -19,6 +19,7 @@ import math
 import sys
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
+import numpy as np
 import optree
 import torch
 from torch import Tensor
@@ -420,7 +421,11 @@ def describe_mismatch(tree: PyTree, reference: PyTree, *, name: str, like: str) 
     params is a dict"``), or the leaves one side has and the other lacks, with both containers
     (``"params has leaf 'W' that updates lacks (updates is a dict, params is a dict)"``).
     """
-    path, mine, theirs = _first_difference(structure(tree), structure(reference), ())
+    return _describe_node(*_first_difference(structure(tree), structure(reference), ()), name=name, like=like)
+
+
+def _describe_node(path: tuple, mine: TreeSpec, theirs: TreeSpec, *, name: str, like: str) -> str:
+    """:func:`describe_mismatch`'s sentence for the node at ``path`` where ``mine`` and ``theirs`` part."""
     where = f" at {join_path(path)!r}" if path else ""
     if mine.is_leaf() or theirs.is_leaf() or mine.type is not theirs.type:
         if path:
@@ -448,7 +453,8 @@ def describe_mismatch(tree: PyTree, reference: PyTree, *, name: str, like: str) 
 
 
 def _uncovered(prefix: PyTree, tree: PyTree) -> str:
-    """Names a leaf of ``tree`` that no node of the would-be prefix tree ``prefix`` covers."""
+    """Names a leaf of ``tree`` that no node of the would-be prefix tree ``prefix`` covers, or the
+    first node where ``prefix`` has a container that is not ``tree``'s there."""
     prefix_paths = paths(prefix)
     for path in paths(tree):
         if not any(p == "" or path == p or path.startswith(p + ".") for p in prefix_paths):
@@ -457,7 +463,38 @@ def _uncovered(prefix: PyTree, tree: PyTree) -> str:
     for p in prefix_paths:
         if not any(path == p or path.startswith(p + ".") for path in tree_paths):
             return f"it has {p!r}, which the tree lacks"
+    found = _prefix_misfit(structure(prefix), structure(tree), ())
+    if found is not None:
+        return _describe_node(*found, name="the prefix", like="the tree")
     return describe_mismatch(prefix, tree, name="the prefix", like="the tree")
+
+
+_MAPPINGS = (dict, collections.OrderedDict, collections.defaultdict)
+
+
+def _prefix_misfit(mine: TreeSpec, theirs: TreeSpec, path: tuple) -> Optional[tuple[tuple, TreeSpec, TreeSpec]]:
+    """The first node (pre-order) where the prefix structure ``mine`` does not fit ``theirs``: a
+    container of ``mine`` where ``theirs`` has a leaf or another container. A leaf of ``mine`` covers
+    whatever is below it; dicts match by key, whatever their kind and order (as
+    :func:`broadcast_leaves` matches them). ``None`` where every node fits."""
+    if mine.is_leaf():
+        return None
+    if theirs.is_leaf():
+        return path, mine, theirs
+    if mine.type in _MAPPINGS and theirs.type in _MAPPINGS:
+        if set(mine.entries()) != set(theirs.entries()):
+            return path, mine, theirs
+        below = dict(zip(theirs.entries(), theirs.children()))
+        pairs = [(entry, child, below[entry]) for entry, child in zip(mine.entries(), mine.children())]
+    elif mine.type is not theirs.type or mine.entries() != theirs.entries():
+        return path, mine, theirs
+    else:
+        pairs = list(zip(mine.entries(), mine.children(), theirs.children()))
+    for entry, a, b in pairs:
+        found = _prefix_misfit(a, b, path + (entry,))
+        if found is not None:
+            return found
+    return None
 
 
 def check_tensors(tree: PyTree, tree_leaves: Sequence[Any], *, what: str, allow_none: bool = True) -> None:
@@ -596,7 +633,7 @@ def mask_leaves(mask: Any, tree: PyTree, *, what: str = "mask") -> list[bool]:
         mask = mask(tree)
     values = fitted_leaves(mask, tree, what=what)
     for index, value in enumerate(values):
-        if not isinstance(value, (bool, int)) and not (isinstance(value, Tensor) and value.numel() == 1):
+        if not isinstance(value, (bool, int, np.bool_)) and not (isinstance(value, Tensor) and value.numel() == 1):
             raise TypeError(f"{what}: leaf {path_at(tree, index)!r} has mask value {value!r}, expected a bool")
     return [bool(value) for value in values]
 
