@@ -734,3 +734,14 @@ def test_statistics_share_the_update_loops_however_many_leaves():
     whole_leaf_loops = sum(1 for bound in bounds if int(bound) >= 512)
     assert 8 <= whole_leaf_loops <= 14, whole_leaf_loops
     assert type(V.choices).__name__ != "FusingReductions"
+
+
+def test_a_state_for_other_params_after_a_good_step_names_the_leaf():
+    """Traced anew for new shapes, the step would fail inside a fake tensor's broadcast: it runs
+    once eagerly instead, whose check names the state's leaf."""
+    tx = gtx.adam(1e-2)
+    params, grads = {"w": torch.ones(3)}, {"w": torch.ones(3)}
+    step = gtx.compile_step(tx, backend="eager")
+    step(grads, tx.init(params), params)
+    with pytest.raises(ValueError, match=r"adam: state\[0\]\.mu\['w'\] has shape \(4,\), where init makes \(3,\)"):
+        step(grads, tx.init({"w": torch.ones(4)}), params)

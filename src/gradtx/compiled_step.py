@@ -150,7 +150,24 @@ class CompiledStep:
         except Exception as error:
             if _is_recompile_limit_hit(error):
                 raise RuntimeError(self._limit_message()) from error
+            self._explain_eagerly(error, updates, state, params, extra_args)
             raise
+
+    def _explain_eagerly(self, error: Exception, updates: Any, state: Any, params: Any, extra_args: dict) -> None:
+        """A step that failed while Dynamo traced it runs once eagerly, where gradtx's checks name what
+        is wrong (a state built for params of other shapes, a leaf of another dtype): that error is
+        raised in place of the tracer's (a fake tensor's broadcast error, say). Not across ranks,
+        where an eager step's collectives could wait for ranks whose step traced."""
+        from torch._dynamo.exc import TorchDynamoException
+
+        if not isinstance(error, TorchDynamoException):
+            return
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            return
+        try:
+            self.tx.update(updates, state, params, **extra_args)  # pure: nothing of the caller's is written
+        except Exception as eager_error:  # noqa: BLE001 - the eager step's own error is the one to show
+            raise eager_error from error
 
     def _warn_once_of_refusals(self, params: Any, state: Any, templates: list[Any], donated: list[bool]) -> None:
         """Warns, once per set of leaves, of the tensors with elements that ``donate=True`` could not
