@@ -427,6 +427,13 @@ def test_recompile_limit_errors_recognised_under_either_name(monkeypatch):
     assert not compiled_step._is_recompile_limit_hit(RuntimeError("hit"))
 
 
+def test_traced_failures_recognised_and_without_dynamos_base_class_none_is(monkeypatch):
+    exc = importlib.import_module("torch._dynamo.exc")
+    assert compiled_step._is_traced_failure(exc.TorchRuntimeError("traced")) and not compiled_step._is_traced_failure(ValueError("eager"))
+    monkeypatch.delattr(exc, "TorchDynamoException")
+    assert not compiled_step._is_traced_failure(exc.TorchRuntimeError("traced"))  # the tracer's error stands
+
+
 @pytest.mark.parametrize("unchecked", [True, False], ids=["aten-unsafe-index", "without-it"])
 def test_the_quantization_table_lookup_while_compiling_with_and_without_the_unchecked_index(monkeypatch, unchecked):
     from gradtx.quantization import kernels

@@ -74,6 +74,15 @@ def _is_recompile_limit_hit(error: BaseException) -> bool:
     exc = sys.modules.get("torch._dynamo.exc")
     kinds = tuple(getattr(exc, name) for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit") if hasattr(exc, name))
     return bool(kinds) and isinstance(error, kinds)
+
+
+def _is_traced_failure(error: BaseException) -> bool:
+    """Whether ``error`` is one of Dynamo's (raised while it traced or ran a graph); ``False``
+    where this torch has no such base class."""
+    kind = getattr(sys.modules.get("torch._dynamo.exc"), "TorchDynamoException", None)
+    return kind is not None and isinstance(error, kind)
+
+
 _instances = itertools.count()
 
 
@@ -158,9 +167,7 @@ class CompiledStep:
         is wrong (a state built for params of other shapes, a leaf of another dtype): that error is
         raised in place of the tracer's (a fake tensor's broadcast error, say). Not across ranks,
         where an eager step's collectives could wait for ranks whose step traced."""
-        from torch._dynamo.exc import TorchDynamoException
-
-        if not isinstance(error, TorchDynamoException):
+        if not _is_traced_failure(error):
             return
         if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             return

@@ -58,6 +58,7 @@ PRIVATE_APIS = (
     "torch._dynamo.config.recompile_limit | torch._dynamo.config.cache_size_limit",
     "torch._dynamo.config.accumulated_recompile_limit | torch._dynamo.config.accumulated_cache_size_limit",
     "torch._dynamo.exc.FailOnRecompileLimitHit | torch._dynamo.exc.FailOnCacheLimitHit",
+    "torch._dynamo.exc.TorchDynamoException",
     "torch._dynamo.eval_frame._debug_get_cache_entry_list",
     # gradtx.sharding: DTensor and DeviceMesh internals
     "torch.distributed.tensor.DTensor._local_tensor",
