@@ -33,11 +33,25 @@ def _optimizer(model):
         (lambda s: gtx.chain(gtx.clip_by_value(1.0), gtx.clip_by_block_rms(0.5)), "clip_by_block_rms"),
         (lambda s: gtx.chain(gtx.adaptive_grad_clip(0.1), gtx.sgd(0.1)), "adaptive_grad_clip"),
         (lambda s: gtx.apply_if_finite(gtx.clip_by_global_norm(1.0, s), 3), "apply_if_finite"),
+        # spec-taking members besides the clips, and members inside combinators, at any depth
+        (lambda s: gtx.chain(gtx.normalize_by_update_norm(), gtx.sgd(0.1)), "normalize_by_update_norm"),
+        (lambda s: gtx.chain(gtx.scale_by_trust_ratio(), gtx.sgd(0.1)), "scale_by_trust_ratio"),
+        (lambda s: gtx.lamb(1e-3), "lamb"),
+        (lambda s: gtx.novograd(1e-3), "novograd"),
+        (lambda s: gtx.adafactor(1e-3), "adafactor"),
+        (lambda s: gtx.contrib.normalize(), "normalize"),
+        (lambda s: gtx.contrib.muon(1e-3), "muon"),
+        (lambda s: gtx.masked(gtx.clip_by_global_norm(1.0), {"weight": True, "bias": False}), "clip_by_global_norm"),
+        (lambda s: gtx.partition({"a": gtx.sgd(0.1), "b": gtx.chain(gtx.scale_by_trust_ratio(), gtx.sgd(0.1))},
+                                 {"weight": "a", "bias": "b"}), "scale_by_trust_ratio"),
+        (lambda s: gtx.MultiSteps(gtx.chain(gtx.clip_by_global_norm(1.0), gtx.sgd(0.1)), 2), "clip_by_global_norm"),
+        (lambda s: gtx.inject_hyperparams(gtx.lars)(learning_rate=0.1), "lars"),
+        (lambda s: gtx.observe(gtx.chain(gtx.clip_by_global_norm(1.0, s), gtx.scale_by_factored_rms()), spec=s), "scale_by_factored_rms"),
     ],
 )
 def test_a_member_without_the_spec_is_an_error(spec, make, name):
     model = torch.nn.Linear(3, 2)
-    with pytest.raises(ValueError, match=rf"spec= was given, but the chain's {name} has no spec"):
+    with pytest.raises(ValueError, match=rf"spec= was given, but the chain.s {name}( \(and [^)]*\))? has no spec"):
         gtx.wrap(_optimizer(model), make(spec), model=model, spec=spec)
 
 
@@ -48,6 +62,8 @@ def test_members_with_the_spec_are_accepted(spec):
     model(torch.ones(4, 3)).sum().backward()
     opt.step()
     assert gtx.wrap(_optimizer(model), gtx.clip_by_global_norm(1.0), model=model) is not None  # no spec: fine
+    nested = gtx.masked(gtx.chain(gtx.scale_by_trust_ratio(spec=spec), gtx.clip_by_global_norm(1.0, spec)), {"weight": True, "bias": False})
+    assert gtx.wrap(_optimizer(model), gtx.chain(nested, gtx.lamb(1e-3, spec=spec)), model=model, spec=spec) is not None
 
 
 def test_a_missing_attribute_names_the_wrapper_and_the_inner_optimizer():

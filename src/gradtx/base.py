@@ -19,6 +19,7 @@ says so (:func:`supports_donated_updates`); the others are called pure.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple, Union
@@ -159,6 +160,64 @@ class LeadingClip(NamedTuple):
 
 
 _LEADING_CLIP = "leading_clip"
+
+
+_SPEC = "sharding_spec"  # on an update: the ShardingSpec its factory was given (None: none)
+_SPEC_OWNER = "_gradtx_spec_owner"  # on an update: the name of the factory that was given the spec
+_INNER = "_gradtx_inner"  # on a combinator's update: the transformations it runs
+
+
+def takes_spec(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
+    """Marks a factory with a ``spec`` argument (a :class:`~gradtx.sharding.ShardingSpec` its
+    transformation needs where plain tensors are sharded): its transformations' updates carry the
+    spec they were given, by which ``gradtx.wrap(..., spec=)`` finds a member given none (see
+    :func:`members_without_spec`), which would compute from this rank's pieces alone."""
+    signature = inspect.signature(factory)
+
+    @functools.wraps(factory)
+    def build(*args: Any, **kwargs: Any) -> GradientTransformation:
+        tx = factory(*args, **kwargs)
+        if torch.compiler.is_compiling():  # built while a step is traced (inject_hyperparams): wrap checked it eagerly
+            return tx
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        try:
+            setattr(tx.update, _SPEC, bound.arguments.get("spec"))
+            setattr(tx.update, _SPEC_OWNER, factory.__name__)
+        except AttributeError:  # an update that takes no attributes (a bound method): nothing to mark
+            pass
+        return tx
+
+    return build
+
+
+def runs_inner(update_fn: Callable, *inner: GradientTransformation) -> Callable:
+    """Records the transformations a combinator's ``update_fn`` runs (``masked``, ``partition``,
+    ``MultiSteps``, ...), for :func:`members_without_spec`; returns ``update_fn``."""
+    setattr(update_fn, _INNER, tuple(inner))
+    return update_fn
+
+
+def members_without_spec(tx: GradientTransformation) -> list[str]:
+    """The names of the transformations in ``tx`` (itself, a chain's members, what combinators run,
+    at any depth) that take a ``spec`` and were given none."""
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def visit(node: GradientTransformation) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        update = node.update
+        if getattr(update, _SPEC, ...) is None:
+            found.append(getattr(update, _SPEC_OWNER, None) or getattr(update, "__qualname__", "a member").split(".<locals>")[0])
+        for part in getattr(node.init, "_gradtx_chain_parts", ()):
+            visit(part)
+        for inner in getattr(update, _INNER, ()):
+            visit(inner)
+
+    visit(tx)
+    return list(dict.fromkeys(found))
 
 
 def set_leading_clip(update_fn: Callable, clip: Optional[LeadingClip]) -> Callable:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from gradtx import sharding, state_check
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace
+from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace, runs_inner
 from gradtx.chains import step_gates
 from gradtx.chains._select import safe_increment, where_or_zero, where_tree, zeros_like_tree
 from gradtx.transforms import _foreach as fe
@@ -369,7 +369,7 @@ class MultiSteps:
 
         update.__qualname__ = update.__name__ = "MultiSteps"
         update.__doc__ = self.update.__doc__
-        return kind(self.init, step_gates.set_gate(update, self.step_gate()))
+        return kind(self.init, step_gates.set_gate(runs_inner(update, self._opt), self.step_gate()))
 
     def step_gate(self) -> step_gates.StepGate:
         """Whether a call applied the inner transformation: its ``gradient_step`` advanced (and, when

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace
+from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace, runs_inner
 from gradtx.chains import step_gates
 from gradtx.chains._select import counter, safe_increment, where_or_zero, where_tree
 
@@ -102,6 +102,7 @@ def apply_if_finite(
         return out_updates, ApplyIfFiniteState(notfinite_count, isfinite, total_notfinite, inner_state)
 
     update_fn.sharding_spec = spec  # lets gradtx.wrap(..., spec=) catch a wrapper that was given none
+    runs_inner(update_fn, inner)
     step_gates.set_gate(
         update_fn,
         step_gates.wrapping(

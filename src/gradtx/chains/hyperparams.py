@@ -20,6 +20,7 @@ from torch import Tensor
 
 from gradtx import tree as tree_lib
 from gradtx.base import (
+    runs_inner,
     GradientTransformation,
     GradientTransformationExtraArgs,
     LeadingClip,
@@ -217,6 +218,7 @@ def inject_hyperparams(
 
             clip = LeadingClip(probe_clip.spec, probe_clip.norm_type, lambda state: probe_clip.norm_of(state.inner_state), coefficient, given)
         set_leading_clip(update_fn, clip)
+        runs_inner(update_fn, probe)
 
         name = f"inject_hyperparams({getattr(inner_factory, '__name__', 'factory')})"
         return (GradientTransformationExtraArgs if extra else GradientTransformation)(init_fn, named(update_fn, name))

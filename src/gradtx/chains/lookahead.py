@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, with_inplace
+from gradtx.base import GradientTransformation, with_inplace, runs_inner
 from gradtx.chains._select import counter, where_tree
 
 PyTree = Any
@@ -88,4 +88,4 @@ def lookahead(
             fast=tree_lib.unflatten(treedef, fast_out), slow=tree_lib.unflatten(treedef, slow_out)
         ), LookaheadState(fast_state, steps)
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, runs_inner(update_fn, fast_optimizer))

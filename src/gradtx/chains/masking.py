@@ -15,6 +15,7 @@ import torch
 
 from gradtx import tree as tree_lib
 from gradtx.base import (
+    runs_inner,
     GradientTransformation,
     GradientTransformationExtraArgs,
     init_empty_state,
@@ -176,7 +177,7 @@ def masked(inner: GradientTransformation, mask: Mask, *, mask_compatible_extra_a
         )
         return new_updates, MaskedState(inner_state=inner_state)
 
-    return (GradientTransformationExtraArgs if extra else GradientTransformation)(init_fn, update_fn)
+    return (GradientTransformationExtraArgs if extra else GradientTransformation)(init_fn, runs_inner(update_fn, inner))
 
 
 def _zero_updates() -> GradientTransformation:

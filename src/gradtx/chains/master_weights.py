@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace
+from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace, runs_inner
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.state_check import named
 from gradtx.transforms import low_precision
@@ -96,10 +96,11 @@ def master_weights(inner: GradientTransformation, *, dtype: low_precision.Update
         state = MasterWeightsState(master=tree_lib.unflatten(treedef, new_master), inner_state=inner_state)
         return tree_lib.unflatten(treedef, out), state
 
+    runs_inner(update_fn, inner)
     if takes_extra_args(inner):
         return GradientTransformationExtraArgs(init_fn, named(update_fn, "master_weights"))
 
     def plain_update(updates, state, params=None, *, inplace=False):
         return update_fn(updates, state, params, inplace=inplace)
 
-    return GradientTransformation(init_fn, named(plain_update, "master_weights"))
+    return GradientTransformation(init_fn, named(runs_inner(plain_update, inner), "master_weights"))

@@ -40,6 +40,7 @@ from gradtx import sharding
 from gradtx import torch_internals
 from gradtx import tree as tree_lib
 from gradtx.base import (
+    runs_inner,
     GradientTransformation,
     GradientTransformationExtraArgs,
     LeadingClip,
@@ -489,6 +490,7 @@ def observe(
         return new_updates, ObserveState(inner_state, total, per_group, clip_stats, pending_update_sq)
 
     update_fn.sharding_spec = spec  # lets gradtx.wrap(..., spec=) catch an observe given none
+    runs_inner(update_fn, inner)
     if takes_donated_updates(inner):
         supports_donated_updates(update_fn, returns_new_updates=returns_new_updates(inner))
     kind = GradientTransformationExtraArgs if extra else GradientTransformation

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable, Hashable, Mapping, NamedTuple, Union
 
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace
+from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace, runs_inner
 from gradtx.chains.masking import LeafSelector, MaskedState, freeze, init_selected, update_selected
 
 PyTree = Any
@@ -110,7 +110,7 @@ def partition(
         return updates, PartitionState(new_states)
 
     kind = GradientTransformationExtraArgs if any(extra for _, extra in updaters.values()) else GradientTransformation
-    return kind(init_fn, update_fn)
+    return kind(init_fn, runs_inner(update_fn, *transforms.values()))
 
 
 multi_transform = partition

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation
+from gradtx.base import GradientTransformation, takes_spec
 from gradtx.chains import chain
 from gradtx.numerics import ScalarOrSchedule
 from gradtx.optimizers._common import check_learning_rate
@@ -235,6 +235,7 @@ def _unproject_piece(update: Tensor, projector: Tensor, mat: _Matrix, piece: mat
     return block.reshape(tuple(local.shape[a] for a in perm)).permute(inverse)
 
 
+@takes_spec
 def scale_by_galore(
     rank: int = 128,
     update_proj_gap: int = 200,
@@ -405,6 +406,7 @@ def scale_by_galore(
     return GradientTransformation(init_fn, update_fn)
 
 
+@takes_spec
 def galore(
     learning_rate: ScalarOrSchedule,
     rank: int = 128,

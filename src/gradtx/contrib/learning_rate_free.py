@@ -23,7 +23,7 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, identity, with_extra_args_support
+from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, identity, with_extra_args_support, takes_spec
 from gradtx.chains import chain
 from gradtx.contrib import _scalars as sc
 from gradtx.numerics import ScalarOrSchedule
@@ -51,6 +51,7 @@ class ProdigyState(NamedTuple):
     count: Tensor
 
 
+@takes_spec
 def prodigy(
     learning_rate: ScalarOrSchedule = 1.0,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -209,6 +210,7 @@ class DAdaptAdamWState(NamedTuple):
     count: Tensor
 
 
+@takes_spec
 def dadapt_adamw(
     learning_rate: ScalarOrSchedule = 1.0,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -359,6 +361,7 @@ class DoGState(NamedTuple):
 InitStep = tuple[Literal["distance", "learning_rate", "heuristic"], float]
 
 
+@takes_spec
 def scale_by_dog(
     init_step: InitStep, eps: float = 1e-8, *, spec: Optional[sharding.ShardingSpec] = None
 ) -> GradientTransformation:
@@ -419,6 +422,7 @@ def _with_decay(weight_decay: Optional[Any], mask: Any) -> GradientTransformatio
     return add_decayed_weights(weight_decay, mask) if weight_decay is not None else identity()
 
 
+@takes_spec
 def dog(
     learning_rate: ScalarOrSchedule = 1.0,
     init_step: InitStep = ("heuristic", 1e-6),
@@ -497,6 +501,7 @@ class DoWGState(NamedTuple):
     estim_sq_dist: Tensor
 
 
+@takes_spec
 def scale_by_dowg(
     init_estim_sq_dist: Optional[float] = None, eps: float = 1e-4, *, spec: Optional[sharding.ShardingSpec] = None
 ) -> GradientTransformation:
@@ -541,6 +546,7 @@ def scale_by_dowg(
     return GradientTransformation(init_fn, update_fn)
 
 
+@takes_spec
 def dowg(
     learning_rate: ScalarOrSchedule = 1.0,
     init_estim_sq_dist: Optional[float] = None,
@@ -745,6 +751,7 @@ class MechanicState(NamedTuple):
     x0: Any
 
 
+@takes_spec
 def mechanize(
     base_optimizer: GradientTransformation,
     weight_decay: float = 1e-2,

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformationExtraArgs
+from gradtx.base import GradientTransformationExtraArgs, takes_spec
 from gradtx.contrib import _scalars as sc
 from gradtx.numerics import ScalarOrSchedule
 from gradtx.optimizers._common import check_learning_rate
@@ -40,6 +40,7 @@ class MomoState(NamedTuple):
     count: Tensor
 
 
+@takes_spec
 def momo(
     learning_rate: ScalarOrSchedule = 1.0,
     beta: float = 0.9,
@@ -181,6 +182,7 @@ class MomoAdamState(NamedTuple):
     count: Tensor
 
 
+@takes_spec
 def momo_adam(
     learning_rate: ScalarOrSchedule = 1e-2,
     b1: float = 0.9,

@@ -25,7 +25,7 @@ from torch import Tensor
 
 import gradtx
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, init_empty_state
+from gradtx.base import GradientTransformation, init_empty_state, takes_spec
 from gradtx.chains import chain, partition
 from gradtx.numerics import ScalarOrSchedule
 from gradtx.optimizers._common import check_learning_rate
@@ -257,6 +257,7 @@ def _coeffs_tensor(ns_coeffs: Any, ns_steps: int) -> Tensor:
     return coeffs
 
 
+@takes_spec
 def scale_by_muon(
     ns_coeffs: Any = _DEFAULT_NS_COEFFS,
     ns_steps: int = 5,
@@ -387,6 +388,7 @@ def scale_by_muon(
     return GradientTransformation(init_fn, update_fn)
 
 
+@takes_spec
 def scale_by_shape(
     weight_dimension_numbers: Optional[WeightDimNumOrFn] = None,
     consistent_rms: Optional[float] = None,
@@ -426,6 +428,7 @@ def scale_by_shape(
 # --------------------------------------------------------------------------- muon
 
 
+@takes_spec
 def muon(
     learning_rate: ScalarOrSchedule,
     ns_coeffs: Any = _DEFAULT_NS_COEFFS,

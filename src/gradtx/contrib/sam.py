@@ -18,6 +18,7 @@ from torch import Tensor
 
 from gradtx import tree as tree_lib
 from gradtx.base import (
+    takes_spec,
     EmptyState,
     GradientTransformation,
     GradientTransformationExtraArgs,
@@ -31,6 +32,7 @@ from gradtx.transforms import _foreach as fe
 NormalizeState = EmptyState
 
 
+@takes_spec
 def normalize(*, spec: Optional[ShardingSpec] = None) -> GradientTransformation:
     """Divides every update by the global L2 norm of all of them (optax.contrib's ``normalize``), as
     SAM's adversarial step does (Foret et al., 2021, https://arxiv.org/abs/2010.01412).

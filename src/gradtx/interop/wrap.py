@@ -63,7 +63,7 @@ from torch.optim import optimizer as torch_optimizer
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import DONATE_UPDATES, GradientTransformation, takes_donated_updates, takes_extra_args, with_inplace
+from gradtx.base import DONATE_UPDATES, GradientTransformation, members_without_spec, takes_donated_updates, takes_extra_args, with_inplace
 from gradtx.chains import step_gates
 from gradtx.chains.accumulation import MultiSteps
 from gradtx.chains.chain import _PARTS
@@ -107,15 +107,17 @@ _AMP_ATTRS = ("grad_scale", "found_inf")
 
 def _check_members_take_spec(tx: GradientTransformation) -> None:
     """``wrap(..., spec=)`` serves ``clip_grad_by_norm`` only: a sharding-aware member of the chain
-    given no spec of its own would work on this rank's pieces alone, a silently wrong number."""
-    for part in getattr(tx.init, _PARTS, (tx,)):
-        if getattr(part.update, "sharding_spec", ...) is None:
-            name = getattr(part.update, "__qualname__", "a member").split(".<locals>")[0]
-            raise ValueError(
-                f"wrap: spec= was given, but the chain's {name} has no spec, so it would work on this rank's "
-                f"pieces only; pass the spec to it as well (e.g. gtx.{name}(..., spec)). wrap's spec= is "
-                "used by clip_grad_by_norm and clip_grad_by_value; members of the chain take their own"
-            )
+    (at any depth: inside ``masked``, ``partition``, ``MultiSteps``, ...) given no spec of its own
+    would work on this rank's pieces alone, a silently wrong number."""
+    missing = members_without_spec(tx)
+    if missing:
+        name = missing[0]
+        more = f" (and {', '.join(missing[1:])})" if len(missing) > 1 else ""
+        raise ValueError(
+            f"wrap: spec= was given, but the chain's {name}{more} has no spec, so it would work on this rank's "
+            f"pieces only; pass the spec to it as well (e.g. gtx.{name}(..., spec=spec)). wrap's spec= is "
+            "used by clip_grad_by_norm and clip_grad_by_value; members of the chain take their own"
+        )
 
 
 def _check_gates(state: Any, gate: Optional[step_gates.StepGate]) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from gradtx import sharding
-from gradtx.base import GradientTransformation
+from gradtx.base import GradientTransformation, takes_spec
 from gradtx.chains.chain import chain
 from gradtx.optimizers._common import _one, check_learning_rate, check_number_learning_rate
 from gradtx.transforms.adadelta import scale_by_yogi
@@ -722,6 +722,7 @@ def adan(
     )
 
 
+@takes_spec
 def novograd(
     learning_rate: ScalarOrSchedule,
     b1: float = 0.9,

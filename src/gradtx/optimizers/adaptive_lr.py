@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from gradtx import sharding
-from gradtx.base import GradientTransformation
+from gradtx.base import GradientTransformation, takes_spec
 from gradtx.chains.chain import chain
 from gradtx.optimizers._common import _momentum, _one, check_learning_rate, check_number_learning_rate
 from gradtx.transforms._foreach import number_or_tensor as fe_number
@@ -218,6 +218,7 @@ def rmsprop(
     )
 
 
+@takes_spec
 def adafactor(
     learning_rate: Optional[ScalarOrSchedule] = None,
     min_dim_size_to_factor: int = 128,

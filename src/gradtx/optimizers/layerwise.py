@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from gradtx import sharding
-from gradtx.base import GradientTransformation
+from gradtx.base import GradientTransformation, takes_spec
 from gradtx.chains.chain import chain
 from gradtx.chains.masking import masked
 from gradtx.optimizers._common import _one, check_learning_rate
@@ -20,6 +20,7 @@ from gradtx.transforms.scaling import ScalarOrSchedule, scale_by_learning_rate, 
 from gradtx.transforms.weight_decay import add_decayed_weights
 
 
+@takes_spec
 def lars(
     learning_rate: ScalarOrSchedule,
     weight_decay: ScalarOrSchedule = 0.0,
@@ -96,6 +97,7 @@ def lars(
     )
 
 
+@takes_spec
 def lamb(
     learning_rate: ScalarOrSchedule,
     b1: float = 0.9,
@@ -168,6 +170,7 @@ def lamb(
     )
 
 
+@takes_spec
 def fromage(
     learning_rate: ScalarOrSchedule, min_norm: float = 1e-6, *, spec: Optional[sharding.ShardingSpec] = None
 ) -> GradientTransformation:

@@ -16,6 +16,8 @@ from torch import Tensor
 
 from gradtx import tree as tree_lib
 from gradtx.base import (
+    runs_inner,
+    takes_spec,
     DONATE_UPDATES,
     GradientTransformation,
     GradientTransformationExtraArgs,
@@ -172,6 +174,7 @@ def _plain(updates: PyTree, params: PyTree) -> bool:
 # --------------------------------------------------------------------------- the transformation
 
 
+@takes_spec
 def quantize_state(
     inner: GradientTransformation,
     bits: Union[int, torch.dtype] = 8,
@@ -484,6 +487,7 @@ def quantize_state(
         scales = tuple(tree_lib.unflatten(tree_lib.structure(t), s) for t, s in zip(state.scales, new_scales))
         return QuantizedState(tree_lib.unflatten(state_def, new_leaves), codes, scales, count)
 
+    runs_inner(update_fn, inner)
     if takes_donated_updates(inner):
         update_fn = supports_donated_updates(update_fn, returns_new_updates=returns_new_updates(inner))
     inner_scaled = scaled_update_of(inner.update)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, init_empty_state
+from gradtx.base import GradientTransformation, init_empty_state, takes_spec
 from gradtx.state_check import named
 from gradtx.transforms import _foreach as fe
 
@@ -39,6 +39,7 @@ def _scale_by_param_blocks(owner: str, measure, min_scale: float, spec) -> Gradi
     return GradientTransformation(init_empty_state, named(update_fn, owner))
 
 
+@takes_spec
 def scale_by_param_block_norm(
     min_scale: float = 1e-3, *, spec: Optional[sharding.ShardingSpec] = None
 ) -> GradientTransformation:
@@ -46,6 +47,7 @@ def scale_by_param_block_norm(
     return _scale_by_param_blocks("scale_by_param_block_norm", sharding.leaf_norms, min_scale, spec)
 
 
+@takes_spec
 def scale_by_param_block_rms(
     min_scale: float = 1e-3, *, spec: Optional[sharding.ShardingSpec] = None
 ) -> GradientTransformation:
@@ -54,6 +56,7 @@ def scale_by_param_block_rms(
     return _scale_by_param_blocks("scale_by_param_block_rms", sharding.leaf_rms, min_scale, spec)
 
 
+@takes_spec
 def normalize_by_update_norm(
     scale_factor: float = 1.0, eps: float = 1e-6, *, spec: Optional[sharding.ShardingSpec] = None
 ) -> GradientTransformation:
@@ -114,6 +117,7 @@ class ScaleByDistanceOverGradientsState(NamedTuple):
     init_params: Any
 
 
+@takes_spec
 def scale_by_distance_over_gradients(
     reps_rel: float = 1e-6,
     eps: float = 1e-8,

@@ -18,6 +18,7 @@ from torch import Tensor
 from gradtx import sharding
 from gradtx import tree as tree_lib
 from gradtx.base import (
+    takes_spec,
     EmptyState,
     GradientTransformation,
     LeadingClip,
@@ -75,6 +76,7 @@ class ClipByGlobalNormState(NamedTuple):
     norm: Tensor
 
 
+@takes_spec
 def clip_by_global_norm(
     max_norm: float,
     spec: Optional[sharding.ShardingSpec] = None,
@@ -250,6 +252,7 @@ ClipState = EmptyState
 """The state of :func:`clip_by_value` (alias :func:`clip`): it keeps nothing, as optax's alias says."""
 
 
+@takes_spec
 def clip_by_block_rms(threshold: float, spec: Optional[sharding.ShardingSpec] = None) -> GradientTransformation:
     """Scales each leaf by ``1 / max(1, rms(leaf) / threshold)``, as ``optax.clip_by_block_rms``.
 
@@ -287,6 +290,7 @@ def clip_by_block_rms(threshold: float, spec: Optional[sharding.ShardingSpec] = 
     return GradientTransformation(init_empty_state, update_fn)
 
 
+@takes_spec
 def adaptive_grad_clip(
     clipping: float,
     eps: float = 1e-3,

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation
+from gradtx.base import GradientTransformation, takes_spec
 from gradtx.sharding import dims as dims_lib
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.state_dims import ParamLeaf, same, state_dims, whole
@@ -84,6 +84,7 @@ state_dims(
 )(FactoredState)
 
 
+@takes_spec
 def scale_by_factored_rms(
     factored: bool = True,
     decay_rate: float = 0.8,

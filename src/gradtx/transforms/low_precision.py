@@ -34,7 +34,7 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation
+from gradtx.base import GradientTransformation, takes_spec
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding import elements
 from gradtx.transforms import _foreach as fe
@@ -253,6 +253,7 @@ class StochasticRoundingState(NamedTuple):
     seed: Tensor
 
 
+@takes_spec
 def stochastic_rounding(
     seed: int = 0, *, dtype: UpdatesDtype = None, spec: Optional[sharding.ShardingSpec] = None
 ) -> GradientTransformation:

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation
+from gradtx.base import GradientTransformation, takes_spec
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.adam import _check_decay
 
@@ -28,6 +28,7 @@ class ScaleByNovogradState(NamedTuple):
     nu: Any
 
 
+@takes_spec
 def scale_by_novograd(
     b1: float = 0.9,
     b2: float = 0.25,

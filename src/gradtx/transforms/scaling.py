@@ -15,6 +15,7 @@ from torch import Tensor
 from gradtx import sharding
 from gradtx import tree as tree_lib
 from gradtx.base import (
+    takes_spec,
     EmptyState,
     GradientTransformation,
     donation,
@@ -147,6 +148,7 @@ def with_learning_rate(
     return GradientTransformation(init_fn, named(takes_scaled_gradients(update_fn, scaled_update), name))
 
 
+@takes_spec
 def scale_by_trust_ratio(
     min_norm: float = 0.0,
     trust_coefficient: float = 1.0,
