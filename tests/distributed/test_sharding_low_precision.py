@@ -130,6 +130,26 @@ def every_transformation_on_uneven_fsdp_dtensors_equals_dense(world):
 
 
 @case(2)
+def a_partial_or_differently_laid_out_update_is_refused_on_every_rank(world):
+    """A Partial gradient (not reduced yet) summed into a param on this rank's piece would be this
+    rank's share only, and a gradient laid out otherwise than its param would pair other elements:
+    every transformation that works on local pieces refuses both, on every rank, naming the leaf."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = world.mesh((world.size,), ("dp",))
+    params = {"w": DTensor.from_local(torch.ones(4, 3, dtype=torch.bfloat16), mesh, [Replicate()], run_check=False)}
+    partial = {"w": DTensor.from_local(torch.full((4, 3), 0.01), mesh, [Partial()], run_check=False)}
+    sharded = {"w": DTensor.from_local(torch.full((2, 3), 0.01), mesh, [Shard(0)], run_check=False)}
+    for name, make in TRANSFORMS.items():
+        tx = make(None)
+        state = tx.init(params)
+        with pytest.raises(ValueError, match=r"leaf 'w'.*Partial placement \(a gradient not reduced yet\)|Partial placement"):
+            tx.update(partial, state, params)
+        with pytest.raises(ValueError, match=r"laid out differently"):
+            tx.update(sharded, state, params)
+
+
+@case(2)
 def compiled_stochastic_rounding_on_flat_pieces_equals_dense(world):
     # the places of the pieces are found by compile_step's eager call and read from the plan in the graph
     mesh, pieces = _uneven_layouts(world)["flat"]

@@ -71,13 +71,10 @@ def master_weights(inner: GradientTransformation, *, dtype: low_precision.Update
         grads = list(update_leaves)
         for i in present:
             if flags[i]:
-                if not update_leaves[i].is_floating_point():
-                    raise TypeError(
-                        f"master_weights: leaf {tree_lib.path_at(updates, i)!r} has a {update_leaves[i].dtype} update; "
-                        "updates must be floating point"
-                    )
                 if master_leaves[i] is None:
                     raise ValueError(f"master_weights: leaf {tree_lib.path_at(updates, i)!r} has no master copy in the state")
+                # a floating-point update laid out as the master copy (no Partial, not yet reduced, gradient)
+                low_precision.check_update(update_leaves[i], master_leaves[i], owner="master_weights", path=tree_lib.path_at(updates, i))
                 grads[i] = update_leaves[i].to(torch.float32)
         masters = masters_of(params, state.master)
         inner_updates, inner_state = inner_update(

@@ -94,6 +94,28 @@ def locals_of(tensors: Sequence[Tensor]) -> tuple[list[Tensor], Callable[[Sequen
     return locals_, rewrap
 
 
+def check_one_layout(dtensors: Sequence[Any]) -> None:
+    """Local pieces combine elementwise only where the DTensors are laid out alike, and none holds
+    a ``Partial`` (not yet reduced) value: a ``ValueError`` otherwise, before anything is computed
+    (elementwise work on the local pieces would give a silently wrong number)."""
+    for t in dtensors:
+        for placement in t.placements:
+            if placement.is_partial():
+                raise ValueError(
+                    "a DTensor with a Partial placement (a gradient not reduced yet) cannot be updated elementwise "
+                    "on this rank's piece; reduce it first (e.g. grad.redistribute(placements=[Replicate()]) or let "
+                    "FSDP/DDP finish its reduce-scatter)"
+                )
+    first = dtensors[0]
+    for t in dtensors[1:]:
+        if t.placements != first.placements or t.device_mesh != first.device_mesh or t.shape != first.shape:
+            raise ValueError(
+                f"DTensors laid out differently ({list(first.placements)} of shape {tuple(first.shape)} and "
+                f"{list(t.placements)} of shape {tuple(t.shape)}) cannot be combined elementwise on their local "
+                "pieces; give the params, gradients and state one layout (redistribute one of them)"
+            )
+
+
 def foreach_on_shards(
     kernel: Callable[..., Any], selves: Sequence[Tensor], args: Sequence[Any], kwargs: dict[str, Any], *, inplace: bool
 ) -> Optional[list[Tensor]]:

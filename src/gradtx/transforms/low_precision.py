@@ -90,9 +90,17 @@ def low_precision_flags(params: Any, *, owner: str) -> list[bool]:
     return flags
 
 
-def _check_update(update: Tensor, param: Tensor, *, owner: str, path: str) -> None:
+def check_update(update: Tensor, param: Tensor, *, owner: str, path: str) -> None:
+    """A floating-point update, laid out as its param where either is a DTensor (the sum is taken
+    on the local pieces: a ``Partial`` update, not reduced yet, would be summed as this rank's share)."""
     if not update.is_floating_point():
         raise TypeError(f"{owner}: leaf {path!r} has a {update.dtype} update; updates must be floating point")
+    dtensors = [t for t in (param, update) if dtensor_lib.is_dtensor(t)]
+    if dtensors:
+        try:
+            dtensor_lib.check_one_layout(dtensors if len(dtensors) == 2 else dtensors + dtensors)
+        except ValueError as exc:
+            raise ValueError(f"{owner}: leaf {path!r}: {exc}") from None
 
 
 # --------------------------------------------------------------------------- rounding
@@ -306,7 +314,7 @@ def stochastic_rounding(
             return updates, StochasticRoundingState(count=count, seed=seed)
         paths = tree_lib.paths(params)
         for k in rounded:
-            _check_update(leaves.tensors[k], param_values[k], owner="stochastic_rounding", path=paths[leaves.present[k]])
+            check_update(leaves.tensors[k], param_values[k], owner="stochastic_rounding", path=paths[leaves.present[k]])
         pieces: list[Any] = [None] * len(flags)
         if sharding.is_sharded(tree_lib.leaves(params), spec):
             pieces = elements.element_pieces(params, spec, what="stochastic_rounding")
@@ -399,7 +407,7 @@ def kahan_summation(*, dtype: UpdatesDtype = None) -> GradientTransformation:
                 continue
             c = compensation[i]
             path = tree_lib.path_at(params, i)
-            _check_update(u, p, owner="kahan_summation", path=path)
+            check_update(u, p, owner="kahan_summation", path=path)
             if not isinstance(c, Tensor) or c.shape != p.shape:
                 raise ValueError(f"kahan_summation: leaf {path!r} has no compensation of its shape in the state")
             (p_local, u_local, c_local), rewrap = dtensor_lib.locals_of([p, u, c])
