@@ -259,6 +259,25 @@ def factored_unknown_split_dim_is_an_error(world):
     gtx.scale_by_factored_rms(factored=False, spec=spec).update(grads, gtx.scale_by_factored_rms(factored=False).init(grads))
 
 
+@case(2)
+def factored_uneven_plain_pieces_are_an_error_on_every_rank(world):
+    """Plain pieces must be even: a matrix split 4 + 3 makes each rank rebuild another logical
+    shape (so other means, or a factoring on one rank only: different collectives). Every rank
+    raises the cross-rank check's error naming the leaf, before any reduction, instead of silently
+    wrong numbers, an abort in gloo, or a wait."""
+    mesh = world.mesh((2,), ("tp",))
+    spec = ShardingSpec(mesh, [("w", Shard("tp", dim=1)), ("b", Shard("tp", dim=0))])
+    width = 4 if world.rank == 0 else 3
+    grads = {"w": torch.ones(8, width), "b": torch.ones(width)}
+    for make in (lambda: gtx.scale_by_factored_rms(min_dim_size_to_factor=2, spec=spec), lambda: gtx.adafactor(1e-2, min_dim_size_to_factor=2, spec=spec)):
+        tx = make()
+        with pytest.raises(ValueError, match=r"ranks disagree on the whole shape of leaf 'w'.*must be split evenly"):
+            tx.update(grads, tx.init(grads), grads)
+    even = {"w": torch.ones(8, 4), "b": torch.ones(4)}  # the same transformation on even pieces runs
+    tx = gtx.scale_by_factored_rms(min_dim_size_to_factor=2, spec=spec)
+    tx.update(even, tx.init(even))
+
+
 @case(2, 4)
 def adafactor_with_a_spec_matches_dense(world):
     mesh = world.mesh((world.size,), ("tp",))

@@ -95,11 +95,24 @@ def dim_layouts(
     dim of a matrix, a bad spec) are ``ValueError`` naming the leaf."""
     from gradtx.sharding.matrices import declared
 
-    plan, tree_leaves = plan_for(tree, spec, what=what, op=what + declared(options), check=check)
-    layouts: list[Optional[DimLayout]] = []
-    for layout, leaf in zip(plan.layouts, tree_leaves):
-        layouts.append(None if layout is None else _leaf_dims(layout, leaf, plan.mesh))
-    return DimLayouts(plan.mesh, layouts)
+    found: list[tuple[list[Any], list[Optional[DimLayout]]]] = []
+
+    def validate(plan: Any, tree_leaves: list[Any]) -> None:  # a bad split dim: an error on every rank
+        found[:] = [(tree_leaves, [None if layout is None else _leaf_dims(layout, leaf, plan.mesh) for layout, leaf in zip(plan.layouts, tree_leaves)])]
+
+    def whole_shapes() -> tuple[Any, ...]:
+        # what the ranks must agree on besides the plan: each split matrix's logical shape (which
+        # decides what is reduced over which dims), which plain pieces give only when every rank holds
+        # an equal one; an uneven split would have ranks reduce other sums, or different collectives
+        tree_leaves, dims_of = found[0]
+        return tuple(
+            (dims.path, tuple(a for axes in dims.dim_axes for a in axes), dims.shape, tuple(dtensor_lib.local(leaf).shape))
+            for dims, leaf in zip(dims_of, tree_leaves)
+            if dims is not None and len(dims.shape) >= 2 and any(dims.dim_axes)
+        )
+
+    plan, _ = plan_for(tree, spec, what=what, op=what + declared(options), check=check, validate=validate, pieces=whole_shapes)
+    return DimLayouts(plan.mesh, found[0][1])
 
 
 def check_options(tree: Any, spec: Optional[ShardingSpec], *, what: str, options: Optional[Mapping[str, Any]]) -> None:
