@@ -53,18 +53,45 @@ void gradtx_scale_observed_list_f32(const float *const *xs, float c, float *cons
         gradtx_scale_observed_f32(xs[k], c, outs[k], ns[k], largest + k, nonfinite + k, threads);
 }
 
-double gradtx_squares_f64(const float *x, int64_t n, int threads) {
+/* x's sum of squares in squares.h's order into *sum (-1 where no memory was had for the blocks'
+ * sums); with `extremes`, also its largest magnitude's bits into *top and its non-finite count into
+ * *bad, read in the same pass (each block's values again, from cache). */
+static void squares_of(const float *x, int64_t n, int threads, int extremes, double *sum, uint32_t *top, int64_t *bad) {
     const int64_t blocks = (n + BLOCK - 1) / BLOCK;
-    if (blocks <= 1) return block_squares(x, (int)n);
-    double *partial = malloc(sizeof(double) * (size_t)blocks);
-    if (!partial) return -1.0; /* never a sum of squares: the caller falls back */
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n >= 65536)
+    double one = 0.0;
+    double *partial = blocks <= 1 ? &one : malloc(sizeof(double) * (size_t)blocks);
+    uint32_t largest = 0;
+    int64_t count = 0;
+    if (!partial) {
+        *sum = -1.0; /* never a sum of squares: the caller falls back */
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n >= 65536) reduction(max : largest) reduction(+ : count)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t s = b * BLOCK;
-        partial[b] = block_squares(x + s, (int)(n - s < BLOCK ? n - s : BLOCK));
+        const int len = (int)(n - s < BLOCK ? n - s : BLOCK);
+        partial[b] = block_squares(x + s, len);
+        if (extremes) {
+            uint32_t block_top = 0;
+            for (int i = 0; i < len; i++) {
+                const uint32_t bits = magnitude_bits(x[s + i]);
+                block_top = bits > block_top ? bits : block_top;
+            }
+            if (block_top >= EXTREMES_INFINITY) count += block_nonfinite(x + s, len);
+            largest = block_top > largest ? block_top : largest;
+        }
     }
-    const double sum = blocks_total(partial, blocks);
-    free(partial);
+    *sum = blocks <= 1 ? one : blocks_total(partial, blocks);
+    if (blocks > 1) free(partial);
+    if (extremes) {
+        *top = largest;
+        *bad = count;
+    }
+}
+
+double gradtx_squares_f64(const float *x, int64_t n, int threads) {
+    double sum;
+    squares_of(x, n, threads, 0, &sum, 0, 0);
     return sum;
 }
 
@@ -74,33 +101,9 @@ double gradtx_squares_f64(const float *x, int64_t n, int threads) {
 void gradtx_squares_extremes_list_f32(const float *const *xs, const int64_t *ns, int64_t count, double *sums, float *largest,
                                       int64_t *nonfinite, int threads) {
     for (int64_t k = 0; k < count; k++) {
-        const float *x = xs[k];
-        const int64_t n = ns[k];
-        const int64_t blocks = (n + BLOCK - 1) / BLOCK;
-        double one = 0.0;
-        double *partial = blocks <= 1 ? &one : malloc(sizeof(double) * (size_t)blocks);
-        if (!partial) {
-            sums[k] = -1.0;
-            continue;
-        }
         uint32_t top = 0;
-        int64_t bad = 0;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n >= 65536) reduction(max : top) reduction(+ : bad)
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t s = b * BLOCK;
-            const int len = (int)(n - s < BLOCK ? n - s : BLOCK);
-            partial[b] = block_squares(x + s, len);
-            uint32_t block_top = 0;
-            for (int i = 0; i < len; i++) {
-                const uint32_t bits = magnitude_bits(x[s + i]);
-                block_top = bits > block_top ? bits : block_top;
-            }
-            if (block_top >= EXTREMES_INFINITY) bad += block_nonfinite(x + s, len);
-            top = block_top > top ? block_top : top;
-        }
-        sums[k] = blocks <= 1 ? one : blocks_total(partial, blocks);
-        if (blocks > 1) free(partial);
+        nonfinite[k] = 0;
+        squares_of(xs[k], ns[k], threads, 1, sums + k, &top, nonfinite + k);
         store_top(top, largest + k);
-        nonfinite[k] = bad;
     }
 }
