@@ -20,7 +20,7 @@ from torch import Tensor
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace, runs_inner
+from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, takes_extra_args, with_inplace, runs_inner, takes_spec
 from gradtx.chains import step_gates
 from gradtx.chains._select import counter, safe_increment, where_or_zero, where_tree
 
@@ -43,6 +43,7 @@ class ApplyIfFiniteState(NamedTuple):
     inner_state: Any
 
 
+@takes_spec
 def apply_if_finite(
     inner: GradientTransformation, max_consecutive_errors: int, spec: Optional[sharding.ShardingSpec] = None
 ) -> GradientTransformation:
@@ -101,7 +102,6 @@ def apply_if_finite(
         inner_state = where_tree(apply, new_inner_state, state.inner_state, what="apply_if_finite")
         return out_updates, ApplyIfFiniteState(notfinite_count, isfinite, total_notfinite, inner_state)
 
-    update_fn.sharding_spec = spec  # lets gradtx.wrap(..., spec=) catch a wrapper that was given none
     runs_inner(update_fn, inner)
     step_gates.set_gate(
         update_fn,

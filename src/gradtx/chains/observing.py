@@ -41,6 +41,7 @@ from gradtx import torch_internals
 from gradtx import tree as tree_lib
 from gradtx.base import (
     runs_inner,
+    takes_spec,
     GradientTransformation,
     GradientTransformationExtraArgs,
     LeadingClip,
@@ -336,6 +337,7 @@ def _fusable(lead: Optional[LeadingClip], layout: stats_lib.GroupLayout, spec: A
     return "reduced" if layout.plan.global_group() is not None else None
 
 
+@takes_spec
 def observe(
     inner: GradientTransformation, groups: Groups = None, spec: Optional[sharding.ShardingSpec] = None
 ) -> GradientTransformation:
@@ -489,7 +491,6 @@ def observe(
         clip_stats = _clip_stats(clip, inner_state, dtype, clip_norm)
         return new_updates, ObserveState(inner_state, total, per_group, clip_stats, pending_update_sq)
 
-    update_fn.sharding_spec = spec  # lets gradtx.wrap(..., spec=) catch an observe given none
     runs_inner(update_fn, inner)
     if takes_donated_updates(inner):
         supports_donated_updates(update_fn, returns_new_updates=returns_new_updates(inner))

@@ -197,7 +197,6 @@ def clip_by_global_norm(
     update_fn.scalar_factor = scalar_factor
     update_fn.handed_factor = handed_factor
     update_fn.clip_coefficient = clip_coefficient  # lets gradtx.observe report the factor from the state's norm
-    update_fn.sharding_spec = spec  # lets gradtx.wrap(..., spec=) catch a clip that was given none
     set_leading_clip(
         update_fn, LeadingClip(spec, norm_type, lambda state: state.norm, lambda state, norm: clip_coefficient(norm), given)
     )
@@ -286,7 +285,6 @@ def clip_by_block_rms(threshold: float, spec: Optional[sharding.ShardingSpec] = 
         out = rewrap(out)
         return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, out)), state
 
-    update_fn.sharding_spec = spec
     return GradientTransformation(init_empty_state, update_fn)
 
 
@@ -353,7 +351,6 @@ def adaptive_grad_clip(
         clipped = rewrap(clipped)
         return tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, clipped)), state
 
-    update_fn.sharding_spec = spec
     return GradientTransformation(init_empty_state, update_fn)
 
 

@@ -347,7 +347,6 @@ def stochastic_rounding(
                 out[k] = _rewrapped(param_values[k], piece.view(p.shape))
         return leaves.rebuild(out), StochasticRoundingState(count=count, seed=seed)
 
-    update_fn.sharding_spec = spec  # type: ignore[attr-defined]
     return GradientTransformation(init_fn, update_fn)
 
 
