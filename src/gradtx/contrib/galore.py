@@ -472,12 +472,12 @@ def galore(
       ...     grads = torch.func.grad(f)(params)
       ...     updates, state = tx.update(grads, state, params)
       ...     params = gtx.apply_updates(params, updates)
-      ...     print(f"{f(params):.4f}")
-      299.7895
-      293.7024
-      287.7356
-      281.8792
-      276.1207
+      ...     print(f"{f(params):.2f}")  # the SVD's last bits differ between CPUs
+      299.79
+      293.70
+      287.74
+      281.88
+      276.12
     """
     check_learning_rate(learning_rate, "galore")
     return chain(
