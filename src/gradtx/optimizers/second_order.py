@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, identity
+from gradtx.base import GradientTransformation, GradientTransformationExtraArgs, identity, takes_spec
 from gradtx.chains.chain import chain
 from gradtx.optimizers.sgd_like import sgd
 from gradtx.transforms.lbfgs import scale_by_lbfgs
 from gradtx.transforms.linesearch import scale_by_zoom_linesearch
 from gradtx.transforms.polyak import scale_by_polyak
+from gradtx.sharding import ShardingSpec
 from gradtx.transforms.scaling import ScalarOrSchedule, scale, scale_by_learning_rate
 
 
@@ -90,12 +91,15 @@ def lbfgs(
     )
 
 
+@takes_spec
 def polyak_sgd(
     max_learning_rate: float = 1.0,
     scaling: ScalarOrSchedule = 1.0,
     f_min: float = 0.0,
     eps: float = 0.0,
     variant: str = "sps",
+    *,
+    spec: Optional[ShardingSpec] = None,
 ) -> GradientTransformationExtraArgs:
     """SGD with Polyak's step size: the step that would reach the optimal value on a linear model.
 
@@ -113,6 +117,9 @@ def polyak_sgd(
       f_min: a lower bound of the objective, ``f*``.
       eps: added to the squared norm in the denominator.
       variant: ``"sps"`` (the paper's SPS_max) or ``"sps+"`` (the gap clipped at 0).
+      spec: how the gradients are sharded (a :class:`gradtx.sharding.ShardingSpec`): the norm is
+        then that of the logical gradient, so every rank takes the same step; ``value`` must then be
+        the whole objective on every rank. DTensor gradients need no spec.
 
     Returns:
       The optimizer, a :class:`~gradtx.GradientTransformationExtraArgs` whose ``update`` takes
@@ -144,5 +151,5 @@ def polyak_sgd(
     """
     return chain(
         sgd(learning_rate=scaling),
-        scale_by_polyak(max_learning_rate=max_learning_rate, f_min=f_min, eps=eps, variant=variant),
+        scale_by_polyak(max_learning_rate=max_learning_rate, f_min=f_min, eps=eps, variant=variant, spec=spec),
     )

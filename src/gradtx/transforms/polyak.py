@@ -6,21 +6,28 @@ a :class:`~gradtx.GradientTransformationExtraArgs`.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
+from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformationExtraArgs, init_empty_state
+from gradtx.base import GradientTransformationExtraArgs, init_empty_state, takes_spec
+from gradtx.sharding import dtensor as dtensor_lib
+from gradtx.transforms import _foreach as fe
 
 PyTree = Any
 Scalar = Union[float, Tensor]
 
 
-def _squared_norm(tensors: list[Tensor]) -> Tensor:
-    """``sum_i ||t_i||^2`` (moduli squared for complex leaves) accumulated in float32 at least (float64 kept)."""
-    dtype = tree_lib.accumulation_dtype([t.dtype for t in tensors])
+def _squared_norm(updates: Any, tensors: Sequence[Tensor], spec: Optional[sharding.ShardingSpec]) -> Tensor:
+    """``sum_i ||t_i||^2`` (moduli squared for complex leaves) accumulated in float32 at least (float64
+    kept); under ``spec`` or DTensors, that of the logical updates, the same on every rank."""
+    dtype = tree_lib.accumulation_dtype([dtensor_lib.local(t).dtype for t in tensors])
+    if sharding.is_sharded(tensors, spec):
+        square = lambda u: tree_lib.real_inner(u, u, dtype).reshape(1)  # noqa: E731
+        return sharding.global_sums(square, updates, spec=spec, what="scale_by_polyak")[0]
     device = tensors[0].device
     return sum((tree_lib.real_inner(t, t, dtype).to(device) for t in tensors), torch.zeros((), dtype=dtype, device=device))
 
@@ -32,11 +39,14 @@ def _scalar(x: Scalar, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.tensor(float(x), dtype=dtype, device=device)
 
 
+@takes_spec
 def scale_by_polyak(
     f_min: Scalar = 0.0,
     max_learning_rate: Scalar = 1.0,
     eps: Scalar = 0.0,
     variant: str = "sps",
+    *,
+    spec: Optional[sharding.ShardingSpec] = None,
 ) -> GradientTransformationExtraArgs:
     r"""Scales the updates by Polyak's step size.
 
@@ -49,20 +59,25 @@ def scale_by_polyak(
       max_learning_rate: the largest step allowed.
       eps: added to the squared norm in the denominator.
       variant: ``"sps"`` or ``"sps+"``.
+      spec: how the updates are sharded (a :class:`gradtx.sharding.ShardingSpec`): the norm is then
+        that of the logical updates, with one collective, so every rank takes the same step. DTensor
+        updates need no spec. A pipeline stage without updates still joins the collective.
 
     The ``update`` takes the keyword argument ``value=``: the objective at the current params (a
-    number or 0-d tensor). Stateless: the state is ``EmptyState()``.
+    number or 0-d tensor), the same on every rank under sharding (the whole model's loss, which a
+    pipeline's last stage must share with the others). Stateless: the state is ``EmptyState()``.
     """
     if variant not in ("sps", "sps+"):
         raise ValueError(f"scale_by_polyak: variant must be 'sps' or 'sps+', got {variant!r}")
 
     def update_fn(updates, state, params=None, *, inplace=False, value, **extra_args):
         del params, extra_args
-        leaves, treedef = tree_lib.flatten(updates)
-        tensors = [leaf for leaf in leaves if leaf is not None]
-        if not tensors:
+        leaves = fe.leaves_of(updates, what="scale_by_polyak")
+        if not leaves.tensors and spec is None:
             return updates, state
-        grad_sq_norm = _squared_norm(tensors)
+        grad_sq_norm = _squared_norm(updates, leaves.tensors, spec)  # a stage without updates joins the reduction
+        if not leaves.tensors:
+            return updates, state
         dtype, device = grad_sq_norm.dtype, grad_sq_norm.device
         gap = _scalar(value, dtype, device) - _scalar(f_min, dtype, device)
         if variant == "sps+":
@@ -74,11 +89,12 @@ def scale_by_polyak(
             torch.zeros((), dtype=dtype, device=device),
             torch.minimum(gap / denominator, cap),
         )
-        scaled = [
-            None if leaf is None else (leaf.mul_(step.to(leaf.device, leaf.dtype)) if inplace else leaf * step.to(leaf.device, leaf.dtype))
-            for leaf in leaves
-        ]
-        return tree_lib.unflatten(treedef, scaled), state
+
+        def group(u):
+            return (fe.mul(u, fe.on(step, u), inplace=inplace),)
+
+        (scaled,) = fe.map_groups(group, leaves.tensors, outputs=1)
+        return leaves.rebuild(scaled), state
 
     return GradientTransformationExtraArgs(init_empty_state, update_fn)
 
