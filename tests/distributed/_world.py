@@ -48,6 +48,7 @@ CASE_MODULES = (
     "test_sharding_low_precision",
     "test_sharding_quantization",
     "test_sharding_elements",
+    "test_sharding_stages",
 )
 
 # What the cases import on first use, imported once in the parent before the fork instead of on

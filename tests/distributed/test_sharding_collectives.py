@@ -120,10 +120,13 @@ def consistency_check_costs_by_mode(world):
     mesh = world.mesh((world.size,), ("tp",))
     grads = {"w": torch.randn(4, 4), "b": torch.randn(4)}
     rule_list = [("w", gtx.sharding.Shard("tp")), ("b", gtx.sharding.Replicate())]
-    once = ShardingSpec(mesh, rule_list)
+    once = ShardingSpec(mesh, rule_list, default=gtx.sharding.Replicate())
     assert count_collectives(lambda: gtx.global_norm(grads, once)) == 2  # new plan: check + norm
     assert count_collectives(lambda: gtx.global_norm(grads, once)) == 1
-    assert count_collectives(lambda: gtx.global_norm({**grads, "b": None}, once)) == 2  # a new tree: checked again
+    # a leaf without gradient: the same structure, checked already (frozen params on some ranks only
+    # must not make those ranks check where the others do not)
+    assert count_collectives(lambda: gtx.global_norm({**grads, "b": None}, once)) == 1
+    assert count_collectives(lambda: gtx.global_norm({**grads, "c": torch.ones(2)}, once)) == 2  # a new structure: checked
     always = ShardingSpec(mesh, rule_list, check_consistency=True)
     for _ in range(2):
         assert count_collectives(lambda: gtx.global_norm(grads, always)) == 2

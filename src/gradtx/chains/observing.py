@@ -392,7 +392,11 @@ def observe(
                     "observe: under torch.compile met a gradient tree no eager call has seen; run the step once "
                     "eagerly before compiling (gradtx.compile_step does this for you)"
                 )
-            layout = stats_lib.layout_groups(tree, spec, grouping.assign, grouping.check_unused, what="observe")
+            known = layouts.get(paths)  # the same leaves, other None leaves: the same groups
+            if known is None:
+                layout = layouts[paths] = stats_lib.layout_groups(tree, spec, grouping.assign, grouping.check_unused, what="observe")
+            else:
+                layout = stats_lib.relayout(known, tree, spec, grouping.assign, grouping.check_unused, what="observe")
             layouts[key] = layout
         return layout
 

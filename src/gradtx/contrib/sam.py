@@ -54,9 +54,11 @@ def normalize(*, spec: Optional[ShardingSpec] = None) -> GradientTransformation:
     def update_fn(updates, state, params=None, *, inplace=False):
         del params
         leaves = fe.leaves_of(updates, what="normalize")
+        if not leaves.tensors and spec is None:
+            return updates, state
+        norm = global_norm(updates, spec)  # a pipeline stage without gradients still joins the reduction
         if not leaves.tensors:
             return updates, state
-        norm = global_norm(updates, spec)
 
         def group(g):
             return (fe.div(g, fe.on(norm, g), inplace=inplace),)

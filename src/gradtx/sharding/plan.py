@@ -54,6 +54,10 @@ class Plan:
     ``timeout``: the spec's bound on waits; ``checked``: the reductions already checked across
     ranks ("once" mode); ``calls``: per reduction, how many times this rank has run it (carried in
     its collective, so ranks that run it a different number of times are found out).
+
+    Plans of one tree structure and reduction group share ``checked`` and ``calls``: trees that
+    differ only in which leaves are ``None`` (a stage's frozen params, then their missing gradients)
+    count as one, so ranks whose trees differ so and ranks whose trees do not check and count alike.
     """
 
     mesh: MeshAxes
@@ -87,6 +91,8 @@ _DTENSOR_MESHES: dict[Any, MeshAxes] = {}
 _DTENSOR_PLANS: dict[Any, Plan] = {}
 # The same plans by (leaf paths, layout key), for the tracer of torch.compile.
 _DTENSOR_TRACED: dict[Any, Plan] = {}
+# Per (structure, reduction group): the checks and call counts its plans share (see Plan).
+_DTENSOR_SHARED: dict[Any, tuple[set[Any], dict[str, int]]] = {}
 
 
 def _layout_key(tree_leaves: Sequence[Any]) -> tuple[Any, ...]:
@@ -151,6 +157,9 @@ def plan_for(
             if mesh is None:
                 mesh = _reference_mesh(tree_leaves)
             plan = _build(tree, tree_leaves, spec, mesh, given)
+            shared = spec.shared_counts if spec is not None else _DTENSOR_SHARED
+            structure = treedef if spec is not None else (_world_key(), treedef)
+            plan.checked, plan.calls = shared.setdefault((structure, plan.global_axes), (set(), {}))
             traced = spec.traced_plans if spec is not None else _DTENSOR_TRACED
             if len(cache) >= _MAX_CACHED_PLANS:
                 cache.clear()

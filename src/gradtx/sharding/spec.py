@@ -150,6 +150,7 @@ class ShardingSpec:
         self.declared_axes: tuple[str, ...] = self.axes.ordered(declared)
         self.plans: dict[Any, Any] = {}
         self.traced_plans: dict[Any, Any] = {}  # the same plans, by leaf paths (see gradtx.sharding.plan)
+        self.shared_counts: dict[Any, Any] = {}  # the checks and call counts plans share (see gradtx.sharding.plan)
 
     @property
     def looks_at_tensors(self) -> bool:

@@ -106,6 +106,21 @@ def layout_groups(
     return GroupLayout(names, leaf_groups, plan, dist.get_rank(group), dist.get_world_size(group), tuple(paths))
 
 
+def relayout(known: GroupLayout, tree: Any, spec: Optional[ShardingSpec], assign: Callable[[Sequence[str]], Assignment],
+             check_unused: Callable[[set[str], Sequence[str]], Optional[Exception]], *, what: str) -> GroupLayout:
+    """The layout of ``tree``, whose leaf paths are ``known``'s but whose ``None`` leaves differ (the
+    gradients of a stage with frozen params, after its params): ``known``'s groups, which depend on
+    the paths only, with ``tree``'s own plan, and no collective of its own when the reduction group
+    is the same (so ranks whose trees differ in ``None`` leaves and ranks whose trees do not stay in
+    step). Otherwise :func:`layout_groups`."""
+    tree_leaves = tree_lib.leaves(tree)
+    if known.plan is not None and is_sharded(tree_leaves, spec):
+        plan, _ = plan_for(tree, spec, what=what, op=f"{what}: groups")
+        if plan.global_axes == known.plan.global_axes:
+            return GroupLayout(known.names, known.leaf_groups, plan, known.slot, known.slots, known.paths)
+    return layout_groups(tree, spec, assign, check_unused, what=what)
+
+
 def _ordered(per_rank: Sequence[Sequence[Optional[str]]]) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """Every group name in order of first appearance (rank by rank, leaf by leaf), and the first
     rank's leaves' indices into them."""

@@ -54,15 +54,23 @@ def global_sums(fn: Callable[..., Tensor], *trees: Any, spec: Optional[ShardingS
         locals_ = [dtensor_lib.local(first[i])] + [dtensor_lib.local(o[i]) for o in others]
         parts.append(fn(*locals_))
     if not parts:  # this rank owns nothing: its share is zero (fn on an empty piece tells the size)
-        index = next(i for i, layout in enumerate(plan.layouts) if layout is not None)
-        locals_ = [dtensor_lib.local(first[index])] + [dtensor_lib.local(o[index]) for o in others]
-        parts.append(torch.zeros_like(fn(*locals_)))
+        parts.append(torch.zeros_like(fn(*_empty_pieces(plan, first, others))))
     local = _add_up(parts)
     buffer = local.detach().to(torch.float64)
     group = plan.global_group()
     if group is not None:
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
     return buffer.to(local.dtype)
+
+
+def _empty_pieces(plan: Any, first: list[Any], others: list[list[Any]]) -> list[Tensor]:
+    """Pieces for ``fn`` on a rank that owns no element: its first present leaf in every tree, or,
+    on a pipeline stage without gradients, empty float32 tensors (``fn`` sums over elements)."""
+    index = next((i for i, layout in enumerate(plan.layouts) if layout is not None), None)
+    if index is None:
+        device = plan.mesh.device()
+        return [torch.empty(0, device=device) for _ in range(1 + len(others))]
+    return [dtensor_lib.local(first[index])] + [dtensor_lib.local(o[index]) for o in others]
 
 
 def _add_up(parts: list[Tensor]) -> Tensor:

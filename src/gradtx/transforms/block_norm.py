@@ -68,9 +68,11 @@ def normalize_by_update_norm(
     def update_fn(updates, state, params=None, *, inplace=False):
         del params
         leaves = fe.leaves_of(updates, what=owner)
+        if not leaves.tensors and spec is None:
+            return updates, state
+        norm = sharding.global_norm(updates, spec)  # a pipeline stage without gradients still joins the reduction
         if not leaves.tensors:
             return updates, state
-        norm = sharding.global_norm(updates, spec)
         factor = scale_factor / (norm.to(torch.float64) + eps)
 
         def group(g):
