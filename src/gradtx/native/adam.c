@@ -69,7 +69,30 @@ static void adam_block(const float *g, const float *m, const float *v, const flo
     if (decay == 1 && sums) { /* as below, with both sums of squares in the same loop */
         float su[SQUARES_LANES] = {0}, sp[SQUARES_LANES] = {0};
         int i = 0;
-#if defined(__FMA__) && SQUARES_LANES == 16
+#if defined(__FMA__) && defined(__AVX__) && SQUARES_LANES == 16
+        /* decayed_update eight values at a time (the width of the loop without the tally: the
+         * division's throughput sets this loop's pace), the running sums in registers, lane j in
+         * su8[j / 8][j % 8]: the lanes and bits of squares.h */
+        const __m256 e8 = _mm256_set1_ps(eps), s8 = _mm256_set1_ps(step), f8 = _mm256_set1_ps(factor);
+        __m256 su8[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        __m256 sp8[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (; i + SQUARES_LANES <= len; i += SQUARES_LANES) {
+#pragma GCC unroll 2
+            for (int k = 0; k < 2; k++) {
+                const int at = i + 8 * k;
+                const __m256 pk = _mm256_loadu_ps(p + at);
+                const __m256 q = _mm256_mul_ps(_mm256_div_ps(_mm256_loadu_ps(mo + at), _mm256_add_ps(_mm256_loadu_ps(root + at), e8)), s8);
+                const __m256 u = _mm256_fmadd_ps(pk, f8, q);
+                _mm256_storeu_ps(uo + at, u);
+                su8[k] = _mm256_fmadd_ps(u, u, su8[k]);
+                sp8[k] = _mm256_fmadd_ps(pk, pk, sp8[k]);
+            }
+        }
+        for (int k = 0; k < 2; k++) {
+            _mm256_storeu_ps(su + 8 * k, su8[k]);
+            _mm256_storeu_ps(sp + 8 * k, sp8[k]);
+        }
+#elif defined(__FMA__) && SQUARES_LANES == 16
         /* decayed_update four values at a time, with the running sums kept in registers (GCC keeps
          * an array of them on the stack, a store and a load per step), lane j in su4[j / 4][j % 4] */
         const __m128 e4 = _mm_set1_ps(eps), s4 = _mm_set1_ps(step), f4 = _mm_set1_ps(factor);

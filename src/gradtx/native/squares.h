@@ -27,12 +27,22 @@ static inline double lanes_total(const float *acc) {
 }
 
 /* One block's sum (a loop that computes its values, as adam.c's, may add them the same way). With
- * FMA the 16 lanes are four vectors held in registers (lane j in vector j / 4, element j % 4): as an
- * array GCC leaves them scalar, one fused multiply-add at a time. The same order and bits. */
+ * FMA the 16 lanes are vectors held in registers (with AVX two, lane j in vector j / 8, element
+ * j % 8; else four, lane j in vector j / 4, element j % 4): as an array GCC leaves them scalar, one
+ * fused multiply-add at a time. The same order and bits. */
 static inline double block_squares(const float *x, int len) {
     float acc[SQUARES_LANES] = {0};
     int i = 0;
-#if defined(__FMA__) && SQUARES_LANES == 16
+#if defined(__FMA__) && defined(__AVX__) && SQUARES_LANES == 16
+    __m256 lanes[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}; /* lane j in vector j / 8, element j % 8 */
+    for (; i + SQUARES_LANES <= len; i += SQUARES_LANES)
+#pragma GCC unroll 2
+        for (int k = 0; k < 2; k++) {
+            const __m256 values = _mm256_loadu_ps(x + i + 8 * k);
+            lanes[k] = _mm256_fmadd_ps(values, values, lanes[k]);
+        }
+    for (int k = 0; k < 2; k++) _mm256_storeu_ps(acc + 8 * k, lanes[k]);
+#elif defined(__FMA__) && SQUARES_LANES == 16
     __m128 lanes[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
     for (; i + SQUARES_LANES <= len; i += SQUARES_LANES)
 #pragma GCC unroll 4
