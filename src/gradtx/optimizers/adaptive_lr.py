@@ -325,7 +325,8 @@ def adafactor(
     return _one(chain(*txs))
 
 
-def sm3(learning_rate: float, momentum: float = 0.9) -> GradientTransformation:
+@takes_spec
+def sm3(learning_rate: float, momentum: float = 0.9, *, spec: Optional[sharding.ShardingSpec] = None) -> GradientTransformation:
     """SM3: AdaGrad with one accumulator per row and column of a matrix, plus momentum.
 
     Each tensor keeps, for each of its dimensions, one accumulator per index (a matrix: one per
@@ -339,6 +340,9 @@ def sm3(learning_rate: float, momentum: float = 0.9) -> GradientTransformation:
     Args:
       learning_rate: the step size, a number or a 0-d tensor (no schedule, as in optax).
       momentum: the decay of the moving average of the steps.
+      spec: how plain-tensor leaves are sharded (a :class:`gradtx.sharding.ShardingSpec`): the
+        accumulators of a split matrix are then the dense run's (see :func:`~gradtx.scale_by_sm3`).
+        DTensor leaves need none.
 
     Returns:
       The optimizer, a :class:`~gradtx.GradientTransformation`.
@@ -367,4 +371,4 @@ def sm3(learning_rate: float, momentum: float = 0.9) -> GradientTransformation:
       9.0684
     """
     check_number_learning_rate(learning_rate, "sm3")
-    return _one(chain(scale_by_sm3(momentum), scale(-fe_number(learning_rate))))
+    return _one(chain(scale_by_sm3(momentum, spec=spec), scale(-fe_number(learning_rate))))

@@ -49,10 +49,17 @@ class DimLayouts:
     def sum_over(self, items: Sequence[tuple[tuple[str, ...], Tensor]]) -> list[Tensor]:
         """All-reduces (SUM) each tensor of ``items`` over the ranks of its axes: one collective per
         distinct axis set, in the same order on every rank; tensors with no axes come back as given."""
+        return self._reduce(items, dist.ReduceOp.SUM)
+
+    def max_over(self, items: Sequence[tuple[tuple[str, ...], Tensor]]) -> list[Tensor]:
+        """As :meth:`sum_over`, the maximum (SM3's accumulators over a split dim)."""
+        return self._reduce(items, dist.ReduceOp.MAX)
+
+    def _reduce(self, items: Sequence[tuple[tuple[str, ...], Tensor]], op: Any) -> list[Tensor]:
         if not any(axes for axes, _ in items):
             return [t for _, t in items]
         flat = [(axes, t.reshape(-1)) for axes, t in items]
-        reduced = reduce_grouped(self.mesh, flat, dist.ReduceOp.SUM)
+        reduced = reduce_grouped(self.mesh, flat, op)
         return [r.reshape(t.shape) for r, (_, t) in zip(reduced, items)]
 
 
