@@ -15,6 +15,7 @@ from torch import Tensor
 
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation
+from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.transforms import _foreach as fe
 
 
@@ -41,6 +42,25 @@ def _generator_state(key: Union[int, torch.Generator, None], device: torch.devic
     return generator.get_state()
 
 
+def _present_paths(leaves: fe.Leaves) -> list[str]:
+    paths = tree_lib.paths(leaves.tree)
+    return [paths[i] for i in leaves.present]
+
+
+def _noise_like(g: Tensor, generator: torch.Generator, path: str) -> Tensor:
+    """Standard normal noise for update ``g``, drawn for its logical shape: a DTensor takes its own
+    piece of it, so the noise, like the step, is the same at any sharding."""
+    noise = torch.randn(g.shape, generator=generator, dtype=g.dtype, device=generator.device)
+    if not dtensor_lib.is_dtensor(g):
+        return noise.to(g.device)
+    if any(placement.is_partial() for placement in g.placements):  # type: ignore[attr-defined]
+        raise ValueError(
+            f"add_noise: leaf {path!r} is a DTensor with a Partial placement (a gradient not reduced yet): "
+            "the noise must be added once to the reduced gradient; reduce it first (redistribute to Replicate or Shard)"
+        )
+    return dtensor_lib.relayout(noise, g)
+
+
 def add_noise(eta: float, gamma: float, key: Union[int, torch.Generator, None] = None) -> GradientTransformation:
     """Adds ``N(0, eta / t^gamma)`` noise to every update (``t`` = 1, 2, ...).
 
@@ -48,7 +68,9 @@ def add_noise(eta: float, gamma: float, key: Union[int, torch.Generator, None] =
       eta: the base variance of the noise.
       gamma: the decay exponent of the variance.
       key: an integer seed (``None`` means 0), or a ``torch.Generator`` on the params' device whose
-        current state starts the stream. Leaves draw their noise in flattening order.
+        current state starts the stream. Leaves draw their noise in flattening order, each for its
+        logical shape: a DTensor leaf adds its own piece of it, so the steps are the same at any
+        sharding (every rank draws every leaf's noise).
     """
     eta, gamma = float(eta), float(gamma)
 
@@ -63,10 +85,7 @@ def add_noise(eta: float, gamma: float, key: Union[int, torch.Generator, None] =
         std = torch.sqrt(eta / count.to(torch.float64) ** gamma)
         generator = torch.Generator(device=state.count.device)
         generator.set_state(_on_host(state.rng_key))
-        noise = [
-            torch.randn(g.shape, generator=generator, dtype=g.dtype, device=generator.device).to(g.device)
-            for g in leaves.tensors
-        ]
+        noise = [_noise_like(g, generator, path) for g, path in zip(leaves.tensors, _present_paths(leaves))]
         rng_key = generator.get_state()
         if inplace and rng_key.shape == state.rng_key.shape and not tree_lib.needs_graph(state.rng_key):
             rng_key = state.rng_key.copy_(rng_key)
