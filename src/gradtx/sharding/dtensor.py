@@ -116,6 +116,21 @@ def check_one_layout(dtensors: Sequence[Any]) -> None:
             )
 
 
+def without_partial(tensors: Sequence[Any]) -> list[Any]:
+    """``tensors``, each DTensor with a ``Partial`` placement (a gradient not reduced yet) reduced to
+    ``Replicate`` on those mesh dims: the all-reduce DTensor itself makes before a nonlinear op, for
+    steps whose ops DTensor cannot run on a ``Partial`` input (an in-place sign, say)."""
+    out = []
+    for tensor in tensors:
+        if is_dtensor(tensor) and any(p.is_partial() for p in tensor.placements):  # type: ignore[attr-defined]
+            from torch.distributed.tensor import Replicate
+
+            placements = [Replicate() if p.is_partial() else p for p in tensor.placements]  # type: ignore[attr-defined]
+            tensor = tensor.redistribute(tensor.device_mesh, placements)  # type: ignore[attr-defined]
+        out.append(tensor)
+    return out
+
+
 def foreach_on_shards(
     kernel: Callable[..., Any], selves: Sequence[Tensor], args: Sequence[Any], kwargs: dict[str, Any], *, inplace: bool
 ) -> Optional[list[Tensor]]:

@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation
+from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.state_signs import nonnegative
 from gradtx.transforms import _foreach as fe
 from gradtx.transforms.adam import ScaleByAdamState, _check_decay, _correction, first_moment, second_moment
@@ -98,7 +99,8 @@ def scale_by_yogi(
             out = fe.finish(out, g)
             return (fe.copy_into(g, out) if inplace else out), m, v
 
-        new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3, pack=not inplace)
+        grads = dtensor_lib.without_partial(leaves.tensors)  # its in-place sign cannot take a Partial gradient
+        new_updates, new_mu, new_nu = fe.map_groups(group, grads, mu, nu, outputs=3, pack=not inplace)
         return leaves.rebuild(new_updates), ScaleByAdamState(
             count=count, mu=leaves.rebuild(new_mu, like=state.mu), nu=leaves.rebuild(new_nu, like=state.nu)
         )

@@ -31,6 +31,7 @@ from gradtx.native import amsgrad as native_amsgrad
 from gradtx.native import stored_adam
 from gradtx.native.checks import float32 as checks_float32
 from gradtx.numerics import ScalarOrSchedule
+from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.state_check import named
 from gradtx.state_signs import nonnegative
 from gradtx.transforms import _foreach as fe
@@ -509,7 +510,8 @@ def scale_by_belief(
             d = denominator(v, fe.on(s.eps, g), None, g[0].dtype, into=error)
             return fe.finish(divide(numer, nesterov, d, fe.on(s.step, g)), g), m, v
 
-        new_updates, new_mu, new_nu = fe.map_groups(group, leaves.tensors, mu, nu, outputs=3, pack=not inplace)
+        grads = dtensor_lib.without_partial(leaves.tensors)  # DTensor cannot run its square root on a Partial error
+        new_updates, new_mu, new_nu = fe.map_groups(group, grads, mu, nu, outputs=3, pack=not inplace)
         return leaves.rebuild(new_updates), ScaleByBeliefState(
             count=count, mu=leaves.rebuild(new_mu, like=state.mu), nu=leaves.rebuild(new_nu, like=state.nu)
         )
