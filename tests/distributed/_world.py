@@ -49,6 +49,7 @@ CASE_MODULES = (
     "test_sharding_quantization",
     "test_sharding_elements",
     "test_sharding_stages",
+    "test_dtensor_gaps",
 )
 
 # What the cases import on first use, imported once in the parent before the fork instead of on

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from gradtx import tree as tree_lib
 from gradtx.base import GradientTransformation
+from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.state_dims import ParamLeaf, state_dims
 
 PyTree = Any
@@ -71,6 +72,16 @@ def _axpy(alpha: Tensor, x: PyTree, y: PyTree) -> PyTree:
 
 def _select(memory: PyTree, index: Tensor) -> PyTree:
     return tree_lib.tree_map(lambda m: m.index_select(0, index.to(m.device).reshape(1)).squeeze(0), memory)
+
+
+def _refuse_dtensors(params: PyTree) -> None:
+    """The memory and the inner products are of plain tensors: a DTensor param is an error naming it."""
+    for path, leaf in zip(tree_lib.paths(params), tree_lib.leaves(params)):
+        if dtensor_lib.is_dtensor(leaf):
+            raise TypeError(
+                f"scale_by_lbfgs: leaf {path!r} is a DTensor; L-BFGS keeps its memory and takes its inner products "
+                "on plain tensors (gather the params with full_tensor(), or run it on an unsharded copy)"
+            )
 
 
 def precondition_by_lbfgs(
@@ -131,6 +142,7 @@ def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> Gr
     def init_fn(params: PyTree) -> ScaleByLBFGSState:
         floats = [leaf.dtype for leaf in tree_lib.leaves(params) if isinstance(leaf, Tensor)]
         device = tree_lib.first_device(params)
+        _refuse_dtensors(params)
         stacked = tree_lib.tree_map(lambda p: torch.zeros((memory_size, *p.shape), dtype=p.dtype, device=p.device), params)
         return ScaleByLBFGSState(
             count=torch.zeros((), dtype=torch.int32, device=device),
