@@ -24,6 +24,7 @@
 #include "codebook.h"
 #include "extremes.h"
 #include "squares.h"
+#include "streams.h"
 
 typedef void (*vector_sqrt)(int n, const float *in, float *out, long long mode);
 /* MKL's mkl_set_num_threads_local (Fortran-style int pointer): a vector call on a thread of ours
@@ -32,6 +33,7 @@ typedef int (*set_local_threads)(const int *n);
 
 #define BLOCK 2048
 _Static_assert(BLOCK == SQUARES_BLOCK, "the tally sums the blocks squares.h sums");
+_Static_assert(BLOCK == STREAM_BLOCK, "blocks stream out aligned");
 
 /* add(u, p, alpha=factor) of u = m / (root + eps) * step: p factor + u, one rounding */
 static inline float decayed_update(float p, float m, float root, float eps, float step, float factor) {
@@ -152,6 +154,12 @@ static void adam_block(const float *g, const float *m, const float *v, const flo
  * tally could not be taken. With `largest` (else NULL), the raw gradient's max |g| (NaN where it
  * holds one, 0 if empty, as aminmax gives it) and, in `nonfinite`, its count of NaN and infinite
  * values, read in the same pass (the same numbers as observed.c's scaling pass). */
+/* Whether the outputs take non-temporal stores (streams.h): new buffers, as a pure step's are. */
+static int streams(const float *g, const float *m, const float *v, const float *p, const float *mo, const float *vo,
+                   const float *uo) {
+    return streamable(mo, vo, uo) && mo != m && vo != v && uo != g && uo != m && uo != v && uo != p && mo != g && vo != g;
+}
+
 void gradtx_adam_f32(const float *g, const float *m, const float *v, const float *p, float *mo,
                      float *vo, float *uo, int64_t n, float w1, float b2, float c2, float eps,
                      float step, float factor, int decay, int scaled, float gscale, vector_sqrt vsqrt,
@@ -161,6 +169,7 @@ void gradtx_adam_f32(const float *g, const float *m, const float *v, const float
     const float coeff = small ? w1 : w1 - 1.0f;
     const int64_t blocks = (n + BLOCK - 1) / BLOCK;
     double *partial = sums && blocks ? malloc(sizeof(double) * 2 * (size_t)blocks) : 0;
+    const int stream = streams(g, m, v, p, mo, vo, uo);
     uint32_t top = 0;
     int64_t bad = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && n >= 65536) reduction(max : top) reduction(+ : bad)
@@ -168,25 +177,34 @@ void gradtx_adam_f32(const float *g, const float *m, const float *v, const float
         const int one = 1;
         const int before = set_local ? set_local(&one) : 0;
         uint32_t *want = largest ? &top : 0; /* this thread's (reduction(max)) */
+        /* streaming: a block's outputs are made here, in cache, then stored past it (streams.h) */
+        float scratch[3][BLOCK] __attribute__((aligned(32)));
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t s = b * BLOCK;
             const int len = (int)(n - s < BLOCK ? n - s : BLOCK);
+            float *mb = stream ? scratch[0] : mo + s, *vb = stream ? scratch[1] : vo + s, *ub = stream ? scratch[2] : uo + s;
             if (partial && decay == 1) { /* the sums in the update's own loop */
                 double both[2];
-                adam_block(g + s, m + s, v + s, p + s, mo + s, vo + s, uo + s, len, small, coeff, b2, c2, eps,
+                adam_block(g + s, m + s, v + s, p + s, mb, vb, ub, len, small, coeff, b2, c2, eps,
                            step, factor, decay, scaled, gscale, vsqrt, mode, both, want, &bad);
                 partial[b] = both[0];
                 partial[blocks + b] = both[1];
-                continue;
+            } else {
+                adam_block(g + s, m + s, v + s, decay ? p + s : 0, mb, vb, ub, len, small,
+                           coeff, b2, c2, eps, step, factor, decay, scaled, gscale, vsqrt, mode, 0, want, &bad);
+                if (partial) {
+                    partial[b] = block_squares(ub, len);
+                    partial[blocks + b] = p ? block_squares(p + s, len) : 0.0;
+                }
             }
-            adam_block(g + s, m + s, v + s, decay ? p + s : 0, mo + s, vo + s, uo + s, len, small,
-                       coeff, b2, c2, eps, step, factor, decay, scaled, gscale, vsqrt, mode, 0, want, &bad);
-            if (partial) {
-                partial[b] = block_squares(uo + s, len);
-                partial[blocks + b] = p ? block_squares(p + s, len) : 0.0;
+            if (stream) {
+                stream_copy(mo + s, mb, len);
+                stream_copy(vo + s, vb, len);
+                stream_copy(uo + s, ub, len);
             }
         }
+        if (stream) stream_fence();
         if (set_local) set_local(&before);
     }
     if (sums) {

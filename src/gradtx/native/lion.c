@@ -13,20 +13,48 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "streams.h"
+
 /* sign(x) as torch.sign gives it: +1, -1, or +0 for a zero or a NaN (branch-free: vectorized) */
 static inline float sign_of(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
 
-/* The loop for one kind of decay, a constant once inlined: no branch, and no read of p, in it. */
+/* One element's step: the update into *uo and m' into *mo. */
+static inline __attribute__((always_inline)) void lion_one(
+    float gr, float mi, const float *p, int64_t i, float *mo, float *uo, int small1, float c1, int small2, float c2,
+    const int decay, float factor, float step, int scaled, float gscale) {
+    const float gi = scaled ? gr * gscale : gr;
+    const float s = sign_of(fmaf(c1, mi - gi, small1 ? gi : mi)); /* lerp(g, m, b1) */
+    const float u = decay == 1 ? fmaf(p[i], factor, s) : decay == 2 ? s + p[i] * factor : s;
+    *uo = u * step;
+    *mo = fmaf(c2, gi - mi, small2 ? mi : gi); /* lerp(m, g, 1 - b2) */
+}
+
+/* The loop for one kind of decay, a constant once inlined: no branch, and no read of p, in it.
+ * Into new buffers (`stream`), a block at a time through scratch arrays and non-temporal stores. */
 static inline __attribute__((always_inline)) void lion_range(
     const float *g, const float *m, const float *p, float *mo, float *uo, int64_t n, int small1, float c1,
-    int small2, float c2, const int decay, float factor, float step, int scaled, float gscale, int threads) {
+    int small2, float c2, const int decay, float factor, float step, int scaled, float gscale, int threads,
+    int stream) {
+    if (!stream) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n >= 65536)
-    for (int64_t i = 0; i < n; i++) {
-        const float gi = scaled ? g[i] * gscale : g[i], mi = m[i];
-        const float s = sign_of(fmaf(c1, mi - gi, small1 ? gi : mi)); /* lerp(g, m, b1) */
-        const float u = decay == 1 ? fmaf(p[i], factor, s) : decay == 2 ? s + p[i] * factor : s;
-        uo[i] = u * step;
-        mo[i] = fmaf(c2, gi - mi, small2 ? mi : gi); /* lerp(m, g, 1 - b2) */
+        for (int64_t i = 0; i < n; i++)
+            lion_one(g[i], m[i], p, i, mo + i, uo + i, small1, c1, small2, c2, decay, factor, step, scaled, gscale);
+        return;
+    }
+    const int64_t blocks = (n + STREAM_BLOCK - 1) / STREAM_BLOCK;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n >= 65536)
+    {
+        float ms[STREAM_BLOCK] __attribute__((aligned(32))), us[STREAM_BLOCK] __attribute__((aligned(32)));
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t s = b * STREAM_BLOCK;
+            const int len = (int)(n - s < STREAM_BLOCK ? n - s : STREAM_BLOCK);
+            for (int j = 0; j < len; j++)
+                lion_one(g[s + j], m[s + j], p, s + j, ms + j, us + j, small1, c1, small2, c2, decay, factor, step, scaled, gscale);
+            stream_copy(mo + s, ms, len);
+            stream_copy(uo + s, us, len);
+        }
+        stream_fence();
     }
 }
 
@@ -35,10 +63,12 @@ void gradtx_lion_f32(const float *g, const float *m, const float *p, float *mo, 
                      int threads) {
     const int small1 = fabsf(w1) < 0.5f, small2 = fabsf(w2) < 0.5f;
     const float c1 = small1 ? w1 : w1 - 1.0f, c2 = small2 ? w2 : w2 - 1.0f;
+    /* new buffers (a pure step's): non-temporal stores (streams.h) */
+    const int stream = streamable(mo, uo, mo) && mo != m && mo != g && uo != g && uo != m && uo != p;
     if (decay == 1)
-        lion_range(g, m, p, mo, uo, n, small1, c1, small2, c2, 1, factor, step, scaled, gscale, threads);
+        lion_range(g, m, p, mo, uo, n, small1, c1, small2, c2, 1, factor, step, scaled, gscale, threads, stream);
     else if (decay == 2)
-        lion_range(g, m, p, mo, uo, n, small1, c1, small2, c2, 2, factor, step, scaled, gscale, threads);
+        lion_range(g, m, p, mo, uo, n, small1, c1, small2, c2, 2, factor, step, scaled, gscale, threads, stream);
     else
-        lion_range(g, m, p, mo, uo, n, small1, c1, small2, c2, 0, factor, step, scaled, gscale, threads);
+        lion_range(g, m, p, mo, uo, n, small1, c1, small2, c2, 0, factor, step, scaled, gscale, threads, stream);
 }

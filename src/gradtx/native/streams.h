@@ -1,0 +1,44 @@
+/* Non-temporal stores for a pure step's outputs, shared by adam.c, lion.c and momentum.c.
+ *
+ * A pure step writes its new moments and updates into buffers it did not read: an ordinary store
+ * to a line not in cache first reads it in (for ownership), a stream of memory traffic the step
+ * does not need. A kernel makes a block of outputs in a scratch array (in cache) and copies it out
+ * with non-temporal stores, which skip that read; the numbers are the same. Written in place, the
+ * lines were just read into cache, and ordinary stores are the cheaper.
+ */
+#ifndef GRADTX_STREAMS_H
+#define GRADTX_STREAMS_H
+
+#include <stdint.h>
+
+#define STREAM_BLOCK 2048 /* floats: 8 KiB, so every block of a 32-byte aligned buffer is aligned */
+
+#if defined(__AVX__) && defined(__FMA__)
+#include <immintrin.h>
+#define STREAMS 1
+
+/* n values from `from` to `to` (32-byte aligned) by non-temporal stores. */
+static inline void stream_copy(float *to, const float *from, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_stream_ps(to + i, _mm256_loadu_ps(from + i));
+    for (; i < n; i++) to[i] = from[i];
+}
+
+/* A thread's non-temporal stores, ordered before anything it does next (another thread reads them
+ * only after the parallel region's barrier). */
+static inline void stream_fence(void) { _mm_sfence(); }
+#else
+#define STREAMS 0
+static inline void stream_copy(float *to, const float *from, int n) {
+    for (int i = 0; i < n; i++) to[i] = from[i];
+}
+static inline void stream_fence(void) {}
+#endif
+
+/* Whether outputs at these addresses take non-temporal stores: the CPU has them and every pointer
+ * is 32-byte aligned (the caller checks that no output is an input). */
+static inline int streamable(const void *a, const void *b, const void *c) {
+    return STREAMS && !(((uintptr_t)a | (uintptr_t)b | (uintptr_t)c) & 31u);
+}
+
+#endif
