@@ -508,9 +508,11 @@ def _new_sums(params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[t
     ]
     if not pooled:
         return tree_lib.foreach_add(params, updates, inplace=False)
+    from gradtx.native.add import add_into  # the float32 CPU sums stored past the cache
+
     out: list[Any] = [None] * len(params)
     for i, buffer in zip(pooled, buffer_pool.new_like([params[i] for i in pooled], "apply_updates")):
-        out[i] = torch.add(params[i], updates[i], out=buffer)
+        out[i] = add_into(params[i], updates[i], buffer)
     others = [i for i in range(len(params)) if out[i] is None]
     if others:
         for i, value in zip(others, tree_lib.foreach_add([params[i] for i in others], [updates[i] for i in others], inplace=False)):
