@@ -5,7 +5,7 @@ Checked: the sums are ``torch.add``'s bit for bit (probe values with zeros, infi
 subnormals; sizes around the blocks and vector widths; aligned outputs, which take non-temporal
 stores, and unaligned ones, which do not); ``apply_updates`` takes the kernel for large float32 CPU
 leaves and gives the ATen path's bits; the check refuses a kernel whose numbers differ; the Adam,
-Lion and momentum kernels give the same bits into new buffers (streamed) as in place (not).
+AMSGrad, Lion and momentum kernels give the same bits into new buffers (streamed) as in place (not).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ def test_the_check_refuses_a_kernel_whose_numbers_differ():
     [
         lambda: gtx.adamw(1e-2, weight_decay=0.1),
         lambda: gtx.chain(gtx.clip_by_global_norm(0.5), gtx.adam(1e-2)),
+        lambda: gtx.amsgrad(1e-2),
         lambda: gtx.lion(1e-3, weight_decay=0.1),
         lambda: gtx.sgd(1e-2, momentum=0.9, nesterov=True),
     ],

@@ -301,17 +301,29 @@ void gradtx_amsgrad_f32(const float *g, const float *m, const float *v, const fl
     const int small = fabsf(w1) < 0.5f;
     const float coeff = small ? w1 : w1 - 1.0f;
     const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+    /* new buffers (a pure step's): made a block at a time in scratch, out by non-temporal stores */
+    const int stream = streams(g, m, v, vm, mo, vo, uo) && streamable(vmo, vmo, vmo) && vmo != vm && vmo != g && uo != vm;
 #pragma omp parallel num_threads(threads) if (threads > 1 && n >= 65536)
     {
         const int one = 1;
         const int before = set_local ? set_local(&one) : 0;
+        float scratch[4][BLOCK] __attribute__((aligned(32)));
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t s = b * BLOCK;
             const int len = (int)(n - s < BLOCK ? n - s : BLOCK);
-            amsgrad_block(g + s, m + s, v + s, vm + s, mo + s, vo + s, vmo + s, uo + s, len, small, coeff, b2, c2,
+            float *mb = stream ? scratch[0] : mo + s, *vb = stream ? scratch[1] : vo + s;
+            float *vmb = stream ? scratch[2] : vmo + s, *ub = stream ? scratch[3] : uo + s;
+            amsgrad_block(g + s, m + s, v + s, vm + s, mb, vb, vmb, ub, len, small, coeff, b2, c2,
                           corrected, ibc2, eps, hat, stepped, step, scaled, gscale, vsqrt, mode);
+            if (stream) {
+                stream_copy(mo + s, mb, len);
+                stream_copy(vo + s, vb, len);
+                stream_copy(vmo + s, vmb, len);
+                stream_copy(uo + s, ub, len);
+            }
         }
+        if (stream) stream_fence();
         if (set_local) set_local(&before);
     }
 }
