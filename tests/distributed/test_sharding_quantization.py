@@ -137,6 +137,30 @@ def uneven_plain_pieces_along_dim_1_and_flat_equal_dense(world):
         assert _plain(world, pieces, shapes, bits, seed=1) == 1, bits  # one edge exchange for the "dp" group
 
 
+@case(2, 4)
+def bfloat16_storage_of_pieces_cut_along_the_last_dim_equals_dense(world):
+    """bfloat16 storage is a cast, with no blocks: pieces cut inside the last dim (TP's dim 1, flat
+    ZeRO pieces, uneven) hold the dense run's stored moments and params bit for bit."""
+    mesh = world.mesh((world.size,), ("dp",))
+    shapes = {"cols": (3, 37), "flat": (85,), "rows": (8, 20)}
+    pieces = {"cols": Piece("cols", ((("dp",), 1),)), "flat": Piece("flat", ((("dp",), None),)), "rows": Piece("rows", ((("dp",), 0),))}
+    spec = ShardingSpec(mesh, [(name, piece.spec()) for name, piece in pieces.items()])
+
+    def tx(spec=None):
+        return gtx.quantize_state(gtx.adamw(1e-2, weight_decay=0.1), torch.bfloat16, min_size=0, spec=spec)
+
+    params, grads = _trees(shapes)
+    dense_params, dense_state, _ = _run(tx(), params, grads)
+    local = {k: cut(v, pieces[k], mesh) for k, v in params.items()}
+    got_params, got_state, _ = _run(tx(spec), local, [{k: cut(v, pieces[k], mesh) for k, v in g.items()} for g in grads])
+    for key in shapes:
+        assert torch.equal(got_params[key], cut(dense_params[key], pieces[key], mesh)), key
+        for part in range(len(dense_state.codes)):
+            stored = got_state.codes[part][key]
+            assert stored.dtype == torch.bfloat16, (key, part)
+            assert torch.equal(stored, cut(dense_state.codes[part][key], pieces[key], mesh)), (key, part)
+
+
 @case(2)
 def compiled_sharded_steps_equal_eager(world):
     # where the pieces lie is found by compile_step's eager call; the graph holds the edge exchange

@@ -43,7 +43,10 @@ class RowCuts:
 
     def shared_blocks(self, block: int) -> tuple[int, ...]:
         """The blocks (runs of ``block`` columns of a row, numbered from 0) that a cut falls
-        strictly inside: those whose statistics pieces of several ranks hold parts of."""
+        strictly inside: those whose statistics pieces of several ranks hold parts of. None
+        without blocks (``block`` 0: bfloat16 storage, a plain cast)."""
+        if block <= 0:
+            return ()
         return tuple(sorted({c // block for c in self.cuts if c % block}))
 
 
