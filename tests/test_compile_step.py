@@ -745,3 +745,19 @@ def test_a_state_for_other_params_after_a_good_step_names_the_leaf():
     step(grads, tx.init(params), params)
     with pytest.raises(ValueError, match=r"adam: state\[0\]\.mu\['w'\] has shape \(4,\), where init makes \(3,\)"):
         step(grads, tx.init({"w": torch.ones(4)}), params)
+
+
+@pytest.mark.parametrize(
+    "name, make",
+    [
+        ("add_noise", lambda: gtx.noisy_sgd(0.1)),
+        ("add_noise", lambda: gtx.chain(gtx.clip_by_global_norm(1.0), gtx.masked(gtx.add_noise(0.1, 0.5), {"w": True}))),
+        ("differentially_private_aggregate", lambda: gtx.dpsgd(0.1, 1.0, 0.1, seed=0)),
+        ("hutchinson_estimator_diag_hessian", lambda: gtx.contrib.sophia(0.1)),
+    ],
+)
+def test_a_step_drawing_from_a_generator_is_refused_up_front_by_name(name, make):
+    """torch.compile cannot trace a generator built from a state tensor: compile_step names the
+    member at any depth before tracing, instead of Dynamo's error from inside the graph."""
+    with pytest.raises(ValueError, match=rf"compile_step: {name} draws .*torch\.Generator.*run this step eagerly"):
+        gtx.compile_step(make())

@@ -165,6 +165,7 @@ _LEADING_CLIP = "leading_clip"
 _SPEC = "sharding_spec"  # on an update: the ShardingSpec its factory was given (None: none)
 _SPEC_OWNER = "_gradtx_spec_owner"  # on an update: the name of the factory that was given the spec
 _INNER = "_gradtx_inner"  # on a combinator's update: the transformations it runs
+_UNTRACEABLE = "_gradtx_untraceable"  # on an update torch.compile cannot trace: (its owner, why)
 
 
 def takes_spec(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
@@ -198,26 +199,49 @@ def runs_inner(update_fn: Callable, *inner: GradientTransformation) -> Callable:
     return update_fn
 
 
-def members_without_spec(tx: GradientTransformation) -> list[str]:
-    """The names of the transformations in ``tx`` (itself, a chain's members, what combinators run,
-    at any depth) that take a ``spec`` and were given none."""
-    found: list[str] = []
+def _members(tx: GradientTransformation) -> list[GradientTransformation]:
+    """``tx`` itself, a chain's members and what combinators run, at any depth, each once."""
+    found: list[GradientTransformation] = []
     seen: set[int] = set()
 
     def visit(node: GradientTransformation) -> None:
         if id(node) in seen:
             return
         seen.add(id(node))
-        update = node.update
-        if getattr(update, _SPEC, ...) is None:
-            found.append(getattr(update, _SPEC_OWNER, None) or getattr(update, "__qualname__", "a member").split(".<locals>")[0])
+        found.append(node)
         for part in getattr(node.init, "_gradtx_chain_parts", ()):
             visit(part)
-        for inner in getattr(update, _INNER, ()):
+        wrapped = getattr(node.init, "_gradtx_wraps", None)  # an alias's chain, kept whole (optimizers._one)
+        if wrapped is not None:
+            visit(wrapped)
+        for inner in getattr(node.update, _INNER, ()):
             visit(inner)
 
     visit(tx)
-    return list(dict.fromkeys(found))
+    return found
+
+
+def _name_of(update: Callable) -> str:
+    return getattr(update, _SPEC_OWNER, None) or getattr(update, "__qualname__", "a member").split(".<locals>")[0]
+
+
+def members_without_spec(tx: GradientTransformation) -> list[str]:
+    """The names of the transformations in ``tx`` (itself, a chain's members, what combinators run,
+    at any depth) that take a ``spec`` and were given none."""
+    return list(dict.fromkeys(_name_of(node.update) for node in _members(tx) if getattr(node.update, _SPEC, ...) is None))
+
+
+def untraceable(update_fn: Callable, owner: str, why: str) -> Callable:
+    """Marks ``update_fn`` (of ``owner``) as one ``torch.compile`` cannot trace, and says ``why``:
+    :func:`gradtx.compile_step` refuses a step holding it up front, naming it, instead of failing
+    inside the tracer. Returns ``update_fn``."""
+    setattr(update_fn, _UNTRACEABLE, (owner, why))
+    return update_fn
+
+
+def untraceable_members(tx: GradientTransformation) -> list[tuple[str, str]]:
+    """``(name, why)`` of each member of ``tx`` (at any depth) marked :func:`untraceable`."""
+    return list(dict.fromkeys(getattr(node.update, _UNTRACEABLE) for node in _members(tx) if hasattr(node.update, _UNTRACEABLE)))
 
 
 def set_leading_clip(update_fn: Callable, clip: Optional[LeadingClip]) -> Callable:

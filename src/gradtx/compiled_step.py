@@ -27,7 +27,7 @@ from torch import Tensor
 
 from gradtx import compiled_fusion
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation, apply_updates, paired_leaves
+from gradtx.base import GradientTransformation, apply_updates, paired_leaves, untraceable_members
 from gradtx.buffer_pool import BufferPool, recyclable
 from gradtx.sharding.compiling import Preflight
 
@@ -117,6 +117,10 @@ class CompiledStep:
     def __init__(
         self, tx: GradientTransformation, recycle: bool, donate: bool, compile_options: dict[str, Any], inductor: bool
     ) -> None:
+        untraced = untraceable_members(tx)
+        if untraced:
+            name, why = untraced[0]
+            raise ValueError(f"compile_step: {name} {why}; run this step eagerly (tx.update, then apply_updates)")
         self.tx, self.recycle, self.donate, self.pool = tx, recycle, donate, BufferPool()
         self._compile_options = compile_options
         # Inductor's graphs compile with compiled_fusion's choices; other backends have no such hook

@@ -25,6 +25,8 @@ from gradtx import tree as tree_lib
 from gradtx.base import (
     GradientTransformation,
     GradientTransformationExtraArgs,
+    runs_inner,
+    untraceable,
     with_extra_args_support,
 )
 from gradtx.chains import chain
@@ -142,6 +144,7 @@ def hutchinson_estimator_diag_hessian(random_seed: Seed = None) -> GradientTrans
         product = [h * z.to(h.dtype) for h, z in zip(hvp_leaves, probes)]
         return leaves.rebuild(product), HutchinsonState(key=key)
 
+    untraceable(update_fn, "hutchinson_estimator_diag_hessian", "draws its probes from a torch.Generator whose state it keeps as a tensor, which torch.compile cannot trace")
     return GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -246,6 +249,7 @@ def scale_by_sophia(
             hessian_fn_state=hessian_state,
         )
 
+    runs_inner(update_fn, hessian_diagonal_fn)
     return GradientTransformationExtraArgs(init_fn, update_fn)
 
 

@@ -15,6 +15,7 @@ def _one(tx: GradientTransformation) -> GradientTransformation:
     def init_fn(params: Any):
         return tx.init(params)
 
+    init_fn._gradtx_wraps = tx  # type: ignore[attr-defined]  # its members stay findable (gradtx.base._members)
     return type(tx)(init_fn, tx.update)
 
 

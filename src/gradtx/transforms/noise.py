@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation
+from gradtx.base import GradientTransformation, untraceable
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.transforms import _foreach as fe
 
@@ -40,6 +40,12 @@ def _generator_state(key: Union[int, torch.Generator, None], device: torch.devic
     generator = torch.Generator(device=device)
     generator.manual_seed(0 if key is None else int(key))
     return generator.get_state()
+
+
+_GENERATOR_WHY = (
+    "draws from a torch.Generator whose state it keeps as a tensor, and torch.compile cannot trace a "
+    "generator built from a tensor"
+)
 
 
 def _present_paths(leaves: fe.Leaves) -> list[str]:
@@ -96,6 +102,7 @@ def add_noise(eta: float, gamma: float, key: Union[int, torch.Generator, None] =
         (new_updates,) = fe.map_groups(group, leaves.tensors, noise, outputs=1)
         return leaves.rebuild(new_updates), AddNoiseState(count=count, rng_key=rng_key)
 
+    untraceable(update_fn, "add_noise", _GENERATOR_WHY)
     return GradientTransformation(init_fn, update_fn)
 
 
@@ -143,4 +150,5 @@ def differentially_private_aggregate(
             rng_key = state.rng_key.copy_(rng_key)
         return summed_leaves.rebuild(noised), DifferentiallyPrivateAggregateState(rng_key=rng_key)
 
+    untraceable(update_fn, "differentially_private_aggregate", _GENERATOR_WHY)
     return GradientTransformation(init_fn, update_fn)
