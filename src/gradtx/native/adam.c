@@ -94,28 +94,6 @@ static void adam_block(const float *g, const float *m, const float *v, const flo
             _mm256_storeu_ps(su + 8 * k, su8[k]);
             _mm256_storeu_ps(sp + 8 * k, sp8[k]);
         }
-#elif defined(__FMA__) && SQUARES_LANES == 16
-        /* decayed_update four values at a time, with the running sums kept in registers (GCC keeps
-         * an array of them on the stack, a store and a load per step), lane j in su4[j / 4][j % 4] */
-        const __m128 e4 = _mm_set1_ps(eps), s4 = _mm_set1_ps(step), f4 = _mm_set1_ps(factor);
-        __m128 su4[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
-        __m128 sp4[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
-        for (; i + SQUARES_LANES <= len; i += SQUARES_LANES) {
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) {
-                const int at = i + 4 * k;
-                const __m128 pk = _mm_loadu_ps(p + at);
-                const __m128 q = _mm_mul_ps(_mm_div_ps(_mm_loadu_ps(mo + at), _mm_add_ps(_mm_loadu_ps(root + at), e4)), s4);
-                const __m128 u = _mm_fmadd_ps(pk, f4, q);
-                _mm_storeu_ps(uo + at, u);
-                su4[k] = _mm_fmadd_ps(u, u, su4[k]);
-                sp4[k] = _mm_fmadd_ps(pk, pk, sp4[k]);
-            }
-        }
-        for (int k = 0; k < 4; k++) {
-            _mm_storeu_ps(su + 4 * k, su4[k]);
-            _mm_storeu_ps(sp + 4 * k, sp4[k]);
-        }
 #else
         for (; i + SQUARES_LANES <= len; i += SQUARES_LANES)
 #pragma GCC ivdep
@@ -146,6 +124,13 @@ static void adam_block(const float *g, const float *m, const float *v, const flo
     }
 }
 
+/* Whether the outputs take non-temporal stores (streams.h): new buffers, as a pure step's are. */
+static int streams(const float *g, const float *m, const float *v, const float *p, const float *mo, const float *vo,
+                   const float *uo) {
+    return stream_aligned(mo) && stream_aligned(vo) && stream_aligned(uo) && mo != m && vo != v && uo != g && uo != m
+           && uo != v && uo != p && mo != g && vo != g;
+}
+
 /* m' = lerp(m, g, w1); v' = addcmul(v * b2, g, g, value=c2); u = m' / (sqrt(v') + eps) * step,
  * plus p * factor for decay 1 (one rounding) and 2 (the product rounded first), with g * gscale
  * in place of g where `scaled`. p is read for the decay, and for the tally. With `sums` (else
@@ -154,12 +139,6 @@ static void adam_block(const float *g, const float *m, const float *v, const flo
  * tally could not be taken. With `largest` (else NULL), the raw gradient's max |g| (NaN where it
  * holds one, 0 if empty, as aminmax gives it) and, in `nonfinite`, its count of NaN and infinite
  * values, read in the same pass (the same numbers as observed.c's scaling pass). */
-/* Whether the outputs take non-temporal stores (streams.h): new buffers, as a pure step's are. */
-static int streams(const float *g, const float *m, const float *v, const float *p, const float *mo, const float *vo,
-                   const float *uo) {
-    return streamable(mo, vo, uo) && mo != m && vo != v && uo != g && uo != m && uo != v && uo != p && mo != g && vo != g;
-}
-
 void gradtx_adam_f32(const float *g, const float *m, const float *v, const float *p, float *mo,
                      float *vo, float *uo, int64_t n, float w1, float b2, float c2, float eps,
                      float step, float factor, int decay, int scaled, float gscale, vector_sqrt vsqrt,
@@ -302,7 +281,7 @@ void gradtx_amsgrad_f32(const float *g, const float *m, const float *v, const fl
     const float coeff = small ? w1 : w1 - 1.0f;
     const int64_t blocks = (n + BLOCK - 1) / BLOCK;
     /* new buffers (a pure step's): made a block at a time in scratch, out by non-temporal stores */
-    const int stream = streams(g, m, v, vm, mo, vo, uo) && streamable(vmo, vmo, vmo) && vmo != vm && vmo != g && uo != vm;
+    const int stream = streams(g, m, v, vm, mo, vo, uo) && stream_aligned(vmo) && vmo != vm && vmo != g && uo != vm;
 #pragma omp parallel num_threads(threads) if (threads > 1 && n >= 65536)
     {
         const int one = 1;

@@ -8,7 +8,7 @@
 
 void gradtx_add_f32(const float *p, const float *u, float *out, int64_t n, int threads) {
     const int64_t blocks = (n + STREAM_BLOCK - 1) / STREAM_BLOCK;
-    const int stream = streamable(out, out, out);
+    const int stream = stream_aligned(out);
 #pragma omp parallel num_threads(threads) if (threads > 1 && n >= 65536)
     {
         float sums[STREAM_BLOCK] __attribute__((aligned(32)));

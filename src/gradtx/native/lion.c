@@ -64,7 +64,7 @@ void gradtx_lion_f32(const float *g, const float *m, const float *p, float *mo, 
     const int small1 = fabsf(w1) < 0.5f, small2 = fabsf(w2) < 0.5f;
     const float c1 = small1 ? w1 : w1 - 1.0f, c2 = small2 ? w2 : w2 - 1.0f;
     /* new buffers (a pure step's): non-temporal stores (streams.h) */
-    const int stream = streamable(mo, uo, mo) && mo != m && mo != g && uo != g && uo != m && uo != p;
+    const int stream = stream_aligned(mo) && stream_aligned(uo) && mo != m && mo != g && uo != g && uo != m && uo != p;
     if (decay == 1)
         lion_range(g, m, p, mo, uo, n, small1, c1, small2, c2, 1, factor, step, scaled, gscale, threads, stream);
     else if (decay == 2)

@@ -25,7 +25,7 @@ static inline __attribute__((always_inline)) void trace_one(float gr, float ti, 
 void gradtx_trace_f32(const float *g, const float *t, float *to, float *uo, int64_t n, float decay,
                       int nesterov, int scaled, float gscale, int stepped, float step, int threads) {
     /* new buffers (a pure step's): a block at a time, out by non-temporal stores (streams.h) */
-    if (!(streamable(to, uo, to) && to != t && to != g && uo != g && uo != t)) {
+    if (!(stream_aligned(to) && stream_aligned(uo) && to != t && to != g && uo != g && uo != t)) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n >= 65536)
         for (int64_t i = 0; i < n; i++) trace_one(g[i], t[i], to + i, uo + i, decay, nesterov, scaled, gscale, stepped, step);
         return;

@@ -27,9 +27,9 @@ static inline double lanes_total(const float *acc) {
 }
 
 /* One block's sum (a loop that computes its values, as adam.c's, may add them the same way). With
- * FMA the 16 lanes are vectors held in registers (with AVX two, lane j in vector j / 8, element
- * j % 8; else four, lane j in vector j / 4, element j % 4): as an array GCC leaves them scalar, one
- * fused multiply-add at a time. The same order and bits. */
+ * FMA (which x86 CPUs have only with AVX) the 16 lanes are two vectors held in registers, lane j
+ * in vector j / 8, element j % 8: as an array GCC leaves them scalar, one fused multiply-add at a
+ * time. The same order and bits. */
 static inline double block_squares(const float *x, int len) {
     float acc[SQUARES_LANES] = {0};
     int i = 0;
@@ -42,15 +42,6 @@ static inline double block_squares(const float *x, int len) {
             lanes[k] = _mm256_fmadd_ps(values, values, lanes[k]);
         }
     for (int k = 0; k < 2; k++) _mm256_storeu_ps(acc + 8 * k, lanes[k]);
-#elif defined(__FMA__) && SQUARES_LANES == 16
-    __m128 lanes[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
-    for (; i + SQUARES_LANES <= len; i += SQUARES_LANES)
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) {
-            const __m128 values = _mm_loadu_ps(x + i + 4 * k);
-            lanes[k] = _mm_fmadd_ps(values, values, lanes[k]);
-        }
-    for (int k = 0; k < 4; k++) _mm_storeu_ps(acc + 4 * k, lanes[k]);
 #else
     for (; i + SQUARES_LANES <= len; i += SQUARES_LANES)
         for (int j = 0; j < SQUARES_LANES; j++) acc[j] = fmaf(x[i + j], x[i + j], acc[j]);

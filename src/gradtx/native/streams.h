@@ -35,10 +35,8 @@ static inline void stream_copy(float *to, const float *from, int n) {
 static inline void stream_fence(void) {}
 #endif
 
-/* Whether outputs at these addresses take non-temporal stores: the CPU has them and every pointer
- * is 32-byte aligned (the caller checks that no output is an input). */
-static inline int streamable(const void *a, const void *b, const void *c) {
-    return STREAMS && !(((uintptr_t)a | (uintptr_t)b | (uintptr_t)c) & 31u);
-}
+/* Whether an output at `p` takes non-temporal stores: the CPU has them and `p` is 32-byte aligned
+ * (the caller checks that no output is an input). */
+static inline int stream_aligned(const void *p) { return STREAMS && !((uintptr_t)p & 31u); }
 
 #endif
