@@ -166,6 +166,7 @@ _SPEC = "sharding_spec"  # on an update: the ShardingSpec its factory was given 
 _SPEC_OWNER = "_gradtx_spec_owner"  # on an update: the name of the factory that was given the spec
 _INNER = "_gradtx_inner"  # on a combinator's update: the transformations it runs
 _UNTRACEABLE = "_gradtx_untraceable"  # on an update torch.compile cannot trace: (its owner, why)
+_WHOLE = "_gradtx_wraps"  # on an init: the transformation it starts, kept as one (see kept_whole)
 
 
 def takes_spec(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
@@ -199,8 +200,18 @@ def runs_inner(update_fn: Callable, *inner: GradientTransformation) -> Callable:
     return update_fn
 
 
+def kept_whole(init_fn: Callable, tx: GradientTransformation) -> Callable:
+    """Records that ``init_fn`` starts ``tx`` kept as one transformation (an optimizer alias, whose
+    state an enclosing chain nests instead of splicing): walks over members still see inside it.
+    Returns ``init_fn``."""
+    setattr(init_fn, _WHOLE, tx)
+    return init_fn
+
+
 def _members(tx: GradientTransformation) -> list[GradientTransformation]:
     """``tx`` itself, a chain's members and what combinators run, at any depth, each once."""
+    from gradtx.chains.chain import _PARTS  # chain's record of its members (it imports this module)
+
     found: list[GradientTransformation] = []
     seen: set[int] = set()
 
@@ -209,9 +220,9 @@ def _members(tx: GradientTransformation) -> list[GradientTransformation]:
             return
         seen.add(id(node))
         found.append(node)
-        for part in getattr(node.init, "_gradtx_chain_parts", ()):
+        for part in getattr(node.init, _PARTS, ()):
             visit(part)
-        wrapped = getattr(node.init, "_gradtx_wraps", None)  # an alias's chain, kept whole (optimizers._one)
+        wrapped = getattr(node.init, _WHOLE, None)  # an alias's chain, kept whole (see kept_whole)
         if wrapped is not None:
             visit(wrapped)
         for inner in getattr(node.update, _INNER, ()):

@@ -109,7 +109,7 @@ def refused_by_name(world):
         gtx.lbfgs().init(params)
     noisy = gtx.noisy_sgd(0.1)
     grads = {"a": DTensor.from_local(torch.ones(4), mesh, [Partial()], run_check=False)}
-    with pytest.raises(ValueError, match=r"add_noise: leaf 'a' is a DTensor with a Partial placement"):
+    with pytest.raises(ValueError, match=r"add_noise: leaf 'a': a DTensor with a Partial placement \(a gradient not reduced yet\) cannot"):
         noisy.update(grads, noisy.init(params), params)
 
 

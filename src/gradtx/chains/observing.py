@@ -52,6 +52,7 @@ from gradtx.base import (
     takes_extra_args,
     with_inplace,
 )
+from gradtx.chains.chain import _PARTS
 from gradtx.native import observed as native_observed
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding import statistics as stats_lib
@@ -62,7 +63,6 @@ from gradtx.state_dims import rank_shares
 PyTree = Any
 Groups = Union[None, str, int, Sequence[Union[str, tuple[str, str]]], Callable[[str], Optional[str]]]
 
-_PARTS = "_gradtx_chain_parts"  # chain's record of its members (see gradtx.chains.chain)
 STATISTICS = ("grad_norm", "prev_update_norm", "param_norm", "prev_update_ratio", "grad_max", "grad_nonfinite")
 
 

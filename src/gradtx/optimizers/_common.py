@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from gradtx.base import GradientTransformation, identity
+from gradtx.base import GradientTransformation, identity, kept_whole
 from gradtx.transforms.momentum import trace
 
 
@@ -15,8 +15,7 @@ def _one(tx: GradientTransformation) -> GradientTransformation:
     def init_fn(params: Any):
         return tx.init(params)
 
-    init_fn._gradtx_wraps = tx  # type: ignore[attr-defined]  # its members stay findable (gradtx.base._members)
-    return type(tx)(init_fn, tx.update)
+    return type(tx)(kept_whole(init_fn, tx), tx.update)
 
 
 def _momentum(momentum: Optional[float], nesterov: bool) -> GradientTransformation:

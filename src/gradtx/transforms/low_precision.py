@@ -98,7 +98,7 @@ def check_update(update: Tensor, param: Tensor, *, owner: str, path: str) -> Non
     dtensors = [t for t in (param, update) if dtensor_lib.is_dtensor(t)]
     if dtensors:
         try:
-            dtensor_lib.check_one_layout(dtensors if len(dtensors) == 2 else dtensors + dtensors)
+            dtensor_lib.check_one_layout(dtensors)
         except ValueError as exc:
             raise ValueError(f"{owner}: leaf {path!r}: {exc}") from None
 

@@ -59,11 +59,10 @@ def _noise_like(g: Tensor, generator: torch.Generator, path: str) -> Tensor:
     noise = torch.randn(g.shape, generator=generator, dtype=g.dtype, device=generator.device)
     if not dtensor_lib.is_dtensor(g):
         return noise.to(g.device)
-    if any(placement.is_partial() for placement in g.placements):  # type: ignore[attr-defined]
-        raise ValueError(
-            f"add_noise: leaf {path!r} is a DTensor with a Partial placement (a gradient not reduced yet): "
-            "the noise must be added once to the reduced gradient; reduce it first (redistribute to Replicate or Shard)"
-        )
+    try:  # a Partial update (not reduced yet) would take the noise once per rank
+        dtensor_lib.check_one_layout([g])
+    except ValueError as exc:
+        raise ValueError(f"add_noise: leaf {path!r}: {exc}") from None
     return dtensor_lib.relayout(noise, g)
 
 
