@@ -200,3 +200,31 @@ def test_threads_stepping_at_once_get_the_numbers_of_steps_one_after_another():
         assert len(one) == len(other)
         for want, got in zip(one, other):
             assert equal_bits(want, got)
+
+
+def test_a_step_of_many_stored_leaves_recycles_the_outputs_of_the_step_before_the_last(monkeypatch):
+    """All stored leaves of a step take their outputs in one call of the buffer pool: called once
+    per leaf, a tree of more leaves than the pool keeps calls of (8) found none of the last step's
+    storages free, and faulted every new code and update in again (the 124M tree: 50,000 page
+    faults a step)."""
+    from gradtx import buffer_pool
+
+    assert stored_adam.usable() is not None  # its check, which steps probes, done before counting
+    calls = []
+    outputs = buffer_pool.outputs
+    monkeypatch.setattr(buffer_pool, "outputs", lambda site, *groups: calls.append(site) or outputs(site, *groups))
+    buffer_pool.release_buffers()
+    leaves = 12  # over buffer_pool._EAGER_GENERATIONS; each leaf's codes over RECYCLE_MIN_BYTES
+    params = {f"w{i}": probe_values((128, 1100), i) for i in range(leaves)}
+    grads = {k: probe_values(v.shape, 50 + i) * 1e-2 for i, (k, v) in enumerate(params.items())}
+    tx = gtx.quantize_state(gtx.adamw(1e-3, weight_decay=0.1), 8)
+    state, p, seen = tx.init(params), params, []
+    for _ in range(5):
+        del calls[:]
+        updates, state = tx.update(grads, state, p)
+        assert calls.count("stored_adam") == 1
+        seen.append({t.untyped_storage().data_ptr() for t in tree_lib.leaves((updates, state.codes))})
+        p = gtx.apply_updates(p, updates, donate_updates=True)
+        del updates
+    assert len(seen[-1]) == 3 * leaves
+    assert seen[-1] <= seen[0] | seen[1] | seen[2], "a step after the third wrote into storages the pool never held"

@@ -40,11 +40,15 @@ static inline float decayed_update(float p, float m, float root, float eps, floa
     return fmaf(p, factor, (m / (root + eps)) * step);
 }
 
+/* The update of a block whose new moments mo, vo are made: u = mo / (sqrt(vo) + eps) * step, and
+ * the decay and tally adam_block describes. */
+static void adam_update(const float *mo, const float *vo, const float *p, float *uo, int len, float eps, float step,
+                        float factor, int decay, vector_sqrt vsqrt, long long mode, double *sums);
+
 static void adam_block(const float *g, const float *m, const float *v, const float *p, float *mo,
                        float *vo, float *uo, int len, int small, float coeff, float b2, float c2,
                        float eps, float step, float factor, int decay, int scaled, float gscale,
                        vector_sqrt vsqrt, long long mode, double *sums, uint32_t *top, int64_t *bad) {
-    float root[BLOCK];
     uint32_t block_max = 0;
 #pragma GCC ivdep
     for (int i = 0; i < len; i++) {
@@ -62,6 +66,12 @@ static void adam_block(const float *g, const float *m, const float *v, const flo
         if (block_max >= EXTREMES_INFINITY) *bad += block_nonfinite(g, len);
         *top = block_max > *top ? block_max : *top;
     }
+    adam_update(mo, vo, p, uo, len, eps, step, factor, decay, vsqrt, mode, sums);
+}
+
+static void adam_update(const float *mo, const float *vo, const float *p, float *uo, int len, float eps, float step,
+                        float factor, int decay, vector_sqrt vsqrt, long long mode, double *sums) {
+    float root[BLOCK];
     if (vsqrt) {
         vsqrt(len, vo, root, mode);
     } else {
@@ -197,13 +207,68 @@ void gradtx_adam_f32(const float *g, const float *m, const float *v, const float
     }
 }
 
+/* The stored step's first loop: each moment read back from its code (joint table entry times the
+ * block's absmax, block_values' product), stepped as adam_block's first loop steps it, and the new
+ * moments' largest magnitude bits taken on the way (block_absmax's). */
+static void stored_moments_block(const float *g, const uint8_t *mc, const uint8_t *vc, const float *m_table,
+                                 float m_scale, const float *v_table, float v_scale, float *mo, float *vo, int len,
+                                 int small, float coeff, float b2, float c2, int scaled, float gscale,
+                                 int32_t *m_top, int32_t *v_top) {
+    int32_t m_most = 0, v_most = 0;
+    int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 ma = _mm256_set1_ps(m_scale), va = _mm256_set1_ps(v_scale), w = _mm256_set1_ps(coeff);
+    const __m256 beta = _mm256_set1_ps(b2), c = _mm256_set1_ps(c2), gs = _mm256_set1_ps(gscale);
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i m8 = _mm256_setzero_si256(), v8 = _mm256_setzero_si256();
+    for (; i + 8 <= len; i += 8) {
+        const __m256 mi = _mm256_mul_ps(
+            _mm256_i32gather_ps(m_table, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mc + i))), 4), ma);
+        const __m256 vi = _mm256_mul_ps(
+            _mm256_i32gather_ps(v_table, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(vc + i))), 4), va);
+        __m256 gi = _mm256_loadu_ps(g + i);
+        if (scaled) gi = _mm256_mul_ps(gi, gs);
+        const __m256 mn = _mm256_fmadd_ps(w, _mm256_sub_ps(gi, mi), small ? mi : gi);
+        const __m256 vn = _mm256_fmadd_ps(_mm256_mul_ps(c, gi), gi, _mm256_mul_ps(vi, beta));
+        _mm256_storeu_ps(mo + i, mn);
+        _mm256_storeu_ps(vo + i, vn);
+        m8 = _mm256_max_epi32(m8, _mm256_and_si256(_mm256_castps_si256(mn), magnitude));
+        v8 = _mm256_max_epi32(v8, _mm256_and_si256(_mm256_castps_si256(vn), magnitude));
+    }
+    int32_t lanes[2][8];
+    _mm256_storeu_si256((__m256i *)lanes[0], m8);
+    _mm256_storeu_si256((__m256i *)lanes[1], v8);
+    for (int j = 0; j < 8; j++) {
+        m_most = lanes[0][j] > m_most ? lanes[0][j] : m_most;
+        v_most = lanes[1][j] > v_most ? lanes[1][j] : v_most;
+    }
+#endif
+    for (; i < len; i++) {
+        const float mi = m_table[mc[i]] * m_scale, vi = v_table[vc[i]] * v_scale;
+        const float gi = scaled ? g[i] * gscale : g[i];
+        mo[i] = fmaf(coeff, gi - mi, small ? mi : gi);
+        vo[i] = fmaf(c2 * gi, gi, vi * b2);
+        const int32_t mb = bits_of(mo[i]) & 0x7FFFFFFF, vb = bits_of(vo[i]) & 0x7FFFFFFF;
+        m_most = mb > m_most ? mb : m_most;
+        v_most = vb > v_most ? vb : v_most;
+    }
+    *m_top = m_most;
+    *v_top = v_most;
+}
+
+/* Asks for the cache lines of `bytes` bytes from `at`, ahead of their use. */
+static inline void prefetch_lines(const void *at, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)at + i);
+}
+
 /* The same step on moments stored block-wise in 8 bits (quantize_state): per block of each row,
  * the moments are read back from their codes (`mc`, `vc`, uint8, laid out as g) and scales (`ms`,
  * `vs`, rows x blocks), stepped as above, and stored again: each block's absmax becomes its scale,
  * negated where the moment's map is the signed one (`m_signed`, `v_signed`), and its values are
  * encoded under it. The numbers of reading back, stepping with gradtx_adam_f32 and encoding; no
  * moment ever exists in float32 outside a block. Blocks of at most BLOCK values. With g * gscale
- * in place of g where `scaled`, as gradtx_adam_f32 takes it. */
+ * in place of g where `scaled`, as gradtx_adam_f32 takes it. The new codes, and the update unless
+ * it is written into g's own buffer, leave each block by non-temporal stores (streams.h). */
 void gradtx_adam_stored_f32(const float *g, const float *p, const uint8_t *mc, const float *ms, const uint8_t *vc,
                             const float *vs, uint8_t *mco, float *mso, uint8_t *vco, float *vso, float *uo,
                             int64_t rows, int64_t columns, int64_t block_size, int64_t blocks, float w1, float b2,
@@ -216,11 +281,14 @@ void gradtx_adam_stored_f32(const float *g, const float *p, const uint8_t *mc, c
     const float coeff = small ? w1 : w1 - 1.0f;
     const codebook_lookup book = {table_signed, table_unsigned, shift, low, last, zero};
     const int64_t pairs = rows * blocks;
+    const int stream_update = STREAMS && uo != g && uo != p;
+    const int stream_codes = STREAMS && mco != mc && vco != vc;
 #pragma omp parallel num_threads(threads) if (threads > 1 && rows * columns >= 65536)
     {
         const int one = 1;
         const int before = set_local ? set_local(&one) : 0;
-        float m[BLOCK], v[BLOCK], mn[BLOCK], vn[BLOCK];
+        float mn[BLOCK], vn[BLOCK], u[BLOCK];
+        uint8_t codes[2][BLOCK];
 #pragma omp for schedule(static)
         for (int64_t k = 0; k < pairs; k++) {
             const int64_t r = k / blocks, b = k % blocks;
@@ -228,16 +296,36 @@ void gradtx_adam_stored_f32(const float *g, const float *p, const uint8_t *mc, c
             block_columns(b, 0, block_size, columns, &start, &stop);
             const int64_t at = r * columns + start;
             const int len = (int)(stop - start);
-            block_values(mc + at, len, ms[k], joint, size, m);
-            block_values(vc + at, len, vs[k], joint, size, v);
-            adam_block(g + at, m, v, decay ? p + at : 0, mn, vn, uo + at, len, small, coeff, b2, c2, eps, step,
-                       factor, decay, scaled, gscale, vsqrt, mode, 0, 0, 0);
-            const float m_absmax = block_absmax(mn, len), v_absmax = block_absmax(vn, len);
+            /* the next block's inputs are fetched while this one is worked on, a stream between
+             * each two phases (a burst of them all would stall on the line fill buffers) */
+            int64_t next = 0, count = 0;
+            if (k + 1 < pairs) {
+                int64_t next_start, next_stop;
+                block_columns((k + 1) % blocks, 0, block_size, columns, &next_start, &next_stop);
+                next = (k + 1) / blocks * columns + next_start;
+                count = next_stop - next_start;
+            }
+            prefetch_lines(mc + next, count);
+            prefetch_lines(vc + next, count);
+            int32_t m_top, v_top;
+            stored_moments_block(g + at, mc + at, vc + at, joint + (bits_of(ms[k]) < 0 ? 0 : size), fabsf(ms[k]),
+                                 joint + (bits_of(vs[k]) < 0 ? 0 : size), fabsf(vs[k]), mn, vn, len, small, coeff, b2,
+                                 c2, scaled, gscale, &m_top, &v_top);
+            prefetch_lines(g + next, count * (int64_t)sizeof(float));
+            adam_update(mn, vn, decay ? p + at : 0, stream_update ? u : uo + at, len, eps, step, factor, decay, vsqrt, mode, 0);
+            if (stream_update) stream_copy_any(uo + at, u, len);
+            const float m_absmax = float_of(m_top), v_absmax = float_of(v_top);
             mso[k] = m_signed ? -m_absmax : m_absmax;
             vso[k] = v_signed ? -v_absmax : v_absmax;
-            block_codes(mn, len, mso[k], &book, mco + at);
-            block_codes(vn, len, vso[k], &book, vco + at);
+            if (decay) prefetch_lines(p + next, count * (int64_t)sizeof(float));
+            block_codes(mn, len, mso[k], &book, stream_codes ? codes[0] : mco + at);
+            block_codes(vn, len, vso[k], &book, stream_codes ? codes[1] : vco + at);
+            if (stream_codes) {
+                stream_copy_bytes(mco + at, codes[0], len);
+                stream_copy_bytes(vco + at, codes[1], len);
+            }
         }
+        if (stream_update || stream_codes) stream_fence();
         if (set_local) set_local(&before);
     }
 }

@@ -15,6 +15,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #define CODEBOOK_CHUNK 256
 
@@ -183,7 +186,16 @@ static inline void block_values(const uint8_t *codes, int64_t n, float scale, co
                                 float *values) {
     const float absmax = fabsf(scale);
     const float *table = joint + (bits_of(scale) < 0 ? 0 : size);
-    for (int64_t i = 0; i < n; i++)
+    int64_t i = 0;
+#if defined(__AVX2__)
+    /* eight table reads in one gather: faster than the compiler's loads one at a time */
+    const __m256 times = _mm256_set1_ps(absmax);
+    for (; i + 8 <= n; i += 8) {
+        const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + i)));
+        _mm256_storeu_ps(values + i, _mm256_mul_ps(_mm256_i32gather_ps(table, index, 4), times));
+    }
+#endif
+    for (; i < n; i++)
         values[i] = table[codes[i]] * absmax;
 }
 

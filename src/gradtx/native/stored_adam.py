@@ -124,25 +124,40 @@ def usable() -> Optional[_Kernel]:
     return checks.under_check(_Kernel) or _kernel.usable()
 
 
-def step(
-    g: Tensor, p: Optional[Tensor], moments: Stored, *, floats: tuple[float, ...], decay: int, own_update: bool,
-    grad_scale: Optional[float] = None,
-) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
-    """One stored leaf's update and new ``(mu codes, mu scales, nu codes, nu scales)``. ``floats``
-    and ``decay`` as :func:`gradtx.native.adam.step` passes them; ``grad_scale`` (a float32 value,
-    else ``None``): the step of ``g * grad_scale``, a clip's coefficient taken where the kernel
-    reads ``g``. The caller has checked the leaf (:func:`takes`)."""
+class Leaf(NamedTuple):
+    """One stored leaf of a step: its gradient, its param (``None`` without decay), its moments and
+    the decay kind :func:`gradtx.native.adam.step` passes."""
+
+    grad: Tensor
+    param: Optional[Tensor]
+    moments: Stored
+    decay: int
+
+
+def steps(
+    leaves: list[Leaf], *, floats: tuple[float, ...], own_update: bool, grad_scale: Optional[float] = None,
+) -> list[tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]]:
+    """Each stored leaf's update and new ``(mu codes, mu scales, nu codes, nu scales)``. ``floats``
+    as :func:`gradtx.native.adam.step` passes them; ``grad_scale`` (a float32 value, else
+    ``None``): the step of ``g * grad_scale``, a clip's coefficient taken where the kernel reads
+    ``g``. The outputs of all the leaves come from one call of the buffer pool (one generation of
+    it, so the next step finds them all free). The caller has checked the leaves (:func:`takes`)."""
     kernel = usable()
-    tables = native_codebook.lookup(moments.book)
-    if kernel is None or tables is None:
+    if kernel is None:
         raise RuntimeError("gradtx: the stored-moment Adam kernel was chosen but is not there")
-    stored = [moments.mu_codes, moments.mu_scales, moments.nu_codes, moments.nu_scales]
-    new, (uo,) = buffer_pool.outputs("stored_adam", (stored, False), ([g], own_update))
-    out = tuple(new)
-    kernel(g, p, moments, out, uo, floats, decay, tables, grad_scale)
-    if own_update and g.numel():  # written in place: changed, as ATen's in-place ops mark it
-        torch.autograd.graph.increment_version(uo)
-    return uo, out  # type: ignore[return-value]
+    stored = [t for leaf in leaves for t in (leaf.moments.mu_codes, leaf.moments.mu_scales, leaf.moments.nu_codes, leaf.moments.nu_scales)]
+    new, updates = buffer_pool.outputs("stored_adam", (stored, False), ([leaf.grad for leaf in leaves], own_update))
+    results = []
+    for i, leaf in enumerate(leaves):
+        tables = native_codebook.lookup(leaf.moments.book)
+        if tables is None:
+            raise RuntimeError("gradtx: the stored-moment Adam kernel was chosen but is not there")
+        out, uo = tuple(new[4 * i : 4 * i + 4]), updates[i]
+        kernel(leaf.grad, leaf.param, leaf.moments, out, uo, floats, leaf.decay, tables, grad_scale)
+        if own_update and leaf.grad.numel():  # written in place: changed, as ATen's in-place ops mark it
+            torch.autograd.graph.increment_version(uo)
+        results.append((uo, out))
+    return results  # type: ignore[return-value]
 
 
 def takes(moments: Stored, grad: Any, param: Any) -> bool:

@@ -24,12 +24,35 @@ static inline void stream_copy(float *to, const float *from, int n) {
     for (; i < n; i++) to[i] = from[i];
 }
 
+/* n values from `from` to `to` at any (float) alignment: ordinary stores up to `to`'s first
+ * 32-byte boundary and past its last, non-temporal ones between (whole lines only). */
+static inline void stream_copy_any(float *to, const float *from, int n) {
+    int head = (int)(((32u - ((uintptr_t)to & 31u)) & 31u) / sizeof(float));
+    head = head < n ? head : n;
+    for (int i = 0; i < head; i++) to[i] = from[i];
+    stream_copy(to + head, from + head, n - head);
+}
+
+/* n bytes from `from` to `to`, as stream_copy_any does with floats. */
+static inline void stream_copy_bytes(uint8_t *to, const uint8_t *from, int n) {
+    int i = (int)((32u - ((uintptr_t)to & 31u)) & 31u);
+    i = i < n ? i : n;
+    for (int j = 0; j < i; j++) to[j] = from[j];
+    for (; i + 32 <= n; i += 32)
+        _mm256_stream_si256((__m256i *)(to + i), _mm256_loadu_si256((const __m256i *)(from + i)));
+    for (; i < n; i++) to[i] = from[i];
+}
+
 /* A thread's non-temporal stores, ordered before anything it does next (another thread reads them
  * only after the parallel region's barrier). */
 static inline void stream_fence(void) { _mm_sfence(); }
 #else
 #define STREAMS 0
 static inline void stream_copy(float *to, const float *from, int n) {
+    for (int i = 0; i < n; i++) to[i] = from[i];
+}
+static inline void stream_copy_any(float *to, const float *from, int n) { stream_copy(to, from, n); }
+static inline void stream_copy_bytes(uint8_t *to, const uint8_t *from, int n) {
     for (int i = 0; i < n; i++) to[i] = from[i];
 }
 static inline void stream_fence(void) {}

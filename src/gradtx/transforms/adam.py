@@ -234,7 +234,7 @@ class _Adam:
         floats = (1.0 - self.b1, self.b2, 1.0 - self.b2, checks_float32(eps), checks_float32(step),
                   checks_float32(factor) if any(flags) else 0.0)
         scale = None if grad_scale is None else checks_float32(grad_scale)
-        rest = []
+        rest, taken, kernel_leaves = [], [], []
         for i, g in enumerate(leaves.tensors):
             entry = stored.moments.get(id(mu[i]))
             if entry is None:
@@ -244,10 +244,12 @@ class _Adam:
             if nu[i] is not nu_placeholder:
                 raise RuntimeError(f"{self.owner}: a stored first moment came without its second moment")
             p = param_values[i] if flags[i] else None
-            new_updates[i], stored.results[id(mu[i])] = stored_adam.step(
-                g, p, moments, floats=floats, decay=decay_kind if flags[i] else native_adam.DECAY_NONE, own_update=own_updates,
-                grad_scale=scale,
-            )
+            taken.append(i)
+            kernel_leaves.append(stored_adam.Leaf(g, p, moments, decay_kind if flags[i] else native_adam.DECAY_NONE))
+        if kernel_leaves:
+            results = stored_adam.steps(kernel_leaves, floats=floats, own_update=own_updates, grad_scale=scale)
+            for i, (update, codes) in zip(taken, results):
+                new_updates[i], stored.results[id(mu[i])] = update, codes
         if rest:
             pick = lambda values: [values[i] for i in rest]  # noqa: E731
             outs = fe.map_groups(group, pick(leaves.tensors), pick(mu), pick(nu), pick(flags), pick(param_values), outputs=3, pack=False)
