@@ -10,6 +10,7 @@ checkpoints, ``wrap``, ``compile_step`` and ``inject_hyperparams``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import io
@@ -21,7 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradtx as gtx
-from gradtx.quantization import blocks, maps
+from gradtx.native import checks
+from gradtx.quantization import blocks, kernels, maps
 from gradtx.quantization.state import decode, storage_format
 
 FORMATS = (8, 4, torch.float8_e4m3fn)
@@ -222,6 +224,31 @@ def test_a_non_finite_value_makes_its_block_non_finite(bits):
         x_bad[0, 1] = bad
         _, _, y = _roundtrip(x_bad, 4, bits)
         assert not torch.isfinite(y[0, :4]).any() and torch.isfinite(y[0, 4:]).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("infinity", [float("inf"), float("-inf")])
+@pytest.mark.parametrize("route", ["default", "aten", "compiled"])
+def test_an_infinite_value_reads_back_with_its_own_sign(bits, infinity, route, monkeypatch):
+    """In a block whose absmax is infinite, inf / inf is a NaN whose sign bit the CPU picks (x86
+    sets it): the code takes x's own sign, so +inf reads back as +inf (not -inf) in the signed map,
+    and in the unsigned one, by the C kernels, the ATen ops and the compiled loop alike."""
+    x = torch.linspace(-1, 1, 24).reshape(2, 12)
+    x[0, 1] = infinity
+    geo = blocks.geometry(x.shape, 4, 0)
+    codec = maps.codec(bits)
+    for in_signed in (blocks.block_signed(x, geo), torch.zeros(2, 3, dtype=torch.bool)):
+        if infinity < 0 and not in_signed.any():
+            continue  # the unsigned map holds magnitudes only
+        scales = blocks.block_scales(blocks.block_absmax(x, geo), in_signed)
+        if route == "compiled":
+            monkeypatch.setenv(kernels.ENVIRONMENT, "1")
+            blocked = x.reshape(2, 3, 4)
+            y = codec.values(codec.codes(blocked, scales), scales).reshape(2, 12)
+        else:
+            with checks.aten_only() if route == "aten" else contextlib.nullcontext():
+                y = blocks.dequantize(blocks.quantize(x, scales, geo, codec), scales, geo, codec, torch.float32)
+        assert y[0, 1] == infinity
 
 
 # --------------------------------------------------------------------------- pieces of the logical tensor

@@ -85,7 +85,8 @@ static inline void quotients_and_cells(const float *x, int m, float divisor, con
                                        int32_t *bits, int32_t *cell) {
     const int32_t shift = book->shift, low = book->low, last = book->last;
     for (int i = 0; i < m; i++) {
-        const int32_t q = bits_of(x[i] / divisor);
+        /* the quotient's magnitude with x's own sign (kernels.py: inf / inf is a NaN of either sign) */
+        const int32_t q = (bits_of(x[i] / divisor) & 0x7FFFFFFF) | (bits_of(x[i]) & INT32_MIN);
         int32_t at = (q & 0x7FFFFFFF) >> shift;
         at = at > last ? last : at;
         at -= low;

@@ -31,6 +31,7 @@ CELL_SHIFT = 13
 CELLS = (0x3F800000 >> CELL_SHIFT) + 2  # the cells of [0, 1], and one above for NaN
 COMPILE_MIN_SIZE = 1 << 16  # values of a leaf from which the compiled loop is used by default
 ENVIRONMENT = "GRADTX_QUANTIZE_COMPILE"
+_SIGN_BIT = -(2**31)  # int32's sign bit
 
 
 def gather(table: Tensor, index: Tensor) -> Tensor:
@@ -78,7 +79,9 @@ def _nearest(x: Tensor, scales: Tensor, first: Tensor, midpoints: Tensor) -> tup
     """Per value of ``x`` (see :func:`table_codes`): its bit pattern after division by its block's
     absmax, whether its block uses the signed map, and the joint index of its nearest magnitude."""
     in_signed = signed(scales)[..., None]
-    bits = (x / divisors(scales)).view(torch.int32)
+    # the quotient's magnitude with x's own sign: an infinite x in a block whose absmax is infinite
+    # divides to a NaN whose sign bit the CPU chooses (x86 sets it), and +inf would read back as -inf
+    bits = ((x / divisors(scales)).view(torch.int32) & 0x7FFFFFFF) | (x.view(torch.int32) & _SIGN_BIT)
     magnitude = bits & 0x7FFFFFFF  # |value|'s bit pattern; a NaN's lies above 1.0's, in the last cell
     cell = (magnitude >> CELL_SHIFT).clamp(0, CELLS - 1) + torch.where(in_signed, 0, CELLS).to(torch.int32)
     index = gather(first, cell)
