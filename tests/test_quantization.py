@@ -772,3 +772,34 @@ def test_bad_inner_and_non_tensor_params_are_clear_errors():
         gtx.quantize_state(gtx.adam)
     with pytest.raises(TypeError, match="'w'"):
         gtx.quantize_state(gtx.adam(1e-2)).init({"w": 1.0})
+
+
+@pytest.mark.parametrize("other", [dict(bits=8, block_size=160), dict(bits=4, block_size=128), dict(bits=torch.float8_e4m3fn, block_size=256)])
+def test_a_state_stored_otherwise_is_refused_by_update_and_by_a_checkpoint(other):
+    """Codes of blocks of 256 read as blocks of 160 are other numbers, yet a row of 300 values
+    has two blocks either way: the codes and scales have the same shapes. The state records how
+    it was stored (``stored_as``, an empty tensor shaped ``(bits, block_size, 0)``): ``update``
+    refuses another, and so does a checkpoint's manifest."""
+    params = {"w": torch.randn(8, 300), "v": torch.randn(8, 1)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    saved_tx = gtx.quantize_state(gtx.adamw(1e-3), 8, block_size=256, min_size=1)
+    state = saved_tx.init(params)
+    _, state = saved_tx.update(grads, state, params)
+    assert tuple(state.stored_as.shape) == (8, 256, 0) and state.stored_as.numel() == 0
+    tx = gtx.quantize_state(gtx.adamw(1e-3), **other, min_size=1)
+    match = "stored_as" if other["bits"] == 8 else None  # other formats differ in their codes' shape or dtype too
+    with pytest.raises(ValueError, match=match):
+        tx.update(grads, state, params)
+    with pytest.raises(ValueError, match=match):
+        gtx.checkpoint.load_state_dict(tx.init(params), gtx.checkpoint.state_dict(state, params), params)
+    again = gtx.checkpoint.load_state_dict(saved_tx.init(params), gtx.checkpoint.state_dict(state, params), params)
+    saved_tx.update(grads, again, params)  # the same storage loads and steps
+
+
+def test_a_state_with_another_storage_mark_is_refused_with_both_storages_named():
+    params = {"w": torch.randn(4, 300)}
+    tx = gtx.quantize_state(gtx.adamw(1e-3), 8, block_size=160, min_size=1)
+    state = tx.init(params)
+    forged = state._replace(stored_as=torch.empty(8, 256, 0, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"stored_as says .*8-bit codes in blocks of 256.*8-bit codes in blocks of 160"):
+        tx.update(params, forged, params)

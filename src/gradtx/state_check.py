@@ -181,13 +181,18 @@ def _keys(keys: list[Any]) -> str:
 # --------------------------------------------------------------------------- the check
 
 
+def examined(error: Exception) -> Exception:
+    """``error``, marked as saying itself what is wrong with the state it was raised for: the check
+    passes it on instead of describing the state's first difference from what ``init`` makes."""
+    setattr(error, _SEEN, True)
+    return error
+
+
 def _check_type(owner: str, state: Any, kind: type) -> None:
     """Raises a ``TypeError`` for a state that cannot stand for one of type ``kind`` (what ``init`` returns)."""
     if _fits(state, kind):
         return
-    error = TypeError(f"{owner}: state is {_value(state)}, where init makes {_type(kind)}{_hint(state, kind)}")
-    setattr(error, _SEEN, True)
-    raise error
+    raise examined(TypeError(f"{owner}: state is {_value(state)}, where init makes {_type(kind)}{_hint(state, kind)}"))
 
 
 def _distributed() -> bool:

@@ -34,7 +34,7 @@ from gradtx.base import (
 from gradtx.native import stored_adam
 from gradtx.quantization.direct import update_directly
 from gradtx.quantization.placement import place_of
-from gradtx.quantization.storage import Rounding, decode, encode_all, rounding_keys, storage_format
+from gradtx.quantization.storage import Rounding, StorageFormat, decode, encode_all, rounding_keys, storage_format
 from gradtx.quantization.streaming import Step, update_in_groups
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding.edges import row_cuts
@@ -42,7 +42,7 @@ from gradtx.sharding.mesh import MeshAxes
 from gradtx.sharding.matrices import Piece
 from gradtx.sharding.reductions import is_sharded
 from gradtx.sharding.spec import ShardingSpec
-from gradtx.state_check import name_of, named
+from gradtx.state_check import examined, name_of, named
 from gradtx.state_dims import Dims, ParamLeaf, same, state_dims
 from gradtx.state_signs import nonnegative_fields
 from gradtx.transforms import _foreach as fe
@@ -90,12 +90,30 @@ class QuantizedState(NamedTuple):
         (``torch.bfloat16`` storage).
       count: the updates so far (0-d int32): with the seed, the stream of the random bits of
         stochastic rounding (4 bits), so a state saved and loaded rounds as an uninterrupted run.
+      stored_as: an empty ``uint8`` tensor (no memory) shaped ``(storage, block_size, 0)``: how the
+        codes were written (``storage`` 8 or 4 for the code books, 100 plus the bits for a float
+        dtype: 116 bfloat16, 108 float8; ``block_size`` 0 without blocks). ``update`` refuses a
+        state stored otherwise than it stores, and a checkpoint's manifest records the shape, so
+        codes of blocks of 256 are never read as blocks of 160 where both give a row as many blocks.
     """
 
     inner: Any
     codes: tuple
     scales: tuple
     count: Tensor
+    stored_as: Tensor
+
+
+def storage_mark(fmt: StorageFormat, device: Any = None) -> Tensor:
+    """The :attr:`QuantizedState.stored_as` of ``fmt``."""
+    storage = fmt.storage if isinstance(fmt.storage, int) else 100 + torch.finfo(fmt.storage).bits
+    return torch.empty((storage, fmt.block_size, 0), dtype=torch.uint8, device=device)
+
+
+def _storage_text(shape: Sequence[int]) -> str:
+    storage, block_size = shape[0], shape[1]
+    kind = f"{storage}-bit codes" if storage < 100 else f"{storage - 100}-bit float values"
+    return f"{kind} in blocks of {block_size}" if block_size else f"{kind} without blocks"
 
 
 # --------------------------------------------------------------------------- which leaves are stored
@@ -303,6 +321,7 @@ def quantize_state(
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"{owner}: inner must be a GradientTransformation, got {type(inner).__name__}")
     fmt = storage_format(bits, block_size, owner=owner)
+    expected_mark = tuple(storage_mark(fmt).shape)
     if not isinstance(min_size, int) or isinstance(min_size, bool):
         raise TypeError(f"{owner}: min_size must be an int, got {type(min_size).__name__}")
     if min_size < 0:
@@ -342,6 +361,7 @@ def quantize_state(
             tuple(tree_lib.unflatten(params_def, c) for c in codes),
             tuple(tree_lib.unflatten(params_def, s) for s in scales),
             count,
+            storage_mark(fmt, count.device),
         )
 
     def store(
@@ -418,6 +438,7 @@ def quantize_state(
         return run(updates, state, params, inplace, {}, (grad_scale, scaling))
 
     def run(updates, state, params, inplace, extra_args, handed=None):
+        check_storage(state)
         leaves, state_def, found = stored_leaves(state)
         count = fe.increment(state.count, inplace=donation(inplace)[1])  # "updates": the state is not donated
         code_leaves = [tree_lib.leaves(tree) for tree in state.codes]
@@ -461,9 +482,22 @@ def quantize_state(
         new_updates, new_inner = inner_update(updates, inner_state, params, inplace=inplace, **extra_args)
         new_leaves = same_structure(new_inner, state_def)
         if not found:  # the codes and scales (None) as they were
-            return new_updates, QuantizedState(tree_lib.unflatten(state_def, new_leaves), state.codes, state.scales, count)
+            return new_updates, QuantizedState(tree_lib.unflatten(state_def, new_leaves), state.codes, state.scales, count, state.stored_as)
         new_codes, new_scales = store(new_leaves, found, nonnegative, paths, mesh, cuts, count)
         return new_updates, rebuild(state, new_leaves, state_def, new_codes, new_scales, count)
+
+    def check_storage(state: Any) -> None:
+        """A ``ValueError`` unless ``state`` is a :class:`QuantizedState` stored as this transformation stores."""
+        if not isinstance(state, QuantizedState):
+            raise TypeError(f"{owner}: the state must be a QuantizedState, got {type(state).__name__}")
+        mark = state.stored_as
+        if not isinstance(mark, Tensor) or mark.dim() != 3 or tuple(mark.shape) != expected_mark:
+            found = _storage_text(tuple(mark.shape)) if isinstance(mark, Tensor) and mark.dim() == 3 else repr(mark)
+            raise examined(ValueError(
+                f"{owner}: state.stored_as says its codes were stored as {found}, but this transformation stores "
+                f"{_storage_text(expected_mark)}; read with another block size or format they would be other numbers "
+                "(load the state into a quantize_state made with the same bits and block_size)"
+            ))
 
     def scaled_first(updates: Any, inplace: Any, handed: tuple[Tensor, Any]) -> tuple[Any, Any]:
         """The updates scaled by a handed coefficient, as the clip would have scaled them, and the
@@ -485,7 +519,7 @@ def quantize_state(
         """The new :class:`QuantizedState`: the inner state's leaves, per part the codes and scales, as ``state`` holds them, and ``count``."""
         codes = tuple(tree_lib.unflatten(tree_lib.structure(t), c) for t, c in zip(state.codes, new_codes))
         scales = tuple(tree_lib.unflatten(tree_lib.structure(t), s) for t, s in zip(state.scales, new_scales))
-        return QuantizedState(tree_lib.unflatten(state_def, new_leaves), codes, scales, count)
+        return QuantizedState(tree_lib.unflatten(state_def, new_leaves), codes, scales, count, state.stored_as)
 
     runs_inner(update_fn, inner)
     if takes_donated_updates(inner):
