@@ -72,3 +72,22 @@ def test_a_missing_attribute_names_the_wrapper_and_the_inner_optimizer():
     with pytest.raises(AttributeError, match=r"'ChainedOptimizer' object has no attribute 'nope' \(nor has the SGD"):
         opt.nope
     assert not hasattr(opt, "consolidate_state_dict")
+
+
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda: gtx.lbfgs(), "scale_by_lbfgs"),
+        (lambda: gtx.chain(gtx.clip_by_global_norm(1.0), gtx.scale_by_lbfgs(), gtx.scale(-1.0)), "scale_by_lbfgs"),
+        (lambda: gtx.scale_by_backtracking_linesearch(10), "scale_by_backtracking_linesearch"),
+        (lambda: gtx.masked(gtx.scale_by_zoom_linesearch(10), {"weight": True, "bias": False}), "scale_by_zoom_linesearch"),
+    ],
+)
+def test_a_member_that_reduces_over_the_tree_without_a_spec_of_its_own_is_an_error(spec, make, name):
+    """L-BFGS and the line searches take inner products over the whole tree and have no spec: on
+    sharded params each rank would use its own pieces' (a direction and step sizes that differ
+    between ranks), so ``wrap(..., spec=)`` refuses them, naming the member, at any depth."""
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=rf"spec= was given, but the chain.s {name} computes .* takes no spec"):
+        gtx.wrap(_optimizer(model), make(), model=model, spec=spec)
+    assert gtx.wrap(_optimizer(model), make(), model=model) is not None  # without a spec: unsharded, fine

@@ -167,6 +167,7 @@ _SPEC_OWNER = "_gradtx_spec_owner"  # on an update: the name of the factory that
 _INNER = "_gradtx_inner"  # on a combinator's update: the transformations it runs
 _UNTRACEABLE = "_gradtx_untraceable"  # on an update torch.compile cannot trace: (its owner, why)
 _WHOLE = "_gradtx_wraps"  # on an init: the transformation it starts, kept as one (see kept_whole)
+_UNSHARDED = "_gradtx_unsharded"  # on an update that reduces over the tree and takes no spec: (its owner, what)
 
 
 def takes_spec(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
@@ -240,6 +241,21 @@ def members_without_spec(tx: GradientTransformation) -> list[str]:
     """The names of the transformations in ``tx`` (itself, a chain's members, what combinators run,
     at any depth) that take a ``spec`` and were given none."""
     return list(dict.fromkeys(_name_of(node.update) for node in _members(tx) if getattr(node.update, _SPEC, ...) is None))
+
+
+def unsharded_only(update_fn: Callable, owner: str, what: str) -> Callable:
+    """Marks ``update_fn`` as one that reduces over the whole tree (``what`` it computes) and takes
+    no ``spec``: on sharded plain tensors it would work from this rank's pieces alone, so
+    ``gradtx.wrap(..., spec=)`` refuses a chain holding it (:func:`members_unsharded_only`).
+    Returns ``update_fn``."""
+    setattr(update_fn, _UNSHARDED, (owner, what))
+    return update_fn
+
+
+def members_unsharded_only(tx: GradientTransformation) -> list[tuple[str, str]]:
+    """``(owner, what)`` of each member of ``tx`` (at any depth, as :func:`members_without_spec`
+    walks them) marked by :func:`unsharded_only`."""
+    return list(dict.fromkeys(getattr(node.update, _UNSHARDED) for node in _members(tx) if hasattr(node.update, _UNSHARDED)))
 
 
 def untraceable(update_fn: Callable, owner: str, why: str) -> Callable:

@@ -63,7 +63,15 @@ from torch.optim import optimizer as torch_optimizer
 
 from gradtx import sharding
 from gradtx import tree as tree_lib
-from gradtx.base import DONATE_UPDATES, GradientTransformation, members_without_spec, takes_donated_updates, takes_extra_args, with_inplace
+from gradtx.base import (
+    DONATE_UPDATES,
+    GradientTransformation,
+    members_unsharded_only,
+    members_without_spec,
+    takes_donated_updates,
+    takes_extra_args,
+    with_inplace,
+)
 from gradtx.chains import step_gates
 from gradtx.chains.accumulation import MultiSteps
 from gradtx.chains.chain import _PARTS
@@ -109,6 +117,14 @@ def _check_members_take_spec(tx: GradientTransformation) -> None:
     """``wrap(..., spec=)`` serves ``clip_grad_by_norm`` only: a sharding-aware member of the chain
     (at any depth: inside ``masked``, ``partition``, ``MultiSteps``, ...) given no spec of its own
     would work on this rank's pieces alone, a silently wrong number."""
+    unsharded = members_unsharded_only(tx)
+    if unsharded:
+        owner, what = unsharded[0]
+        raise ValueError(
+            f"wrap: spec= was given, but the chain's {owner} computes {what} over the whole tree and takes no spec, "
+            "so on sharded params it would use this rank's pieces only; it runs on unsharded (or DTensor-free, "
+            "whole) params alone"
+        )
     missing = members_without_spec(tx)
     if missing:
         name = missing[0]

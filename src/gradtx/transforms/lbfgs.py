@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformation
+from gradtx.base import GradientTransformation, unsharded_only
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.state_dims import ParamLeaf, state_dims
 
@@ -213,4 +213,4 @@ def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> Gr
         )
         return precond_updates, new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, unsharded_only(update_fn, "scale_by_lbfgs", "inner products"))

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from gradtx import tree as tree_lib
-from gradtx.base import GradientTransformationExtraArgs
+from gradtx.base import GradientTransformationExtraArgs, unsharded_only
 
 PyTree = Any
 
@@ -245,7 +245,7 @@ def scale_by_backtracking_linesearch(
         )
         return _scale(new_learning_rate, updates), new_state
 
-    return GradientTransformationExtraArgs(init_fn, update_fn)
+    return GradientTransformationExtraArgs(init_fn, unsharded_only(update_fn, "scale_by_backtracking_linesearch", "the slope's inner product"))
 
 
 # --------------------------------------------------------------------------- zoom
@@ -499,7 +499,7 @@ def scale_by_zoom_linesearch(
         )
         return _scale(learning_rate, updates), new_state
 
-    return GradientTransformationExtraArgs(init_fn, update_fn)
+    return GradientTransformationExtraArgs(init_fn, unsharded_only(update_fn, "scale_by_zoom_linesearch", "the slopes' inner products"))
 
 
 # --------------------------------------------------------------------------- reuse
