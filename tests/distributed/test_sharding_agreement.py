@@ -244,6 +244,40 @@ def a_call_the_others_never_join_is_bounded(world):
     assert ShardingSpec(mesh).timeout == 600.0 and ShardingSpec(mesh, timeout=None).timeout is None
 
 
+@case(2, 4)
+def reductions_without_the_norms_flags_are_bounded_too(world):
+    """Per-leaf norms, a decision over every rank's gradients and global sums carry no error bit or
+    call count, but a call the other ranks never join is bounded by the spec's timeout all the same
+    (it waited for gloo's own 30 minutes), with an error naming what was being reduced."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from gradtx.sharding.sums import global_sums
+
+    ranks = list(range(world.size))
+    sync = dist.new_group(ranks)
+    calls = [
+        ("per-leaf norms", lambda spec, grads: gtx.sharding.leaf_rms(grads, spec)),
+        ("a decision over every rank's gradients", lambda spec, grads: gtx.sharding.all_finite(grads, spec)),
+        ("bounded sums", lambda spec, grads: global_sums(lambda x: (x * x).sum(), grads, spec=spec, what="bounded sums")),
+    ]
+    for what, call in calls:
+        group = dist.new_group(ranks)  # the call left pending stays on `group`
+        mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("tp",))
+        spec = ShardingSpec(mesh, [("w", Shard("tp")), ("b", Replicate())], timeout=1.0)
+        grads = {"w": torch.ones(2), "b": torch.ones(3)}
+        for _ in range(2):
+            call(spec, grads)
+        if world.rank == 0:  # one call too many
+            start = time.perf_counter()
+            with pytest.raises(RuntimeError, match=rf"rank 0 waited 1 s in its call of {what}.*stop the run.*timeout=") as info:
+                call(spec, grads)
+            assert time.perf_counter() - start < FAST_S, str(info.value)
+        dist.barrier(group=sync)
+        if world.rank != 0:  # the same call, which completes rank 0's pending reduction
+            call(spec, grads)
+        dist.barrier(group=sync)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("size,name", _world.params_for(__name__))
 def test_agreement(size, name):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradtx import tree as tree_lib
+from gradtx.sharding import waiting
 from gradtx.sharding.plan import plan_for
 from gradtx.sharding.reductions import is_sharded
 from gradtx.sharding.spec import ShardingSpec
@@ -32,7 +33,7 @@ def _reduce(plan: Any, values: list[Tensor]) -> Tensor:
     buffer = torch.stack([v.to(_FLAG_DTYPE) for v in values])
     group = plan.mesh.group(plan.mesh.names)
     if group is not None:
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+        waiting.all_reduce_bounded(buffer, dist.ReduceOp.SUM, group, what="a decision over every rank's gradients", timeout=plan.timeout)
     return buffer
 
 

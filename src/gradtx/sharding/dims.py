@@ -45,6 +45,7 @@ class DimLayouts:
 
     mesh: MeshAxes
     layouts: list[Optional[DimLayout]]
+    timeout: Optional[float] = None  # the spec's bound on a reduction's wait
 
     def sum_over(self, items: Sequence[tuple[tuple[str, ...], Tensor]]) -> list[Tensor]:
         """All-reduces (SUM) each tensor of ``items`` over the ranks of its axes: one collective per
@@ -59,7 +60,7 @@ class DimLayouts:
         if not any(axes for axes, _ in items):
             return [t for _, t in items]
         flat = [(axes, t.reshape(-1)) for axes, t in items]
-        reduced = reduce_grouped(self.mesh, flat, op)
+        reduced = reduce_grouped(self.mesh, flat, op, timeout=self.timeout, what="reductions over split dims")
         return [r.reshape(t.shape) for r, (_, t) in zip(reduced, items)]
 
 
@@ -119,7 +120,7 @@ def dim_layouts(
         )
 
     plan, _ = plan_for(tree, spec, what=what, op=what + declared(options), check=check, validate=validate, pieces=whole_shapes)
-    return DimLayouts(plan.mesh, found[0][1])
+    return DimLayouts(plan.mesh, found[0][1], plan.timeout)
 
 
 def check_options(tree: Any, spec: Optional[ShardingSpec], *, what: str, options: Optional[Mapping[str, Any]]) -> None:

@@ -486,7 +486,7 @@ class LocalPieces:
         out = dict(values)
         if indices and self.plan is not None:
             items = [(self.pieces[i].axes, values[i]) for i in indices]  # type: ignore[union-attr]
-            for i, reduced in zip(indices, reduce_grouped(self.plan.mesh, items, dist.ReduceOp.SUM)):
+            for i, reduced in zip(indices, reduce_grouped(self.plan.mesh, items, dist.ReduceOp.SUM, timeout=self.plan.timeout, what="sums over a leaf's pieces")):
                 out[i] = reduced
         return out
 

@@ -228,7 +228,14 @@ def norm_from_plan(
 # --------------------------------------------------------------------------- per-leaf reductions
 
 
-def reduce_grouped(mesh: MeshAxes, items: Sequence[tuple[tuple[str, ...], Tensor]], op: Any) -> list[Tensor]:
+def reduce_grouped(
+    mesh: MeshAxes,
+    items: Sequence[tuple[tuple[str, ...], Tensor]],
+    op: Any,
+    *,
+    timeout: Optional[float] = None,
+    what: str = "a per-leaf reduction",
+) -> list[Tensor]:
     """All-reduces each 1-D tensor of ``items`` over the group of its axes, one collective per group.
 
     Tensors over the same axes are concatenated into one float64 buffer; groups run in mesh order,
@@ -246,7 +253,7 @@ def reduce_grouped(mesh: MeshAxes, items: Sequence[tuple[tuple[str, ...], Tensor
         device = items[indices[0]][1].device
         parts = [items[i][1].to(device=device, dtype=_REDUCE_DTYPE).reshape(-1) for i in indices]
         buffer = torch.cat(parts)
-        dist.all_reduce(buffer, op=op, group=mesh.group(axes))
+        waiting.all_reduce_bounded(buffer, op, mesh.group(axes), what=what, timeout=timeout)
         for i, chunk in zip(indices, torch.split(buffer, [p.numel() for p in parts])):
             out[i] = chunk.to(items[i][1].dtype).reshape(items[i][1].shape)
     return out
@@ -294,7 +301,7 @@ def norms_from_plan(plan: Plan, tree_leaves: Sequence[Any], p: float, *, with_nu
         partials = [torch.cat([b, b.new_full((1,), float(t.numel()))]) for b, t in zip(partials, locals_)]
     items = [(plan.layouts[i].axes, b) for i, b in zip(indices, partials)]  # type: ignore[union-attr]
     op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
-    reduced = reduce_grouped(plan.mesh, items, op)
+    reduced = reduce_grouped(plan.mesh, items, op, timeout=plan.timeout, what=f"per-leaf norms (p={p})")
     out: list[Any] = [None] * len(plan.layouts)
     for i, n, r in zip(indices, local_norms, reduced):
         norm = _finish_norm(r, p, n.dtype)
@@ -395,7 +402,7 @@ def unitwise_norms(*trees: Any, spec: Optional[ShardingSpec] = None, axis: Any =
                 sq = torch.linalg.vector_norm(x, 2, dtype=tree_lib.norm_dtype(x.dtype)) ** 2
             items.append((axes, sq.reshape(-1)))
             shapes.append((index, tuple(sq.shape), dtype))
-    reduced = reduce_grouped(plan.mesh, items, dist.ReduceOp.SUM)
+    reduced = reduce_grouped(plan.mesh, items, dist.ReduceOp.SUM, timeout=plan.timeout, what="unitwise norms")
     outs = [[None] * len(plan.layouts) for _ in trees]
     position = 0
     for _ in range(sum(1 for l in plan.layouts if l is not None)):

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from gradtx import tree as tree_lib
 from gradtx.sharding import dtensor as dtensor_lib
+from gradtx.sharding import waiting
 from gradtx.sharding.plan import plan_for
 from gradtx.sharding.reductions import _check_spec, is_sharded
 from gradtx.sharding.spec import ShardingSpec
@@ -59,7 +60,7 @@ def global_sums(fn: Callable[..., Tensor], *trees: Any, spec: Optional[ShardingS
     buffer = local.detach().to(torch.float64)
     group = plan.global_group()
     if group is not None:
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+        waiting.all_reduce_bounded(buffer, dist.ReduceOp.SUM, group, what=what, timeout=plan.timeout)
     return buffer.to(local.dtype)
 
 

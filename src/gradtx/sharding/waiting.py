@@ -100,14 +100,31 @@ def all_reduce(
     return buffer[: values.numel()]
 
 
-def _waited(what: str, count: int, group: Any, timeout: Optional[float], failure: BaseException) -> str:
+def all_reduce_bounded(buffer: Tensor, op: Any, group: Any, *, what: str, timeout: Optional[float]) -> None:
+    """``dist.all_reduce`` of ``buffer`` in place, waiting at most ``timeout`` seconds on a CPU
+    buffer: a reduction without :func:`all_reduce`'s flags (a per-leaf norm, a decision's count),
+    which raises the same clear error, naming ``what``, when the other ranks do not join."""
+    if torch.compiler.is_compiling():
+        dist.all_reduce(buffer, op=op, group=group)
+        return
+    try:
+        wait(dist.all_reduce(buffer, op=op, group=group, async_op=True), buffer, timeout)
+    except RuntimeError as failure:
+        raise RuntimeError(_waited(what, None, group, timeout, failure)) from failure
+
+
+def _waited(what: str, count: Optional[int], group: Any, timeout: Optional[float], failure: BaseException) -> str:
     ranks = dist.get_process_group_ranks(group)
-    before = (
-        f"they completed call {count - 1} with it" if count > 1 else "no call of it has completed on every rank yet"
-    )
+    if count is None:
+        call, before = f"its call of {what}", "it may have run it more often than they did"
+    else:
+        call = f"its call {count} of {what}"
+        before = (
+            f"they completed call {count - 1} with it" if count > 1 else "no call of it has completed on every rank yet"
+        )
     bound = f"{timeout:g} s" if timeout is not None else "the process group's timeout"
     return (
-        f"gradtx.sharding: rank {dist.get_rank()} waited {bound} in its call {count} of {what} for the other "
+        f"gradtx.sharding: rank {dist.get_rank()} waited {bound} in {call} for the other "
         f"ranks of its group (ranks {ranks}), which did not join ({failure}); {before}. A rank that runs a "
         "sharded update more times than the others waits like this: call update the same number of times on "
         "every rank (skip a step with apply_if_finite or MultiSteps, not by skipping the call). This rank's "
