@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import _world
+from _layouts import Piece, cut
 from _world import case
 import gradtx as gtx
 from gradtx.sharding import Replicate, Shard, ShardingSpec
@@ -246,9 +247,10 @@ def a_call_the_others_never_join_is_bounded(world):
 
 @case(2, 4)
 def reductions_without_the_norms_flags_are_bounded_too(world):
-    """Per-leaf norms, a decision over every rank's gradients and global sums carry no error bit or
-    call count, but a call the other ranks never join is bounded by the spec's timeout all the same
-    (it waited for gloo's own 30 minutes), with an error naming what was being reduced."""
+    """Per-leaf norms, a decision over every rank's gradients, global sums and the maximum over a
+    quantized state's shared blocks carry no error bit or call count, but a call the other ranks
+    never join is bounded by the spec's timeout all the same (it waited for gloo's own 30 minutes),
+    with an error naming what was being reduced."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from gradtx.sharding.sums import global_sums
@@ -260,10 +262,25 @@ def reductions_without_the_norms_flags_are_bounded_too(world):
         ("a decision over every rank's gradients", lambda spec, grads: gtx.sharding.all_finite(grads, spec)),
         ("bounded sums", lambda spec, grads: global_sums(lambda x: (x * x).sum(), grads, spec=spec, what="bounded sums")),
     ]
+    # a quantized state whose leaf is cut inside its blocks (along its last dim): the blocks two
+    # ranks share take the maximum of both pieces' absmax
+    columns = Piece("cols", ((("tp",), 1),))
+    built: dict = {}  # per spec: the transformation, its state (init reduces too) and the local piece
+
+    def quantized_step(spec, grads):
+        if id(spec) not in built:
+            tx = gtx.quantize_state(gtx.adamw(1e-2), 8, block_size=8, min_size=0, spec=spec)
+            local = {"cols": cut(torch.ones(2, 20), columns, spec.mesh)}
+            built[id(spec)] = (tx, tx.init(local), local)
+        tx, state, local = built[id(spec)]
+        tx.update(local, state, local)
+
+    calls.append(("quantize_state's shared blocks", quantized_step))
     for what, call in calls:
         group = dist.new_group(ranks)  # the call left pending stays on `group`
         mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("tp",))
-        spec = ShardingSpec(mesh, [("w", Shard("tp")), ("b", Replicate())], timeout=1.0)
+        rules = [("cols", columns.spec())] if call is quantized_step else [("w", Shard("tp")), ("b", Replicate())]
+        spec = ShardingSpec(mesh, rules, timeout=1.0)
         grads = {"w": torch.ones(2), "b": torch.ones(3)}
         for _ in range(2):
             call(spec, grads)

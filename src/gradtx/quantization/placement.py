@@ -45,12 +45,17 @@ def place_of(cuts: Optional[RowCuts], block_size: int) -> Place:
 
 
 def scales_of(
-    pieces: Sequence[Tensor], places: Sequence[Place], block_size: int, mesh: Optional[MeshAxes], signed: Sequence[bool]
+    pieces: Sequence[Tensor],
+    places: Sequence[Place],
+    block_size: int,
+    mesh: Optional[MeshAxes],
+    signed: Sequence[bool],
+    timeout: Optional[float] = None,
 ) -> list[Tensor]:
     """Every piece's block scales, ``(rows, blocks)`` float32 (see :mod:`gradtx.quantization.blocks`):
     its blocks' absmax, the shared blocks' combined over their groups (one all-reduce per group),
     negated where the piece's field is ``signed`` (the sign bit records the map; an all-zero
-    signed block's scale is ``-0.0``)."""
+    signed block's scale is ``-0.0``). ``timeout``: the spec's bound on each wait."""
     maxima: list[Tensor] = []
     items: list[tuple[tuple[str, ...], Tensor]] = []
     held: list[tuple[int, list[int], Tensor]] = []  # (piece, positions among its shared blocks, local blocks)
@@ -69,7 +74,8 @@ def scales_of(
         items.append((place.axes, buffer.reshape(-1)))
         held.append((index, positions, local))
     if items:
-        for (index, positions, local), reduced in zip(held, max_grouped(mesh, items)):  # type: ignore[arg-type]
+        shared = max_grouped(mesh, items, timeout=timeout, what="quantize_state's shared blocks")  # type: ignore[arg-type]
+        for (index, positions, local), reduced in zip(held, shared):
             absmax = maxima[index]
             reduced = reduced.reshape(absmax.shape[0], -1)[:, positions]
             absmax[:, local] = reduced.to(torch.int64).to(torch.int32).view(torch.float32)

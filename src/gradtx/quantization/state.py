@@ -41,7 +41,7 @@ from gradtx.sharding.edges import row_cuts
 from gradtx.sharding.mesh import MeshAxes
 from gradtx.sharding.matrices import Piece
 from gradtx.sharding.reductions import is_sharded
-from gradtx.sharding.spec import ShardingSpec
+from gradtx.sharding.spec import DEFAULT_TIMEOUT_S, ShardingSpec
 from gradtx.state_check import examined, name_of, named
 from gradtx.state_dims import Dims, ParamLeaf, same, state_dims
 from gradtx.state_signs import nonnegative_fields
@@ -322,6 +322,7 @@ def quantize_state(
         raise TypeError(f"{owner}: inner must be a GradientTransformation, got {type(inner).__name__}")
     fmt = storage_format(bits, block_size, owner=owner)
     expected_mark = tuple(storage_mark(fmt).shape)
+    timeout = spec.timeout if isinstance(spec, ShardingSpec) else DEFAULT_TIMEOUT_S  # DTensors alone: a spec's default
     if not isinstance(min_size, int) or isinstance(min_size, bool):
         raise TypeError(f"{owner}: min_size must be an int, got {type(min_size).__name__}")
     if min_size < 0:
@@ -383,7 +384,7 @@ def quantize_state(
         local = [dtensor_lib.local(leaves[index]) for index, _, _ in found]
         pieces = [cuts[i].piece if cuts[i] is not None else None for _, _, i in found]
         rounding = rounding_of(count, paths, [(part, i) for _, part, i in found], pieces, signed)
-        stored = encode_all(local, fmt, places, mesh, signed, rounding)
+        stored = encode_all(local, fmt, places, mesh, signed, rounding, timeout)
         for (index, part, i), (c, s) in zip(found, stored):
             codes[part][i], scales[part][i] = c, s
             leaves[index] = dtensor_lib.with_empty_dim(leaves[index])

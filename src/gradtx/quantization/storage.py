@@ -76,17 +76,19 @@ def encode_all(
     mesh: Optional[MeshAxes],
     signed: Sequence[bool],
     rounding: Optional[Sequence[Optional[Rounding]]] = None,
+    timeout: Optional[float] = None,
 ) -> list[tuple[Tensor, Optional[Tensor]]]:
     """Each (local) leaf as stored, ``(codes, scales)`` (``scales`` ``None`` for a plain cast): its
     blocks as ``places`` say, the blocks pieces share combined across ranks (one all-reduce per group).
     ``signed``: per leaf, whether it is read with the codec's signed map (else the unsigned one, for
     a field declared non-negative); recorded in the sign bit of every scale. ``rounding``: per leaf,
-    ``None`` (round to nearest) or what its stochastic rounding draws from (:func:`rounding_keys`)."""
+    ``None`` (round to nearest) or what its stochastic rounding draws from (:func:`rounding_keys`).
+    ``timeout``: the spec's bound on the wait for the shared blocks' all-reduce."""
     if fmt.codec is None:
         return [(leaf.to(fmt.storage), None) for leaf in leaves]  # type: ignore[arg-type]
     out = []
     rounding = rounding if rounding is not None else [None] * len(leaves)
-    for leaf, place, scales, drawn in zip(leaves, places, scales_of(leaves, places, fmt.block_size, mesh, signed), rounding):
+    for leaf, place, scales, drawn in zip(leaves, places, scales_of(leaves, places, fmt.block_size, mesh, signed, timeout), rounding):
         geo = blocks.geometry(leaf.shape, fmt.block_size, place.column)
         if drawn is None:
             codes = blocks.quantize(leaf, scales, geo, fmt.codec)

@@ -68,10 +68,13 @@ def row_cuts(tree: Any, spec: Optional[ShardingSpec], *, what: str) -> tuple[Opt
     return grid.mesh, out
 
 
-def max_grouped(mesh: MeshAxes, items: Sequence[tuple[tuple[str, ...], Tensor]]) -> list[Tensor]:
+def max_grouped(
+    mesh: MeshAxes, items: Sequence[tuple[tuple[str, ...], Tensor]], *, timeout: Optional[float] = None, what: str = "a maximum over pieces"
+) -> list[Tensor]:
     """Each tensor of ``items`` replaced by its elementwise maximum over the ranks of its axes: one
     all-reduce per distinct group, in float64 (integers below ``2**53`` are exact; gloo's MAX
-    drops a NaN, so pass NaN-free encodings, e.g. a float32's bit pattern as an integer)."""
+    drops a NaN, so pass NaN-free encodings, e.g. a float32's bit pattern as an integer). Each
+    wait is bounded by ``timeout`` seconds (the spec's)."""
     from gradtx.sharding.reductions import reduce_grouped
 
-    return reduce_grouped(mesh, items, dist.ReduceOp.MAX)
+    return reduce_grouped(mesh, items, dist.ReduceOp.MAX, timeout=timeout, what=what)
