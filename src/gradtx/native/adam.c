@@ -45,6 +45,16 @@ static inline float decayed_update(float p, float m, float root, float eps, floa
 static void adam_update(const float *mo, const float *vo, const float *p, float *uo, int len, float eps, float step,
                         float factor, int decay, vector_sqrt vsqrt, long long mode, double *sums);
 
+/* m' = lerp(m, g, w): m + w (g - m) for |w| < 0.5 (`small`, coeff = w), else g - (1 - w)(g - m)
+ * (coeff = w - 1); v' = addcmul(v * b2, g, g, value=c2): (c2 g) g + v b2. */
+static inline __attribute__((always_inline)) float first_moment(float g, float m, int small, float coeff) {
+    return fmaf(coeff, g - m, small ? m : g);
+}
+
+static inline __attribute__((always_inline)) float second_moment(float g, float v, float b2, float c2) {
+    return fmaf(c2 * g, g, v * b2);
+}
+
 static void adam_block(const float *g, const float *m, const float *v, const float *p, float *mo,
                        float *vo, float *uo, int len, int small, float coeff, float b2, float c2,
                        float eps, float step, float factor, int decay, int scaled, float gscale,
@@ -56,11 +66,9 @@ static void adam_block(const float *g, const float *m, const float *v, const flo
             const uint32_t bits = magnitude_bits(g[i]);
             block_max = bits > block_max ? bits : block_max;
         }
-        float gi = scaled ? g[i] * gscale : g[i], mi = m[i];
-        /* lerp(m, g, w): m + w (g - m) for |w| < 0.5, else g - (1 - w)(g - m) */
-        mo[i] = fmaf(coeff, gi - mi, small ? mi : gi);
-        /* addcmul(v * b2, g, g, value=c2): (c2 g) g + v b2 */
-        vo[i] = fmaf(c2 * gi, gi, v[i] * b2);
+        const float gi = scaled ? g[i] * gscale : g[i];
+        mo[i] = first_moment(gi, m[i], small, coeff);
+        vo[i] = second_moment(gi, v[i], b2, c2);
     }
     if (top) { /* counted before uo, which may be g's own buffer, is written */
         if (block_max >= EXTREMES_INFINITY) *bad += block_nonfinite(g, len);
@@ -246,8 +254,8 @@ static void stored_moments_block(const float *g, const uint8_t *mc, const uint8_
     for (; i < len; i++) {
         const float mi = m_table[mc[i]] * m_scale, vi = v_table[vc[i]] * v_scale;
         const float gi = scaled ? g[i] * gscale : g[i];
-        mo[i] = fmaf(coeff, gi - mi, small ? mi : gi);
-        vo[i] = fmaf(c2 * gi, gi, vi * b2);
+        mo[i] = first_moment(gi, mi, small, coeff);
+        vo[i] = second_moment(gi, vi, b2, c2);
         const int32_t mb = bits_of(mo[i]) & 0x7FFFFFFF, vb = bits_of(vo[i]) & 0x7FFFFFFF;
         m_most = mb > m_most ? mb : m_most;
         v_most = vb > v_most ? vb : v_most;
@@ -341,9 +349,9 @@ static void amsgrad_block(const float *g, const float *m, const float *v, const 
     float root[BLOCK];
 #pragma GCC ivdep
     for (int i = 0; i < len; i++) {
-        const float gi = scaled ? g[i] * gscale : g[i], mi = m[i];
-        mo[i] = fmaf(coeff, gi - mi, small ? mi : gi);
-        const float vn = fmaf(c2 * gi, gi, v[i] * b2);
+        const float gi = scaled ? g[i] * gscale : g[i];
+        mo[i] = first_moment(gi, m[i], small, coeff);
+        const float vn = second_moment(gi, v[i], b2, c2);
         vo[i] = vn;
         const float c = corrected ? vn * ibc2 : vn, a = vm[i];
         vmo[i] = (a != a || c != c) ? NAN : (a > c ? a : c);
