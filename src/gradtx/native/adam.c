@@ -43,7 +43,19 @@ static inline float decayed_update(float p, float m, float root, float eps, floa
 /* The update of a block whose new moments mo, vo are made: u = mo / (sqrt(vo) + eps) * step, and
  * the decay and tally adam_block describes. */
 static void adam_update(const float *mo, const float *vo, const float *p, float *uo, int len, float eps, float step,
-                        float factor, int decay, vector_sqrt vsqrt, long long mode, double *sums);
+                        float factor, int decay, vector_sqrt vsqrt, long long mode, double *sums, const float *const *ahead);
+
+/* The update's loop goes a cache line of values at a time (LINE), asking at each for the line at the
+ * same place of the next block's g, m and v (`ahead`, or NULL): their reads start while this block's
+ * division keeps the core busy, where the first loop of the next block would wait for them. */
+#define LINE 16
+static inline void fetch_ahead(const float *const *ahead, int i) {
+    if (ahead) {
+        __builtin_prefetch(ahead[0] + i);
+        __builtin_prefetch(ahead[1] + i);
+        __builtin_prefetch(ahead[2] + i);
+    }
+}
 
 /* m' = lerp(m, g, w): m + w (g - m) for |w| < 0.5 (`small`, coeff = w), else g - (1 - w)(g - m)
  * (coeff = w - 1); v' = addcmul(v * b2, g, g, value=c2): (c2 g) g + v b2. */
@@ -58,7 +70,8 @@ static inline __attribute__((always_inline)) float second_moment(float g, float 
 static void adam_block(const float *g, const float *m, const float *v, const float *p, float *mo,
                        float *vo, float *uo, int len, int small, float coeff, float b2, float c2,
                        float eps, float step, float factor, int decay, int scaled, float gscale,
-                       vector_sqrt vsqrt, long long mode, double *sums, uint32_t *top, int64_t *bad) {
+                       vector_sqrt vsqrt, long long mode, double *sums, uint32_t *top, int64_t *bad,
+                       const float *const *ahead) {
     uint32_t block_max = 0;
 #pragma GCC ivdep
     for (int i = 0; i < len; i++) {
@@ -74,11 +87,11 @@ static void adam_block(const float *g, const float *m, const float *v, const flo
         if (block_max >= EXTREMES_INFINITY) *bad += block_nonfinite(g, len);
         *top = block_max > *top ? block_max : *top;
     }
-    adam_update(mo, vo, p, uo, len, eps, step, factor, decay, vsqrt, mode, sums);
+    adam_update(mo, vo, p, uo, len, eps, step, factor, decay, vsqrt, mode, sums, ahead);
 }
 
 static void adam_update(const float *mo, const float *vo, const float *p, float *uo, int len, float eps, float step,
-                        float factor, int decay, vector_sqrt vsqrt, long long mode, double *sums) {
+                        float factor, int decay, vector_sqrt vsqrt, long long mode, double *sums, const float *const *ahead) {
     float root[BLOCK];
     if (vsqrt) {
         vsqrt(len, vo, root, mode);
@@ -97,6 +110,7 @@ static void adam_update(const float *mo, const float *vo, const float *p, float 
         __m256 su8[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         __m256 sp8[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (; i + SQUARES_LANES <= len; i += SQUARES_LANES) {
+            fetch_ahead(ahead, i);
 #pragma GCC unroll 2
             for (int k = 0; k < 2; k++) {
                 const int at = i + 8 * k;
@@ -113,7 +127,8 @@ static void adam_update(const float *mo, const float *vo, const float *p, float 
             _mm256_storeu_ps(sp + 8 * k, sp8[k]);
         }
 #else
-        for (; i + SQUARES_LANES <= len; i += SQUARES_LANES)
+        for (; i + SQUARES_LANES <= len; i += SQUARES_LANES) {
+            fetch_ahead(ahead, i);
 #pragma GCC ivdep
             for (int j = 0; j < SQUARES_LANES; j++) {
                 const float pi = p[i + j], ui = decayed_update(pi, mo[i + j], root[i + j], eps, step, factor);
@@ -121,6 +136,7 @@ static void adam_update(const float *mo, const float *vo, const float *p, float 
                 su[j] = fmaf(ui, ui, su[j]);
                 sp[j] = fmaf(pi, pi, sp[j]);
             }
+        }
 #endif
         for (int j = 0; i < len; i++, j++) {
             const float pi = p[i], ui = decayed_update(pi, mo[i], root[i], eps, step, factor);
@@ -131,14 +147,29 @@ static void adam_update(const float *mo, const float *vo, const float *p, float 
         sums[0] = lanes_total(su);
         sums[1] = lanes_total(sp);
     } else if (decay == 1) {
+        int i = 0;
+        for (; i + LINE <= len; i += LINE) {
+            fetch_ahead(ahead, i);
 #pragma GCC ivdep
-        for (int i = 0; i < len; i++) uo[i] = decayed_update(p[i], mo[i], root[i], eps, step, factor);
+            for (int j = i; j < i + LINE; j++) uo[j] = decayed_update(p[j], mo[j], root[j], eps, step, factor);
+        }
+        for (; i < len; i++) uo[i] = decayed_update(p[i], mo[i], root[i], eps, step, factor);
     } else if (decay == 2) { /* add(u, mul(p, factor)): a tensor factor, two roundings */
+        int i = 0;
+        for (; i + LINE <= len; i += LINE) {
+            fetch_ahead(ahead, i);
 #pragma GCC ivdep
-        for (int i = 0; i < len; i++) uo[i] = (mo[i] / (root[i] + eps)) * step + p[i] * factor;
+            for (int j = i; j < i + LINE; j++) uo[j] = (mo[j] / (root[j] + eps)) * step + p[j] * factor;
+        }
+        for (; i < len; i++) uo[i] = (mo[i] / (root[i] + eps)) * step + p[i] * factor;
     } else {
+        int i = 0;
+        for (; i + LINE <= len; i += LINE) {
+            fetch_ahead(ahead, i);
 #pragma GCC ivdep
-        for (int i = 0; i < len; i++) uo[i] = (mo[i] / (root[i] + eps)) * step;
+            for (int j = i; j < i + LINE; j++) uo[j] = (mo[j] / (root[j] + eps)) * step;
+        }
+        for (; i < len; i++) uo[i] = (mo[i] / (root[i] + eps)) * step;
     }
 }
 
@@ -181,15 +212,17 @@ void gradtx_adam_f32(const float *g, const float *m, const float *v, const float
             const int64_t s = b * BLOCK;
             const int len = (int)(n - s < BLOCK ? n - s : BLOCK);
             float *mb = stream ? scratch[0] : mo + s, *vb = stream ? scratch[1] : vo + s, *ub = stream ? scratch[2] : uo + s;
+            const float *following[3] = {g + s + BLOCK, m + s + BLOCK, v + s + BLOCK};
+            const float *const *ahead = n - s >= 2 * BLOCK ? following : 0; /* a whole block follows */
             if (partial && decay == 1) { /* the sums in the update's own loop */
                 double both[2];
                 adam_block(g + s, m + s, v + s, p + s, mb, vb, ub, len, small, coeff, b2, c2, eps,
-                           step, factor, decay, scaled, gscale, vsqrt, mode, both, want, &bad);
+                           step, factor, decay, scaled, gscale, vsqrt, mode, both, want, &bad, ahead);
                 partial[b] = both[0];
                 partial[blocks + b] = both[1];
             } else {
                 adam_block(g + s, m + s, v + s, decay ? p + s : 0, mb, vb, ub, len, small,
-                           coeff, b2, c2, eps, step, factor, decay, scaled, gscale, vsqrt, mode, 0, want, &bad);
+                           coeff, b2, c2, eps, step, factor, decay, scaled, gscale, vsqrt, mode, 0, want, &bad, ahead);
                 if (partial) {
                     partial[b] = block_squares(ub, len);
                     partial[blocks + b] = p ? block_squares(p + s, len) : 0.0;
@@ -320,7 +353,7 @@ void gradtx_adam_stored_f32(const float *g, const float *p, const uint8_t *mc, c
                                  joint + (bits_of(vs[k]) < 0 ? 0 : size), fabsf(vs[k]), mn, vn, len, small, coeff, b2,
                                  c2, scaled, gscale, &m_top, &v_top);
             prefetch_lines(g + next, count * (int64_t)sizeof(float));
-            adam_update(mn, vn, decay ? p + at : 0, stream_update ? u : uo + at, len, eps, step, factor, decay, vsqrt, mode, 0);
+            adam_update(mn, vn, decay ? p + at : 0, stream_update ? u : uo + at, len, eps, step, factor, decay, vsqrt, mode, 0, 0);
             if (stream_update) stream_copy_any(uo + at, u, len);
             const float m_absmax = float_of(m_top), v_absmax = float_of(v_top);
             mso[k] = m_signed ? -m_absmax : m_absmax;
