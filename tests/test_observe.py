@@ -438,3 +438,40 @@ def test_group_statistics_equal_dense_for_random_trees_and_groupings(drawn):
         members = [k for k, label in labels.items() if label == name]
         _assert_stats(state.groups[name], _reference(grads2, params2, members, (updates, params)), name)
     _assert_stats(state.total, _reference(grads2, params2, list(shapes), (updates, params)), "total")
+
+
+@pytest.mark.parametrize("poison", [None, math.nan, math.inf])
+def test_statistics_finished_on_the_host_equal_the_tensor_ops(monkeypatch, poison):
+    # eagerly on the CPU the sums and the statistics are host floats; elsewhere the same numbers
+    # come from tensor ops: the groups' sums and every rounding must agree (the total's sum may add
+    # the leaves in another order: its last bits may differ); 48 one-leaf groups and two-leaf ones
+    gen = torch.Generator().manual_seed(3)
+    params, grads = ({f"block{i}": {"w": torch.randn(1 + i, 3, generator=gen), "b": torch.randn(i, generator=gen)} for i in range(24)} for _ in range(2))
+    if poison is not None:
+        grads["block5"]["w"][2, 1] = poison
+        grads["block9"]["b"][0] = -poison
+    tx = gtx.observe(_inner(), groups="module" if poison is None else 1)
+
+    def run():
+        first, second, *_ = _two_steps(tx, params, grads)
+        return second
+
+    host = run()
+    observing = gtx.chains.observing
+    monkeypatch.setattr(observing, "_on_host", lambda *args: False)
+    monkeypatch.setattr(  # the per-column tensor ops that compiled steps and accelerators run
+        observing, "_host_stats", lambda rows, maxima, dtype, previous: [
+            observing._stats_of(torch.tensor(rows, dtype=torch.float64), torch.tensor(maxima, dtype=torch.float64), column, dtype, before)
+            for column, before in enumerate(previous)
+        ],
+    )
+    ops = run()
+    for name in host.groups:
+        for stat, a, b in zip(gtx.chains.observing.STATISTICS, host.groups[name], ops.groups[name]):
+            assert a.dtype == b.dtype and (torch.equal(a, b) or bool(a.isnan() & b.isnan())), (name, stat, a, b)
+    for stat, a, b in zip(gtx.chains.observing.STATISTICS, host.total, ops.total):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0, equal_nan=True, msg=lambda m: f"total {stat}: {m}")
+    assert torch.equal(host.pending_update_sq.isnan(), ops.pending_update_sq.isnan())
+    torch.testing.assert_close(host.pending_update_sq, ops.pending_update_sq, rtol=1e-12, atol=0, equal_nan=True)
+    for a, b in zip(host.clip, ops.clip):
+        assert torch.equal(a, b) or bool(a.isnan() & b.isnan())

@@ -33,6 +33,7 @@ import math
 import re
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -248,6 +249,16 @@ def _check_gradients(layout: stats_lib.GroupLayout, grads: Sequence[Any]) -> Non
             raise TypeError(f"leaf {path!r} is a {g.dtype} tensor; observe's gradients must be floating point or complex")
 
 
+def _on_host(device: torch.device, grads: Sequence[Any], params: Optional[Sequence[Any]]) -> bool:
+    """Whether the statistics of these leaves can be finished on the host: eagerly, with every
+    tensor on the CPU (reading a value there waits for nothing)."""
+    return (
+        device.type == "cpu"
+        and not torch_internals.functorch_active()
+        and all(leaf.is_cpu for leaves in (grads, params or ()) for leaf in leaves if isinstance(leaf, Tensor))
+    )
+
+
 def _apart(params: list[Any], written: Any) -> bool:
     """Whether no param shares memory with a tensor of ``written`` (donated updates and state)."""
     return not dtensor_lib.storage_pointers(tree_lib.leaves(written)) & dtensor_lib.storage_pointers(params)
@@ -261,7 +272,8 @@ class _Extremes:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.parts: list[tuple[list[Tensor], Tensor, Tensor]] = []  # (tensors, their maxima, their counts)
+        # (tensors, their maxima, their counts): tensors from a scaling, host floats from a kernel
+        self.parts: list[tuple[list[Tensor], Any, Any]] = []
 
     def scale(self, tensors: list[Tensor], coefficient: Tensor, inplace: bool) -> list[Tensor]:
         done = native_observed.scale_observed(tensors, coefficient, inplace=inplace)
@@ -276,19 +288,39 @@ class _Extremes:
     __call__ = scale  # the Scaling itself, so a kernel that takes the product finds :meth:`absorbed`
 
     def absorbed(self, tensors: list[Tensor], maxima: list[float], counts: list[int]) -> None:
-        self.parts.append((list(tensors), torch.tensor(maxima, dtype=torch.float64), torch.tensor(counts, dtype=torch.float64)))
+        self.parts.append((list(tensors), maxima, [float(c) for c in counts]))
 
     def of(self, tensors: list[Tensor]) -> tuple[Tensor, Tensor]:
-        if len(self.parts) == 1 and len(self.parts[0][0]) == len(tensors) and all(a is b for a, b in zip(tensors, self.parts[0][0])):
-            _, maxima, counts = self.parts[0]
-        else:  # several groups: each tensor's values, found by identity
-            where = {id(t): (k, j) for k, (seen, _, _) in enumerate(self.parts) for j, t in enumerate(seen)}
-            found = [where.get(id(t)) for t in tensors]
-            if None in found or sum(len(seen) for seen, _, _ in self.parts) != len(tensors):
-                raise RuntimeError("observe: the leading clip scaled other tensors than the gradients observe was given")
-            maxima = torch.stack([self.parts[k][1][j].to(torch.float64) for k, j in found])  # type: ignore[misc]
-            counts = torch.stack([self.parts[k][2][j].to(torch.float64) for k, j in found])  # type: ignore[misc]
+        """Each tensor's ``max |g|`` and non-finite count, as tensors on the device."""
+        parts = [
+            tuple(torch.tensor(x, dtype=torch.float64) if isinstance(x, list) else x for x in (maxima, counts))
+            for _, maxima, counts in self.parts
+        ]
+        located = self._located(tensors)
+        if located is None:
+            maxima, counts = parts[0]
+        else:
+            maxima = torch.stack([parts[k][0][j].to(torch.float64) for k, j in located])
+            counts = torch.stack([parts[k][1][j].to(torch.float64) for k, j in located])
         return maxima.to(self.device), counts.to(device=self.device, dtype=torch.float64)
+
+    def host_of(self, tensors: list[Tensor]) -> tuple[list[float], list[float]]:
+        """:meth:`of` as host floats (where a scaling's tensors hold them, they are read: CPU only)."""
+        parts = [tuple(x if isinstance(x, list) else x.tolist() for x in (maxima, counts)) for _, maxima, counts in self.parts]
+        located = self._located(tensors)
+        if located is None:
+            return parts[0][0], [float(c) for c in parts[0][1]]
+        return [parts[k][0][j] for k, j in located], [float(parts[k][1][j]) for k, j in located]
+
+    def _located(self, tensors: list[Tensor]) -> Optional[list[tuple[int, int]]]:
+        """Each tensor's (part, index) in :attr:`parts`; ``None`` when one part holds them all, in order."""
+        if len(self.parts) == 1 and len(self.parts[0][0]) == len(tensors) and all(a is b for a, b in zip(tensors, self.parts[0][0])):
+            return None
+        where = {id(t): (k, j) for k, (seen, _, _) in enumerate(self.parts) for j, t in enumerate(seen)}
+        found = [where.get(id(t)) for t in tensors]
+        if None in found or sum(len(seen) for seen, _, _ in self.parts) != len(tensors):
+            raise RuntimeError("observe: the leading clip scaled other tensors than the gradients observe was given")
+        return found  # type: ignore[return-value]
 
 
 def _stats_of(sums: Tensor, maxima: Tensor, column: int, dtype: torch.dtype, previous: ObservedStats) -> ObservedStats:
@@ -298,18 +330,27 @@ def _stats_of(sums: Tensor, maxima: Tensor, column: int, dtype: torch.dtype, pre
 
 
 def _all_stats(sums: Tensor, maxima: Tensor, dtype: torch.dtype, previous: list[ObservedStats]) -> list[ObservedStats]:
-    """:func:`_stats_of` of every column (total, then the groups). Eagerly on the CPU the same
-    operations run once over all columns and the values are read back, so each statistic is still a
-    tensor of its own, made from its value, instead of six operations per group."""
+    """:func:`_stats_of` of every column (total, then the groups). Eagerly on the CPU the values are
+    read back and finished on the host (:func:`_host_stats`), so each statistic is still a tensor of
+    its own, made from its value, instead of six operations per group."""
     if torch.compiler.is_compiling() or sums.device.type != "cpu" or torch_internals.functorch_active():
         return [_stats_of(sums, maxima, column, dtype, before) for column, before in enumerate(previous)]
-    roots = sums[:3].sqrt().to(dtype)
-    ratios = roots[1] / torch.tensor([float(before.param_norm) for before in previous], dtype=dtype)
-    table = torch.cat([roots, ratios[None], maxima.to(dtype)[None]]).t().tolist()
-    counts = sums[3].to(torch.int64).tolist()
+    return _host_stats(sums.tolist(), maxima.tolist(), dtype, previous)
+
+
+def _host_stats(rows: list[list[float]], maxima: list[float], dtype: torch.dtype, previous: list[ObservedStats]) -> list[ObservedStats]:
+    """:func:`_stats_of` of every column, from host floats: ``rows`` are the float64 sums (gradients'
+    squares, the previous updates' squares, the params' squares, non-finite counts), ``maxima`` the
+    ``max |g|``, one value per column. The same roundings as the tensor ops (a float64 square root,
+    one rounding to ``dtype``, the ratio divided in ``dtype``), in numpy's vector ops."""
+    kind = np.float32 if dtype == torch.float32 else np.float64
+    with np.errstate(all="ignore"):  # overflow to inf and 0 / 0 as the tensor ops give them
+        roots = np.sqrt(np.array(rows[:3], dtype=np.float64)).astype(kind)
+        ratios = roots[1] / np.array([float(before.param_norm) for before in previous], dtype=np.float64).astype(kind)
+        largest = np.array(maxima, dtype=np.float64).astype(kind)
     return [
-        ObservedStats(*(torch.scalar_tensor(value, dtype=dtype) for value in row), torch.scalar_tensor(count, dtype=torch.int64))
-        for row, count in zip(table, counts)
+        ObservedStats(*(torch.scalar_tensor(value, dtype=dtype) for value in values[:5]), torch.scalar_tensor(int(values[5]), dtype=torch.int64))
+        for values in zip(*roots.tolist(), ratios.tolist(), largest.tolist(), rows[3])
     ]
 
 
@@ -452,6 +493,17 @@ def observe(
             with native_observed.tallying() as tally:
                 run = lead.given(clip_norm, extremes)  # type: ignore[union-attr]
                 new_updates, inner_state = run(updates, state.inner_state, params, inplace=inplace, **forwarded)
+            if _on_host(device, grads, counted_params):  # a few dozen leaves' values: host floats, not tensor ops
+                grad_sq, nonfinite, host_maxima = stats_lib.host_gradient_partials(layout, grads, norms, extremes.host_of)
+                param_sq = [math.nan] * len(grad_sq) if counted_params is None else stats_lib.host_squared_sums(layout, counted_params, tally)
+                rows = [grad_sq, pending.tolist(), param_sq, nonfinite]
+                new_pending = stats_lib.host_squared_sums(layout, tree_lib.leaves(new_updates), tally)
+                previous = [state.total] + [state.groups.get(name) or _empty_stats(device, dtype) for name in layout.names]
+                total, *group_stats = _host_stats(rows, host_maxima, dtype, previous)
+                return new_updates, ObserveState(
+                    inner_state, total, dict(zip(layout.names, group_stats)), _clip_stats(clip, inner_state, dtype, clip_norm),
+                    torch.tensor(new_pending, dtype=torch.float64, device=device),
+                )
             partials = stats_lib.gradient_partials(layout, grads, device, norms, extremes.of)
             sums = torch.stack([partials.sq, pending.to(device), _param_sq(layout, counted_params, partials.sq, device, tally), partials.nonfinite])
             maxima = partials.max

@@ -70,8 +70,7 @@ def piece_squares(
     :func:`gradtx.sharding.statistics.gradient_partials` reads it with the piece's extremes in one
     pass; any other piece's is the square of its norm, taken by ``norms``. ``known``: sums already
     taken in that order (``None`` where none is)."""
-    found = list(known) if known is not None else [None] * len(tensors)
-    found = [total if total is not None else native_observed.squares(t) for t, total in zip(tensors, found)]
+    found = taken_squares(tensors, known)
     rest = [i for i, total in enumerate(found) if total is None]
     if len(rest) == len(tensors):
         return _squares(norms(list(tensors)), device) if tensors else torch.zeros(0, dtype=_REDUCE_DTYPE, device=device)
@@ -79,6 +78,13 @@ def piece_squares(
     if rest:
         out[rest] = _squares(norms([tensors[i] for i in rest]), device)
     return out
+
+
+def taken_squares(tensors: Sequence[Tensor], known: Optional[Sequence[Optional[float]]] = None) -> list[Optional[float]]:
+    """Per tensor, its sum of squares from ``known``, else :func:`gradtx.native.observed.squares`'
+    pass over it, else ``None`` (a tensor that kernel does not take)."""
+    found = list(known) if known is not None else [None] * len(tensors)
+    return [total if total is not None else native_observed.squares(t) for t, total in zip(tensors, found)]
 
 
 def _squares(norms: list[Tensor], device: torch.device) -> Tensor:

@@ -32,7 +32,7 @@ from gradtx.native import observed as native_observed
 from gradtx.sharding import dtensor as dtensor_lib
 from gradtx.sharding import waiting
 from gradtx.sharding.plan import Plan, plan_for
-from gradtx.sharding.reductions import _finish_norm, _local_norms, _norm_buffer, _squares, is_sharded, piece_squares
+from gradtx.sharding.reductions import _finish_norm, _local_norms, _norm_buffer, _squares, is_sharded, piece_squares, taken_squares
 from gradtx.sharding.spec import ShardingSpec
 
 _DTYPE = torch.float64
@@ -173,6 +173,52 @@ def _per_group(layout: GroupLayout, groups: Optional[Tensor], values: Optional[T
         total = values.amax().reshape(1)
         grouped = out.scatter_reduce(0, groups, values, "amax", include_self=True)
     return torch.cat([total, grouped[1:]])
+
+
+def larger(a: float, b: float) -> float:
+    """The larger of two host floats, NaN if either is (``amax``'s rule)."""
+    if a != a or b != b:
+        return math.nan
+    return b if b > a else a
+
+
+def grouped_values(layout: GroupLayout, indices: Sequence[int], values: Sequence[float], reduce: str) -> list[float]:
+    """:func:`_per_group` of host floats (one per leaf of ``indices``), without a tensor op: each
+    group's sum added in leaf order, as ``index_add`` adds it (the total too, where ``sum`` may
+    add in another order: its last bits may differ), or the maxima over zero, a NaN winning. For a
+    step's few dozen leaves this costs less than the ops."""
+    out = [0.0] * (len(layout.names) + 1)
+    slots = layout.leaf_groups
+    total = 0.0
+    if reduce == "sum":
+        for i, value in zip(indices, values):
+            total += value
+            out[slots[i] + 1] += value
+    else:
+        total = values[0] if values else 0.0
+        for i, value in zip(indices, values):
+            total = larger(total, value)
+            out[slots[i] + 1] = larger(out[slots[i] + 1], value)
+    out[0] = total
+    return out
+
+
+def host_squares(tensors: list[Tensor], tally: Optional[native_observed.Tally] = None) -> list[float]:
+    """:func:`leaf_squares` of CPU tensors as host floats: the same sums (a kernel's tally, the
+    native pass, else the squares of their 2-norms), without building a tensor of them."""
+    found = taken_squares(tensors, [tally.squares(t) for t in tensors] if tally is not None else None)
+    rest = [i for i, total in enumerate(found) if total is None]
+    if rest:
+        cpu = torch.device("cpu")
+        for i, total in zip(rest, _squares(_fusable_norms([tensors[i] for i in rest]), cpu).tolist()):
+            found[i] = total
+    return found  # type: ignore[return-value]
+
+
+def host_squared_sums(layout: GroupLayout, tree_leaves: Sequence[Any], tally: Optional[native_observed.Tally] = None) -> list[float]:
+    """:func:`squared_sums` of a tree of CPU tensors, as host floats."""
+    counted = _counted(layout, tree_leaves)
+    return grouped_values(layout, [i for i, _ in counted], host_squares([t for _, t in counted], tally), "sum")
 
 
 def _compiled_reductions(tensors: Sequence[Tensor]) -> bool:
@@ -325,6 +371,19 @@ def gradient_partials(
         norms,
         maxima,
     )
+
+
+def host_gradient_partials(
+    layout: GroupLayout, tree_leaves: Sequence[Any], norms: list[Tensor], extremes: Callable[[list[Tensor]], tuple[list[float], list[float]]]
+) -> tuple[list[float], list[float], list[float]]:
+    """:func:`gradient_partials` of CPU leaves, given their ``norms`` (:func:`counted_norms`) and
+    ``extremes`` (their ``max |g|`` and non-finite counts), as host floats: the sums of squares,
+    the non-finite counts and the maxima, each ``[total, per group]``."""
+    counted = _counted(layout, tree_leaves)
+    indices, tensors = [i for i, _ in counted], [t for _, t in counted]
+    squares = [value * value for value in torch.stack(norms).tolist()] if norms else []  # _squares' float64 products
+    maxima, counts = extremes(tensors) if tensors else ([], [])
+    return grouped_values(layout, indices, squares, "sum"), grouped_values(layout, indices, counts, "sum"), grouped_values(layout, indices, maxima, "max")
 
 
 def counted_norms(layout: GroupLayout, tree_leaves: Sequence[Any]) -> list[Tensor]:
