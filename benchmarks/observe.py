@@ -5,7 +5,8 @@
    against the same chain inside ``observe(..., groups=2)`` (one group per layer and per top-level
    leaf: 7 groups). Both the pure path (new updates and state) and the donated one
    (``inplace=True``, as ``wrap`` runs it). Interleaved rounds (``common.interleaved``), medians, and
-   the median of per-round ratios; with 1 and 2 torch threads (target: ratio <= 1.05).
+   the median of per-round ratios (statistics on over off, each pure or each donated, timed in the
+   same round); with 1 and 2 torch threads (target: ratio <= 1.05).
    With ``--compiled``, the same two steps through ``gtx.compile_step`` as well (1 thread).
 2. Collectives per step in a world of 2 (gloo, one process per rank, ZeRO-style: every leaf split
    over ``dp`` along dim 0, declared by a ``ShardingSpec``): the sharded clip alone in the chain,
@@ -35,7 +36,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import gradtx as gtx  # noqa: E402
-from benchmarks.common import GPT_41M, interleaved, make_tree, n_elements, report  # noqa: E402
+from benchmarks.common import GPT_41M, interleaved, make_tree, median_ratio, n_elements, report  # noqa: E402
 from benchmarks.sharded import count_collectives  # noqa: E402
 
 SMALL = dict(n_layer=4, d_model=256, vocab=8192, n_ctx=512)
@@ -63,9 +64,11 @@ def candidates(grads, params, spec=None) -> dict:
     }
 
 
-def ratios_text(ratios: dict[str, float]) -> str:
-    pure = ratios["observe(chain(clip, adamw), groups=2)"]
-    donated = ratios["observe(...), inplace=True"] / ratios["chain(clip, adamw), inplace=True"]
+def ratios_text(times: dict[str, list[float]]) -> str:
+    """Statistics on / off, each the median over rounds of one round's ratio (on and off timed in
+    the same round)."""
+    pure = median_ratio(times, "observe(chain(clip, adamw), groups=2)", BASELINE)
+    donated = median_ratio(times, "observe(...), inplace=True", "chain(clip, adamw), inplace=True")
     return f"statistics on / off: pure {pure:.3f}, inplace {donated:.3f} (target <= 1.05)"
 
 
@@ -75,8 +78,8 @@ def local_timing(config: dict, rounds: int) -> None:
     for threads in (1, 2):
         torch.set_num_threads(threads)
         times = interleaved(candidates(grads, params), rounds=rounds)
-        ratios = report(f"one step, {threads} thread(s) (unsharded)", times, BASELINE)
-        print("  " + ratios_text(ratios))
+        report(f"one step, {threads} thread(s) (unsharded)", times, BASELINE)
+        print("  " + ratios_text(times))
 
 
 def compiled_timing(config: dict, rounds: int) -> None:
@@ -121,8 +124,8 @@ def worker(rank: int, store_path: str, config: dict, rounds: int) -> None:
     times = interleaved(steps, rounds=rounds)
     if rank == 0:
         print(f"\nworld {WORLD} (gloo), every leaf split over dp along dim 0, {n_elements(dense_grads) / 1e6:.1f}M elements")
-        ratios = report("one sharded step (rank 0, 1 thread)", times, BASELINE)
-        print("  " + ratios_text(ratios))
+        report("one sharded step (rank 0, 1 thread)", times, BASELINE)
+        print("  " + ratios_text(times))
         print("\ncollectives per step (gloo events in a torch.profiler trace)")
         for name, count in counts.items():
             print(f"  {name:45s} {count}")
