@@ -259,9 +259,11 @@ def _on_host(device: torch.device, grads: Sequence[Any], params: Optional[Sequen
     )
 
 
-def _apart(params: list[Any], written: Any) -> bool:
-    """Whether no param shares memory with a tensor of ``written`` (donated updates and state)."""
-    return not dtensor_lib.storage_pointers(tree_lib.leaves(written)) & dtensor_lib.storage_pointers(params)
+def _apart(params: list[Any], updates: list[Any], state: Any) -> bool:
+    """Whether no param shares memory with a donated update (``updates``: the leaves) or a tensor
+    of ``state``."""
+    written = dtensor_lib.storage_pointers(updates) | dtensor_lib.storage_pointers(tree_lib.leaves(state))
+    return not written & dtensor_lib.storage_pointers(params)
 
 
 class _Extremes:
@@ -420,9 +422,10 @@ def observe(
         )
     layouts: dict[Any, stats_lib.GroupLayout] = {}
 
-    def layout_of(tree: PyTree) -> stats_lib.GroupLayout:
-        tree_leaves = tree_lib.leaves(tree)
-        structure = tree_lib.structure(tree)
+    def layout_of(tree: PyTree, tree_leaves: Optional[list[Any]] = None, structure: Any = None) -> stats_lib.GroupLayout:
+        """The groups of ``tree`` (``tree_leaves`` and ``structure``: its flattening, when at hand)."""
+        if tree_leaves is None or structure is None:
+            tree_leaves, structure = tree_lib.leaves(tree), tree_lib.structure(tree)
         # eagerly through the paths' cache; traced, built anew (Dynamo traces through the cache)
         paths = tree_lib._structure_paths.__wrapped__(structure) if torch.compiler.is_compiling() else tree_lib._structure_paths(structure)
         key = (paths, _layout_key(tree_leaves))
@@ -457,8 +460,9 @@ def observe(
         return ObserveState(inner_state, _empty_stats(device, dtype), groups, clip_stats, pending)
 
     def update_fn(updates, state, params=None, *, inplace=False, **extra_args):
-        layout = layout_of(updates)
-        grads = tree_lib.leaves(updates)
+        # eagerly the updates are flattened once for all that follows; traced, as Dynamo traces best
+        grads, structure = tree_lib.flatten(updates) if not torch.compiler.is_compiling() else (tree_lib.leaves(updates), None)
+        layout = layout_of(updates, grads, structure)
         device = stats_lib.local_device(grads, layout.plan)
         eager = not torch.compiler.is_compiling()
         # under sharding a rank that fails here still joins the one all-reduce, with an error bit:
@@ -469,7 +473,8 @@ def observe(
         try:
             _check_gradients(layout, grads)
             if params is not None:
-                param_leaves = tree_lib.flatten_like(params, tree_lib.structure(updates), updates, what="observe: params", like="updates")
+                expected = structure if structure is not None else tree_lib.structure(updates)
+                param_leaves = tree_lib.flatten_like(params, expected, updates, what="observe: params", like="updates")
                 counted_params = [p if g is not None else None for p, g in zip(param_leaves, grads)]
         except (TypeError, ValueError) as exc:
             if not collective:
@@ -483,7 +488,7 @@ def observe(
         fused = _fusable(lead, layout, spec)
         p = lead.norm_type if fused else 2.0  # type: ignore[union-attr]
         # the params' sums may be taken after ``inner`` (from its tally) when nothing it may write holds them
-        params_kept = counted_params is None or not inplace or _apart(counted_params, (updates, state.inner_state))
+        params_kept = counted_params is None or not inplace or _apart(counted_params, grads, state.inner_state)
         if error is None and fused == "local" and p == 2.0 and eager and params_kept and native_observed.usable() is not None:
             # nothing is sharded, so no statistic waits for a collective: all are read in the passes
             # the step makes (the clip's norm, its scaling, the Adam kernel's tally), none of their own
