@@ -480,7 +480,7 @@ def observe(
             if not collective:
                 raise
             error = exc
-        dtype = torch.float32 if error is not None else tree_lib.accumulation_dtype(tree_lib.real_dtypes(updates))
+        dtype = torch.float32 if error is not None else tree_lib.accumulation_dtype(tree_lib.real_dtypes(grads))
         forwarded = extra_args if extra else {}
         pending = state.pending_update_sq
         if pending.shape != (len(layout.names) + 1,):  # a new tree structure: no update of its own before
