@@ -231,6 +231,18 @@ def _clip_stats(found: Any, inner_state: Any, dtype: torch.dtype, norm: Optional
     return ObservedClip(norm.detach().to(dtype), coef.detach().to(dtype), (coef < 1.0).detach())
 
 
+def _host_clip_stats(found: Any, inner_state: Any, dtype: torch.dtype, norm: Tensor, extremes: _Extremes) -> Optional[ObservedClip]:
+    """:func:`_clip_stats` of a leading clip whose float32 coefficient the step's passes took
+    (``extremes``): its value as they multiplied by it, made into tensors from host floats, where
+    :func:`_clip_stats` computes it again in tensor ops."""
+    factor = extremes.host_factor() if norm.dtype == torch.float32 and norm.is_cpu else None
+    if found is None or factor is None:
+        return _clip_stats(found, inner_state, dtype, norm)
+    return ObservedClip(
+        torch.scalar_tensor(norm.item(), dtype=dtype), torch.scalar_tensor(factor, dtype=dtype), torch.scalar_tensor(factor < 1.0, dtype=torch.bool)
+    )
+
+
 # --------------------------------------------------------------------------- the transformation
 
 
@@ -276,6 +288,7 @@ class _Extremes:
         self.device = device
         # (tensors, their maxima, their counts): tensors from a scaling, host floats from a kernel
         self.parts: list[tuple[list[Tensor], Any, Any]] = []
+        self.factors: list[Any] = []  # the clip's coefficient as each part was scaled by it
 
     def scale(self, tensors: list[Tensor], coefficient: Tensor, inplace: bool) -> list[Tensor]:
         done = native_observed.scale_observed(tensors, coefficient, inplace=inplace)
@@ -285,12 +298,26 @@ class _Extremes:
         else:
             scaled, maxima, counts = done
         self.parts.append((list(tensors), maxima, counts))
+        self.factors.append(coefficient)
         return scaled
 
     __call__ = scale  # the Scaling itself, so a kernel that takes the product finds :meth:`absorbed`
 
-    def absorbed(self, tensors: list[Tensor], maxima: list[float], counts: list[int]) -> None:
+    def absorbed(self, tensors: list[Tensor], maxima: list[float], counts: list[int], factor: float) -> None:
         self.parts.append((list(tensors), maxima, [float(c) for c in counts]))
+        self.factors.append(factor)
+
+    def host_factor(self) -> Optional[float]:
+        """The one float32 coefficient every part was scaled by, as a host float; ``None`` when the
+        parts disagree, or one was scaled by another dtype's."""
+        values = set()
+        for factor in self.factors:
+            if isinstance(factor, Tensor):
+                if factor.dtype != torch.float32 or not factor.is_cpu or factor.numel() != 1:
+                    return None
+                factor = factor.item()
+            values.add(factor)
+        return values.pop() if len(values) == 1 else None
 
     def of(self, tensors: list[Tensor]) -> tuple[Tensor, Tensor]:
         """Each tensor's ``max |g|`` and non-finite count, as tensors on the device."""
@@ -506,7 +533,7 @@ def observe(
                 previous = [state.total] + [state.groups.get(name) or _empty_stats(device, dtype) for name in layout.names]
                 total, *group_stats = _host_stats(rows, host_maxima, dtype, previous)
                 return new_updates, ObserveState(
-                    inner_state, total, dict(zip(layout.names, group_stats)), _clip_stats(clip, inner_state, dtype, clip_norm),
+                    inner_state, total, dict(zip(layout.names, group_stats)), _host_clip_stats(clip, inner_state, dtype, clip_norm, extremes),
                     torch.tensor(new_pending, dtype=torch.float64, device=device),
                 )
             partials = stats_lib.gradient_partials(layout, grads, device, norms, extremes.of)

@@ -106,7 +106,8 @@ def step(
     ``grad_scale`` (a 0-d tensor or a number, else ``None``): the step of ``g * grad_scale``, the
     product taken where the kernel reads ``g``; ``scaling``: a :data:`gradtx.base.Scaling` the
     caller would scale by, which the kernel stands in for only when it takes the raw gradients'
-    extremes (``scaling.absorbed(tensors, maxima, counts)``), else ``None`` is returned."""
+    extremes (``scaling.absorbed(tensors, maxima, counts, factor)``, ``factor`` the float32 value
+    it multiplied by), else ``None`` is returned."""
     if not (isinstance(b1, float) and isinstance(b2, float)) or torch.compiler.is_compiling():
         return None
     if scaling is not None and (grad_scale is None or not hasattr(scaling, "absorbed")):
@@ -134,7 +135,7 @@ def step(
             maxima.append(extremes[0].value)
             counts.append(extremes[1].value)
     if scaling is not None:
-        scaling.absorbed(list(g), maxima, counts)
+        scaling.absorbed(list(g), maxima, counts, scale)
     # written in place: marked changed, as ATen's in-place ops mark them (autograd, and the tally,
     # read the version counter)
     changed = (list(mo) + list(vo) if inplace else []) + (list(uo) if own_updates else [])
