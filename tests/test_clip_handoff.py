@@ -264,3 +264,12 @@ def test_observe_reads_the_gradients_extremes_in_the_same_pass(inplace):
         for key, value in want.items():
             assert value == got[key] or (math.isnan(value) and math.isnan(got[key])), (bad, key)
         assert got["grad_nonfinite"] == (0.0 if bad is None else 1.0)
+
+
+def test_a_wrong_state_is_named_by_the_clip_that_hands_its_coefficient():
+    params = {"w": probe_values((40, 30), 5)}
+    grads = {"w": torch.randn(40, 30)}
+    tx = gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(1e-3))
+    clip_state, adam_state = tx.init(params)
+    with pytest.raises(TypeError, match=r"^clip_by_global_norm: state is a tuple of 3, where init makes a ClipByGlobalNormState"):
+        tx.update(grads, (adam_state, clip_state), params)

@@ -291,5 +291,8 @@ def checked(init: Callable, update: Callable, *, state_type: Optional[type] = No
     scaled_update = scaled_update_of(update)
     if scaled_update is not None:  # the same checks on the way a chain hands it a clip's coefficient
         takes_scaled_gradients(update_fn, with_checks(scaled_update))
+    handed_factor = getattr(update, "handed_factor", None)
+    if handed_factor is not None:  # and on the clip's side of that hand-off, before its norm's collective
+        update_fn.handed_factor = with_checks(handed_factor)  # type: ignore[attr-defined]
     setattr(update_fn, _CHECKED, True)
     return init_fn, update_fn

@@ -145,6 +145,45 @@ def no_collective_without_sharding(world):
 
 
 @pytest.mark.distributed
+@case(2, 4)
+def a_sharded_clip_hands_its_coefficient_to_the_adam_step(world):
+    """``chain(clip_by_global_norm(max_norm, spec), adamw)`` on plain pieces under a spec: the clip
+    hands the coefficient of the global norm to the Adam step (no scaling pass of its own), with one
+    collective per step, and the updates and state are those of the clip scaling on its own (a
+    member between them), bit for bit, on every rank, pure and donated; pipeline stages too."""
+    from gradtx import tree as tree_lib
+    from gradtx.native import adam as native_adam
+
+    mesh = world.mesh((2, world.size // 2), ("pp", "tp")) if world.size == 4 else world.mesh((2,), ("tp",))
+    stage_axis = "pp" if world.size == 4 else None
+    shapes, pieces = tp_model(2, stages=2 if stage_axis else 1)
+    dense = {k: torch.randn(s, generator=torch.Generator().manual_seed(7)) * 5 for k, s in shapes.items()}
+    spec = ShardingSpec(mesh, rules(pieces), stage_axis=stage_axis)
+    grads = {k: g.reshape(-1).clone().view(g.shape) for k, g in local_tree(dense, pieces, mesh, stage_axis).items()}  # row-major
+    params = {k: torch.randn(g.shape) for k, g in grads.items()}
+    handed = gtx.chain(gtx.clip_by_global_norm(1.0, spec), gtx.adamw(1e-2, weight_decay=0.1))
+    alone = gtx.chain(gtx.clip_by_global_norm(1.0, spec), gtx.identity(), gtx.adamw(1e-2, weight_decay=0.1))
+    kernel = native_adam.usable() is not None  # checked first: its check runs the ATen ops, which scale
+    scales = []
+    original = tree_lib.scale_
+    tree_lib.scale_ = lambda *args, **kwargs: (scales.append(1), original(*args, **kwargs))[1]
+    try:
+        for inplace in (False, True):
+            got = handed.update({k: g.clone() for k, g in grads.items()}, handed.init(params), params, inplace=inplace)
+            assert not (kernel and scales), "a scaling pass ran where the Adam kernel takes the product"
+            want = alone.update({k: g.clone() for k, g in grads.items()}, alone.init(params), params, inplace=inplace)
+            assert scales, "the member between them makes the clip scale"
+            scales.clear()
+            for a, b in zip(gtx.tree.leaves((got[0], got[1][0], got[1][1])), gtx.tree.leaves((want[0], want[1][0], want[1][2]))):
+                assert torch.equal(a, b), (inplace, a, b)
+            assert float(got[1][0].norm) > 1.0  # clipped
+    finally:
+        tree_lib.scale_ = original
+    state = handed.init(params)
+    handed.update(grads, state, params)
+    assert count_collectives(lambda: handed.update(grads, state, params)) == 1
+
+
 @pytest.mark.parametrize("size,name", _world.params_for(__name__))
 def test_collectives(size, name):
     _world.check(size, name)

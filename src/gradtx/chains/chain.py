@@ -162,9 +162,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     ``amsgrad``, ``sgd`` with momentum, ``lion``, ``scale_by_adam``, ``trace``: see
     :func:`~gradtx.base.takes_scaled_gradients`) hands that member its coefficient instead of
     scaling: eagerly, for float32 CPU gradients, the member's kernel multiplies each gradient by it
-    where it reads it, so no scaled copy is made, with the same numbers bit for bit. Where it cannot
-    be handed (sharded, sparse or graph-recording gradients, while compiling) the clip scales as
-    before.
+    where it reads it, so no scaled copy is made, with the same numbers bit for bit; plain pieces
+    laid out by the clip's ``spec`` too (the coefficient of the global norm is the same on every
+    rank). Where it cannot be handed (DTensor, sparse or graph-recording gradients, while
+    compiling) the clip scales as before.
     """
     parts = _flattened(transforms)
     members = tuple(_member(tx) for tx in parts)

@@ -180,18 +180,23 @@ def clip_by_global_norm(
     def handed_factor(updates, state, params=None, *, given: Optional[Tensor] = None):
         """``(coef, new_state)`` for a chain that hands ``coef`` to the member after the clip (see
         :func:`gradtx.base.takes_scaled_gradients`) instead of scaling here, or ``None`` where the
-        clip scales the gradients itself: sharded, sparse or graph-recording gradients, and while
-        compiling (the compiler fuses the product into the next loop on its own). ``given``: the
-        global norm, reduced by the caller."""
+        clip scales the gradients itself: DTensor, sparse or graph-recording gradients, and while
+        compiling (the compiler fuses the product into the next loop on its own). Plain pieces laid
+        out by a spec are handed it too: the coefficient of the global norm is the same on every
+        rank, and each rank's pieces are scaled by it as the clip scales them. ``given``: the global
+        norm, reduced by the caller."""
         del params, state
         if torch.compiler.is_compiling():
             return None
         tree_leaves, _, present = leaves_of(updates)
         grads = [tree_leaves[i] for i in present]
         plain = all(type(g) in (Tensor, torch.nn.Parameter) and g.layout == torch.strided for g in grads)
-        if not grads or not plain or sharding.is_sharded(grads, spec) or tree_lib.needs_graph(grads, max_norm, given):
+        if not grads or not plain or tree_lib.needs_graph(grads, max_norm, given):
             return None
-        coef, norm = coefficient(updates, grads, tree_lib.torch_groups(grads), given)
+        if sharding.is_sharded(grads, spec):  # the global norm: its one all-reduce, unless given
+            coef, norm = coefficient(updates, grads, given=given)
+        else:
+            coef, norm = coefficient(updates, grads, tree_lib.torch_groups(grads), given)
         return coef, ClipByGlobalNormState(norm=norm)
 
     update_fn.scalar_factor = scalar_factor
