@@ -46,14 +46,17 @@ static void adam_update(const float *mo, const float *vo, const float *p, float 
                         float factor, int decay, vector_sqrt vsqrt, long long mode, double *sums, const float *const *ahead);
 
 /* The update's loop goes a cache line of values at a time (LINE), asking at each for the line at the
- * same place of the next block's g, m and v (`ahead`, or NULL): their reads start while this block's
- * division keeps the core busy, where the first loop of the next block would wait for them. */
+ * same place of the next block's inputs (`ahead`: g, m, v and, for AMSGrad, the running maximum; or
+ * NULL): their reads start while this block's division keeps the core busy, where the first loop
+ * of the next block would wait for them. */
 #define LINE 16
+#define AHEAD 4
 static inline void fetch_ahead(const float *const *ahead, int i) {
     if (ahead) {
         __builtin_prefetch(ahead[0] + i);
         __builtin_prefetch(ahead[1] + i);
         __builtin_prefetch(ahead[2] + i);
+        if (ahead[3]) __builtin_prefetch(ahead[3] + i);
     }
 }
 
@@ -212,7 +215,7 @@ void gradtx_adam_f32(const float *g, const float *m, const float *v, const float
             const int64_t s = b * BLOCK;
             const int len = (int)(n - s < BLOCK ? n - s : BLOCK);
             float *mb = stream ? scratch[0] : mo + s, *vb = stream ? scratch[1] : vo + s, *ub = stream ? scratch[2] : uo + s;
-            const float *following[3] = {g + s + BLOCK, m + s + BLOCK, v + s + BLOCK};
+            const float *following[AHEAD] = {g + s + BLOCK, m + s + BLOCK, v + s + BLOCK, 0};
             const float *const *ahead = n - s >= 2 * BLOCK ? following : 0; /* a whole block follows */
             if (partial && decay == 1) { /* the sums in the update's own loop */
                 double both[2];
@@ -378,7 +381,7 @@ void gradtx_adam_stored_f32(const float *g, const float *p, const uint8_t *mc, c
 static void amsgrad_block(const float *g, const float *m, const float *v, const float *vm, float *mo, float *vo,
                           float *vmo, float *uo, int len, int small, float coeff, float b2, float c2, int corrected,
                           float ibc2, float eps, float hat, int stepped, float step, int scaled, float gscale,
-                          vector_sqrt vsqrt, long long mode) {
+                          vector_sqrt vsqrt, long long mode, const float *const *ahead) {
     float root[BLOCK];
 #pragma GCC ivdep
     for (int i = 0; i < len; i++) {
@@ -395,8 +398,16 @@ static void amsgrad_block(const float *g, const float *m, const float *v, const 
 #pragma GCC ivdep
         for (int i = 0; i < len; i++) root[i] = sqrtf(vmo[i]);
     }
+    int i = 0;
+    for (; i + LINE <= len; i += LINE) {
+        fetch_ahead(ahead, i);
 #pragma GCC ivdep
-    for (int i = 0; i < len; i++) {
+        for (int j = i; j < i + LINE; j++) {
+            const float q = (mo[j] / (root[j] + eps)) * hat;
+            uo[j] = stepped ? q * step : q;
+        }
+    }
+    for (; i < len; i++) {
         const float q = (mo[i] / (root[i] + eps)) * hat;
         uo[i] = stepped ? q * step : q;
     }
@@ -422,8 +433,9 @@ void gradtx_amsgrad_f32(const float *g, const float *m, const float *v, const fl
             const int len = (int)(n - s < BLOCK ? n - s : BLOCK);
             float *mb = stream ? scratch[0] : mo + s, *vb = stream ? scratch[1] : vo + s;
             float *vmb = stream ? scratch[2] : vmo + s, *ub = stream ? scratch[3] : uo + s;
-            amsgrad_block(g + s, m + s, v + s, vm + s, mb, vb, vmb, ub, len, small, coeff, b2, c2,
-                          corrected, ibc2, eps, hat, stepped, step, scaled, gscale, vsqrt, mode);
+            const float *following[AHEAD] = {g + s + BLOCK, m + s + BLOCK, v + s + BLOCK, vm + s + BLOCK};
+            amsgrad_block(g + s, m + s, v + s, vm + s, mb, vb, vmb, ub, len, small, coeff, b2, c2, corrected, ibc2,
+                          eps, hat, stepped, step, scaled, gscale, vsqrt, mode, n - s >= 2 * BLOCK ? following : 0);
             if (stream) {
                 stream_copy(mo + s, mb, len);
                 stream_copy(vo + s, vb, len);
