@@ -516,6 +516,8 @@ def observe(
         p = lead.norm_type if fused else 2.0  # type: ignore[union-attr]
         # the params' sums may be taken after ``inner`` (from its tally) when nothing it may write holds them
         params_kept = counted_params is None or not inplace or _apart(counted_params, grads, state.inner_state)
+        previous = [state.total] + [state.groups.get(name) or _empty_stats(device, dtype) for name in layout.names]
+        stats: Optional[list[ObservedStats]] = None  # finished on the host, with the two below
         if error is None and fused == "local" and p == 2.0 and eager and params_kept and native_observed.usable() is not None:
             # nothing is sharded, so no statistic waits for a collective: all are read in the passes
             # the step makes (the clip's norm, its scaling, the Adam kernel's tally), none of their own
@@ -528,17 +530,14 @@ def observe(
             if _on_host(device, grads, counted_params):  # a few dozen leaves' values: host floats, not tensor ops
                 grad_sq, nonfinite, host_maxima = stats_lib.host_gradient_partials(layout, grads, norms, extremes.host_of)
                 param_sq = [math.nan] * len(grad_sq) if counted_params is None else stats_lib.host_squared_sums(layout, counted_params, tally)
-                rows = [grad_sq, pending.tolist(), param_sq, nonfinite]
+                stats = _host_stats([grad_sq, pending.tolist(), param_sq, nonfinite], host_maxima, dtype, previous)
                 new_pending = stats_lib.host_squared_sums(layout, tree_lib.leaves(new_updates), tally)
-                previous = [state.total] + [state.groups.get(name) or _empty_stats(device, dtype) for name in layout.names]
-                total, *group_stats = _host_stats(rows, host_maxima, dtype, previous)
-                return new_updates, ObserveState(
-                    inner_state, total, dict(zip(layout.names, group_stats)), _host_clip_stats(clip, inner_state, dtype, clip_norm, extremes),
-                    torch.tensor(new_pending, dtype=torch.float64, device=device),
-                )
-            partials = stats_lib.gradient_partials(layout, grads, device, norms, extremes.of)
-            sums = torch.stack([partials.sq, pending.to(device), _param_sq(layout, counted_params, partials.sq, device, tally), partials.nonfinite])
-            maxima = partials.max
+                pending_update_sq = torch.tensor(new_pending, dtype=torch.float64, device=device)
+                clip_stats = _host_clip_stats(clip, inner_state, dtype, clip_norm, extremes)
+            else:
+                partials = stats_lib.gradient_partials(layout, grads, device, norms, extremes.of)
+                sums = torch.stack([partials.sq, pending.to(device), _param_sq(layout, counted_params, partials.sq, device, tally), partials.nonfinite])
+                maxima = partials.max
         else:
             # without a collective the params' sums may wait for the step's tally; with one they ride in it
             late = eager and params_kept and not collective
@@ -572,12 +571,12 @@ def observe(
                 new_updates, inner_state = run(updates, state.inner_state, params, inplace=inplace, **forwarded)
             if late:
                 sums = torch.stack([sums[0], sums[1], _param_sq(layout, counted_params, partials.sq, device, tally), sums[3]])
-        pending_update_sq = stats_lib.squared_sums(layout, tree_lib.leaves(new_updates), device, tally)
-        previous = [state.total] + [state.groups.get(name) or _empty_stats(device, dtype) for name in layout.names]
-        total, *group_stats = _all_stats(sums, maxima, dtype, previous)
-        per_group = dict(zip(layout.names, group_stats))
-        clip_stats = _clip_stats(clip, inner_state, dtype, clip_norm)
-        return new_updates, ObserveState(inner_state, total, per_group, clip_stats, pending_update_sq)
+        if stats is None:
+            pending_update_sq = stats_lib.squared_sums(layout, tree_lib.leaves(new_updates), device, tally)
+            stats = _all_stats(sums, maxima, dtype, previous)
+            clip_stats = _clip_stats(clip, inner_state, dtype, clip_norm)
+        total, *group_stats = stats
+        return new_updates, ObserveState(inner_state, total, dict(zip(layout.names, group_stats)), clip_stats, pending_update_sq)
 
     runs_inner(update_fn, inner)
     if takes_donated_updates(inner):

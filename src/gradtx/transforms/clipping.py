@@ -135,17 +135,23 @@ def clip_by_global_norm(
             sharding.global_norm(updates, spec, norm_type=norm_type)
             raise
 
+    def coefficient_of(updates, grads, given: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Optional[list[list[int]]]]:
+        """``(coef, norm, groups)``: plain unsharded tensors are grouped once (``groups``, which
+        the scaling reuses); sharded ones (``groups`` ``None``) take the global norm, one
+        all-reduce unless ``given``."""
+        if grads and not sharding.is_sharded(grads, spec):
+            groups = tree_lib.torch_groups(grads)
+            return (*coefficient(updates, grads, groups, given), groups)
+        return (*coefficient(updates, grads, given=given), None)
+
     def clipped_by(updates, inplace, given: Optional[Tensor] = None, scale: Optional[Scaling] = None):
         own_updates, _ = donation(inplace)  # the state is new either way
         tree_leaves, treedef, present = leaves_of(updates)
         grads = tree_leaves if len(present) == len(tree_leaves) else [tree_leaves[i] for i in present]
-        if grads and not sharding.is_sharded(grads, spec):
-            # plain tensors: one grouping serves the norm and the scaling
-            groups = tree_lib.torch_groups(grads)
-            coef, norm = coefficient(updates, grads, groups, given)
+        coef, norm, groups = coefficient_of(updates, grads, given)
+        if groups is not None:  # plain tensors: one grouping serves the norm and the scaling
             clipped = scale(grads, coef, own_updates) if scale is not None else tree_lib.scale_(grads, coef, inplace=own_updates, groups=groups)
         else:
-            coef, norm = coefficient(updates, grads, given=given)
             local_grads, rewrap = sharding.locals_of(grads)
             clipped = rewrap(scale(local_grads, coef, own_updates) if scale is not None else tree_lib.scale_(local_grads, coef, inplace=own_updates))
         new_updates = tree_lib.unflatten(treedef, tree_lib.replace_present(tree_leaves, present, clipped))
@@ -193,10 +199,7 @@ def clip_by_global_norm(
         plain = all(type(g) in (Tensor, torch.nn.Parameter) and g.layout == torch.strided for g in grads)
         if not grads or not plain or tree_lib.needs_graph(grads, max_norm, given):
             return None
-        if sharding.is_sharded(grads, spec):  # the global norm: its one all-reduce, unless given
-            coef, norm = coefficient(updates, grads, given=given)
-        else:
-            coef, norm = coefficient(updates, grads, tree_lib.torch_groups(grads), given)
+        coef, norm, _ = coefficient_of(updates, grads, given)
         return coef, ClipByGlobalNormState(norm=norm)
 
     update_fn.scalar_factor = scalar_factor
