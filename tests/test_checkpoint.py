@@ -409,7 +409,7 @@ def test_bad_arguments():
 
 
 def test_rank_shares_are_saved_as_nan_only_under_sharding():
-    """A field declared with rank_shares (observe's pending update norms) is NaN in a sharded
+    """A field declared with rank_shares (observe's pending update and param norms) is NaN in a sharded
     checkpoint and kept as it is unsharded, where it is the whole sum."""
     from gradtx.state_dims import rank_shares, without_rank_shares
 
@@ -417,11 +417,11 @@ def test_rank_shares_are_saved_as_nan_only_under_sharding():
     tx = gtx.observe(gtx.sgd(0.1))
     _, state = tx.update({"w": torch.ones(3, 2)}, tx.init(params), params)
     nan_state = without_rank_shares({"opt": state, "n": 3})
-    assert torch.isnan(nan_state["opt"].pending_update_sq).all() and nan_state["n"] == 3
-    assert not torch.isnan(state.pending_update_sq).any()  # the state itself untouched
+    assert torch.isnan(nan_state["opt"].pending_sq).all() and nan_state["n"] == 3
+    assert not torch.isnan(state.pending_sq).any()  # the state itself untouched
     for kept, given in zip(gtx.tree.leaves(nan_state["opt"].inner_state), gtx.tree.leaves(state.inner_state)):
         assert kept is given
     saved = gtx.checkpoint.state_dict(state, params)  # unsharded: the pending sums are whole
-    assert torch.equal(saved["pending_update_sq"], state.pending_update_sq)
+    assert torch.equal(saved["pending_sq"], state.pending_sq)
     with pytest.raises(TypeError, match="has no field 'nope'"):
         rank_shares("nope")(type(state))

@@ -286,7 +286,8 @@ def test_a_param_donated_as_its_own_gradient_has_the_norm_it_had_before_the_step
     tx = gtx.observe(inner(), groups=1)
     _, state = tx.update({"w": w}, tx.init({"w": w}), {"w": w}, inplace=True)
     assert not torch.equal(w.double().norm(), norm)  # the step overwrote it
-    assert math.isclose(float(state.total.param_norm), float(norm), rel_tol=1e-6)
+    _, state = tx.update({"w": torch.ones_like(w)}, state, {"w": w})  # reports the step before's params
+    assert math.isclose(float(state.total.prev_param_norm), float(norm), rel_tol=1e-6)
 
 
 @pytest.mark.parametrize("inplace", [False, True])

@@ -47,19 +47,19 @@ def _reference(grads, params, members, prev=None):
     of the step before (the update statistics are that step's), or ``None`` at the first step."""
     g, p = _flat(grads), _flat(params)
     present = [k for k in members if g[k] is not None]
-    gs, ps = [g[k] for k in present], [p[k] for k in present]
-    gn, pn = _norm(gs), _norm(ps)
+    gs = [g[k] for k in present]
+    gn = _norm(gs)
     nan = torch.tensor(math.nan, dtype=torch.float64)
-    un, ratio = nan, nan
+    un, pn, ratio = nan, nan, nan
     if prev is not None:
         u, prev_p = _flat(prev[0]), _flat(prev[1])
-        un = _norm([u[k] for k in present])
-        ratio = un / _norm([prev_p[k] for k in present])
+        un, pn = _norm([u[k] for k in present]), _norm([prev_p[k] for k in present])
+        ratio = un / pn
     cat = torch.cat([t.reshape(-1).to(torch.float64) for t in gs]) if gs else torch.zeros(0, dtype=torch.float64)
     return {
         "grad_norm": gn,
         "prev_update_norm": un,
-        "param_norm": pn,
+        "prev_param_norm": pn,
         "prev_update_ratio": ratio,
         "grad_max": cat.abs().max() if cat.numel() else torch.zeros((), dtype=torch.float64),
         "grad_nonfinite": (~torch.isfinite(cat)).sum().to(torch.float64),
@@ -114,7 +114,10 @@ def test_update_statistics_are_the_step_befores():
     assert math.isnan(float(first.total.prev_update_norm)) and math.isnan(float(first.groups["layers"].prev_update_ratio))
     # sgd(1.0)'s update is -grads: the second step reports the first step's gradient norm
     torch.testing.assert_close(second.total.prev_update_norm, first.total.grad_norm, rtol=1e-6, atol=0)
-    torch.testing.assert_close(second.groups["layers"].prev_update_ratio, first.groups["layers"].grad_norm / first.groups["layers"].param_norm, rtol=1e-6, atol=0)
+    assert math.isnan(float(first.total.prev_param_norm))
+    first_params = torch.linalg.vector_norm(torch.cat([p.reshape(-1).double() for p in gtx.tree.leaves(params["layers"])]))
+    torch.testing.assert_close(second.groups["layers"].prev_param_norm, first_params.float(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(second.groups["layers"].prev_update_ratio, first.groups["layers"].grad_norm / first_params.float(), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -294,10 +297,11 @@ def test_none_gradients_are_left_out_and_params_optional():
     members = [p for p in gtx.tree.paths(grads) if p != "head.weight"]
     _assert_stats(state.total, _reference(grads2, params2, members, (updates, params)), "total")
     assert float(state.groups["head"].grad_norm) == 0.0
-    _, state = tx.update(grads, state)  # no params: their norm is NaN, and so is the next ratio
-    assert math.isnan(float(state.total.param_norm))
+    _, state = tx.update(grads, state)  # no params: their norm is NaN at the next step, and so is the ratio
+    assert not math.isnan(float(state.total.prev_param_norm))  # the step before had params
     _, state = tx.update(grads, state, params)
-    assert math.isnan(float(state.total.prev_update_ratio)) and not math.isnan(float(state.total.prev_update_norm))
+    assert math.isnan(float(state.total.prev_param_norm)) and math.isnan(float(state.total.prev_update_ratio))
+    assert not math.isnan(float(state.total.prev_update_norm))
 
 
 def test_float64_trees_are_exact_to_float64_rounding():
@@ -328,7 +332,7 @@ def test_observations_is_a_flat_dict_of_floats():
     assert all(type(v) is float for v in logged.values())
     observed = state[0]
     assert logged["grad_norm/layers"] == float(observed.groups["layers"].grad_norm)
-    assert logged["param_norm"] == float(observed.total.param_norm)
+    assert math.isnan(logged["prev_param_norm"]) and math.isnan(float(observed.total.prev_param_norm))
     assert math.isnan(logged["prev_update_ratio"])  # the first step has no step before
     assert logged["clip/coefficient"] == float(observed.clip.coefficient)
     assert logged["clip/clipped"] in (0.0, 1.0)
@@ -460,9 +464,9 @@ def test_statistics_finished_on_the_host_equal_the_tensor_ops(monkeypatch, poiso
     observing = gtx.chains.observing
     monkeypatch.setattr(observing, "_on_host", lambda *args: False)
     monkeypatch.setattr(  # the per-column tensor ops that compiled steps and accelerators run
-        observing, "_host_stats", lambda rows, maxima, dtype, previous: [
-            observing._stats_of(torch.tensor(rows, dtype=torch.float64), torch.tensor(maxima, dtype=torch.float64), column, dtype, before)
-            for column, before in enumerate(previous)
+        observing, "_host_stats", lambda rows, maxima, dtype: [
+            observing._stats_of(torch.tensor(rows, dtype=torch.float64), torch.tensor(maxima, dtype=torch.float64), column, dtype)
+            for column in range(len(maxima))
         ],
     )
     ops = run()
@@ -471,7 +475,7 @@ def test_statistics_finished_on_the_host_equal_the_tensor_ops(monkeypatch, poiso
             assert a.dtype == b.dtype and (torch.equal(a, b) or bool(a.isnan() & b.isnan())), (name, stat, a, b)
     for stat, a, b in zip(gtx.chains.observing.STATISTICS, host.total, ops.total):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0, equal_nan=True, msg=lambda m: f"total {stat}: {m}")
-    assert torch.equal(host.pending_update_sq.isnan(), ops.pending_update_sq.isnan())
-    torch.testing.assert_close(host.pending_update_sq, ops.pending_update_sq, rtol=1e-12, atol=0, equal_nan=True)
+    assert torch.equal(host.pending_sq.isnan(), ops.pending_sq.isnan())
+    torch.testing.assert_close(host.pending_sq, ops.pending_sq, rtol=1e-12, atol=0, equal_nan=True)
     for a, b in zip(host.clip, ops.clip):
         assert torch.equal(a, b) or bool(a.isnan() & b.isnan())

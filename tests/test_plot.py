@@ -38,8 +38,8 @@ def test_group_norms_are_the_logged_values():
     assert values.shape == (4, 5)
     for row, name in enumerate(names):
         assert values[row].tolist() == [logged[f"grad_norm/{name}"] for logged in history]
-    names, values = plot.group_norms(history, "param_norm")
-    assert values[1, 2] == history[2]["param_norm/layers.0"]
+    names, values = plot.group_norms(history, "prev_param_norm")
+    assert values[1, 2] == history[2]["prev_param_norm/layers.0"]
     # a step that lacks a group: NaN there
     names, values = plot.group_norms([{"grad_norm/a": 1.0}, {"grad_norm/b": 2.0}])
     assert names == ["a", "b"] and math.isnan(values[0, 1]) and values[1, 1] == 2.0

@@ -61,7 +61,7 @@ def observed_heatmap(
 
     Args:
       history: one :func:`gradtx.observations` dict per step (keys without a ``prefix``).
-      statistic: which per-group statistic to draw (``"grad_norm"``, ``"param_norm"``, ...).
+      statistic: which per-group statistic to draw (``"grad_norm"``, ``"prev_param_norm"``, ...).
       steps: the step numbers of ``history``'s entries (default ``0, 1, ...``).
       path: where to save the picture as a PNG, if given.
       title: the figure's title.

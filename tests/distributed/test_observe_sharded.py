@@ -145,7 +145,13 @@ def observe_dtensors_in_place_and_under_wrap_with_fully_shard(world):
     opt = gtx.wrap(torch.optim.SGD(model.parameters(), lr=0.1), gtx.observe(gtx.clip_by_global_norm(1.0), groups="module"), model=model)
     opt.step()
     logged, expected = gtx.observations(opt), gtx.observations(dense_state)
-    for key in ("grad_norm", "grad_norm/0", "grad_norm/2", "param_norm", "grad_max", "grad_nonfinite", "clip/norm"):
+    for key in ("grad_norm", "grad_norm/0", "grad_norm/2", "grad_max", "grad_nonfinite", "clip/norm"):
+        assert math.isclose(logged[key], expected[key], rel_tol=RTOL), f"{key}: wrap {logged[key]}, dense {expected[key]}"
+    _same_on_every_rank(logged)
+    opt.step()  # reports the params of the step before: the dense weights
+    _, dense_state = dense_tx.update(dense_grads, dense_state, dense_weights)
+    logged, expected = gtx.observations(opt), gtx.observations(dense_state)
+    for key in ("prev_param_norm", "prev_param_norm/0", "prev_param_norm/2"):
         assert math.isclose(logged[key], expected[key], rel_tol=RTOL), f"{key}: wrap {logged[key]}, dense {expected[key]}"
     _same_on_every_rank(logged)
 
@@ -261,9 +267,9 @@ def observe_grouping_errors_raise_alike_on_every_rank(world):
 
 @case(2)
 def observe_state_checkpointed_under_sharding_reads_unknown_update_norms(world):
-    """gtx.checkpoint saves a sharded observe state (its pending update norms are this rank's
-    shares, which no layout could take back: saved as NaN); the loaded state's next step reports
-    prev_update_norm NaN on every rank, everything else as the uninterrupted run."""
+    """gtx.checkpoint saves a sharded observe state (its pending update and param norms are this
+    rank's shares, which no layout could take back: saved as NaN); the loaded state's next step
+    reports them NaN on every rank, everything else as the uninterrupted run."""
     mesh = world.mesh((2,), ("tp",))
     spec = ShardingSpec(mesh, [("w", gtx.sharding.Shard("tp", dim=0)), ("b", gtx.sharding.Replicate())])
     gen = torch.Generator().manual_seed(dist.get_rank())
@@ -276,9 +282,10 @@ def observe_state_checkpointed_under_sharding_reads_unknown_update_norms(world):
     _, straight = tx.update(grads, state, params)
     _, resumed = tx.update(grads, loaded, params)
     logged, expected = gtx.observations(resumed), gtx.observations(straight)
-    assert math.isnan(logged["prev_update_norm"]) and not math.isnan(expected["prev_update_norm"])
+    for key in ("prev_update_norm", "prev_param_norm", "prev_update_ratio"):
+        assert math.isnan(logged[key]) and not math.isnan(expected[key]), key
     for key, value in expected.items():
-        if not key.startswith("prev_update"):
+        if not key.startswith("prev_"):
             assert logged[key] == value or (math.isnan(logged[key]) and math.isnan(value)), key
     _same_on_every_rank(logged)
 
@@ -355,6 +362,39 @@ def observe_reads_each_sharded_gradient_once(world):
     logged = gtx.observations(state)
     assert logged["grad_nonfinite"] == 1 and math.isnan(logged["grad_max/b"]) and not math.isnan(logged["grad_max/w"])
     _same_on_every_rank(logged)
+
+
+@case(2)
+def observe_sharded_reads_the_params_in_the_adam_kernels_pass(world):
+    """Under a spec the params' sums of squares are not read before the step (their all-reduce is
+    the next step's): the Adam kernel tallies them where it reads each param, pure and donated, and
+    the next step reports the logical params' norm, the same on every rank."""
+    from gradtx.native import adam as native_adam
+    from gradtx.native import observed as native_observed
+
+    mesh = world.mesh((2,), ("tp",))
+    shapes, pieces = tp_model(2)
+    spec = ShardingSpec(mesh, rules(pieces))
+    grads = local_tree(dense_tree(shapes), pieces, mesh)
+    params = local_tree(dense_tree(shapes, seed=1), pieces, mesh)
+    kernel = native_adam.usable() is not None and native_observed.usable() is not None
+    for inplace in (False, True):
+        tx = gtx.observe(_inner(spec), groups=1, spec=spec)
+        state = tx.init(params)
+        read = []
+        original = native_observed.squares
+        native_observed.squares = lambda t: (read.append(t), original(t))[1]
+        try:
+            _, state = tx.update({k: g.clone() for k, g in grads.items()}, state, params, inplace=inplace)
+        finally:
+            native_observed.squares = original
+        passes = [t for t in read if any(t is p for p in params.values())]
+        assert not (kernel and passes), f"{len(passes)} params read in passes of their own (inplace={inplace})"
+        assert math.isnan(float(state.total.prev_param_norm))  # reported at the next step
+        _, state = tx.update(grads, state, params)
+        expected = gtx.sharding.global_norm(params, spec)
+        assert math.isclose(float(state.total.prev_param_norm), float(expected), rel_tol=RTOL), inplace
+        _same_on_every_rank(gtx.observations(state))
 
 
 def _gather(tensor):

@@ -1,9 +1,9 @@
 """Observing an optimizer: per-group statistics of what it sees and does, exact under sharding.
 
 ``observe(inner, groups="module", spec=spec)`` runs ``inner`` (any transformation or chain) and
-records, for every group of leaves and for all leaves together: the norm of the gradients entering
-and of the parameters, the largest ``|g|``, the number of non-finite gradient elements, and the norm
-of the updates ``inner`` returned at the step before, with its ratio to the parameters of that step;
+records, for every group of leaves and for all leaves together: the norm of the gradients entering,
+the largest ``|g|`` and the number of non-finite gradient elements; the norms of the updates
+``inner`` returned at the step before and of the params that step was given, and their ratio;
 and, when ``inner`` is or contains a ``clip_by_global_norm``, its norm, coefficient and whether it
 clipped. The updates are ``inner``'s, untouched. :func:`observations` turns the state into a flat
 ``{"grad_norm/layers.3": float}`` dict for a logger (the only host sync).
@@ -11,8 +11,9 @@ clipped. The updates are ``inner``'s, untouched. :func:`observations` turns the 
 Under a ``ShardingSpec`` or DTensor leaves every number is that of the logical (unsharded) tensors,
 each element counted once, as :func:`gradtx.global_norm` counts it, and every rank holds the same
 numbers. All statistics of a step travel in one all-reduce, run *before* ``inner``: so the update
-statistics reported at a step are those of the step before (this rank's share of them waits in the
-state until then), and a ``clip_by_global_norm`` that sees ``inner``'s input first (``inner`` itself,
+and param statistics reported at a step are those of the step before (this rank's share of them
+waits in the state until then: the params' sums are taken in the step's passes, after ``inner``,
+and need no pass of their own before it), and a ``clip_by_global_norm`` that sees ``inner``'s input first (``inner`` itself,
 or the first member of a ``chain`` / ``named_chain``, inside ``inject_hyperparams`` too: see
 :class:`gradtx.base.LeadingClip`) is handed its global norm from that same all-reduce instead of
 reducing its own: one collective per step, the clip's numbers bit for bit those it computes alone.
@@ -22,7 +23,7 @@ nothing sharded and float32 CPU tensors, the other statistics ride in the step's
 (:mod:`gradtx.native.observed`): ``max |g|`` where a leading 2-norm clip scales the gradients, the
 params' and updates' sums of squares in the Adam kernel's loop. Under sharding the gradients'
 statistics are read in one pass over each (their sums of squares are the ones the sharded clip's
-norm adds up), the params' in one more, and the updates' in the Adam kernel's loop.
+norm adds up), the params' and updates' in the Adam kernel's loop.
 """
 
 from __future__ import annotations
@@ -64,26 +65,29 @@ from gradtx.state_dims import rank_shares
 PyTree = Any
 Groups = Union[None, str, int, Sequence[Union[str, tuple[str, str]]], Callable[[str], Optional[str]]]
 
-STATISTICS = ("grad_norm", "prev_update_norm", "param_norm", "prev_update_ratio", "grad_max", "grad_nonfinite")
+STATISTICS = ("grad_norm", "prev_update_norm", "prev_param_norm", "prev_update_ratio", "grad_max", "grad_nonfinite")
 
 
 class ObservedStats(NamedTuple):
-    """One group's statistics (0-d tensors) at the last step, the updates' of the step before.
+    """One group's statistics (0-d tensors): the gradients' of the last step, the updates' and
+    params' of the step before.
 
     ``grad_norm``: L2 norm of the updates entering ``inner`` (the gradients); ``prev_update_norm``:
-    of the updates ``inner`` returned at the step *before* (NaN at the first step); ``param_norm``:
-    of the params passed to ``update`` (NaN when none are); ``prev_update_ratio``: ``prev_update_norm``
-    over the ``param_norm`` of the step before (the params that update was computed for); ``grad_max``:
-    the largest ``|g|`` (NaN when a gradient element is NaN); ``grad_nonfinite``: how many gradient
+    of the updates ``inner`` returned at the step *before* (NaN at the first step);
+    ``prev_param_norm``: of the params passed to ``update`` at the step before (NaN at the first
+    step, and when none were passed); ``prev_update_ratio``: ``prev_update_norm`` over
+    ``prev_param_norm`` (the update over the params it was computed for); ``grad_max``: the
+    largest ``|g|`` (NaN when a gradient element is NaN); ``grad_nonfinite``: how many gradient
     elements are NaN or infinite (int64).
 
-    The update statistics are one step late so that all of a step's statistics, and the norm of a
-    leading clip, reduce in the one all-reduce that runs before ``inner`` (see :func:`observe`).
+    The update and param statistics are one step late so that all of a step's statistics, and the
+    norm of a leading clip, reduce in the one all-reduce that runs before ``inner`` (see
+    :func:`observe`), and the params' sums are read in the passes ``inner`` makes over them.
     """
 
     grad_norm: Tensor
     prev_update_norm: Tensor
-    param_norm: Tensor
+    prev_param_norm: Tensor
     prev_update_ratio: Tensor
     grad_max: Tensor
     grad_nonfinite: Tensor
@@ -98,22 +102,23 @@ class ObservedClip(NamedTuple):
     clipped: Tensor
 
 
-@rank_shares("pending_update_sq")
+@rank_shares("pending_sq")
 class ObserveState(NamedTuple):
     """``inner_state``: ``inner``'s state; ``total``: the statistics of all leaves together;
     ``groups``: group name -> its statistics (every group of every rank, in the same order on every
     rank); ``clip``: the clip's statistics, or ``None`` when ``inner`` has no global-norm clip;
-    ``pending_update_sq``: this rank's share (float64 ``[total, group 0, ...]``, not yet reduced) of
-    the squared norms of the updates ``inner`` returned at the last step, reduced with the next
-    step's statistics and reported there as ``prev_update_norm`` (NaN before the first step, and at
-    the first step after a state of a sharded run was loaded from a checkpoint: see
-    :func:`gradtx.state_dims.rank_shares`)."""
+    ``pending_sq``: this rank's share (float64, shape ``(2, 1 + groups)``: rows updates, params;
+    columns total, group 0, ...; not yet reduced) of the squared norms of the updates ``inner``
+    returned at the last step and of the params it was given, reduced with the next step's
+    statistics and reported there as ``prev_update_norm`` and ``prev_param_norm`` (NaN before the
+    first step, and at the first step after a state of a sharded run was loaded from a checkpoint:
+    see :func:`gradtx.state_dims.rank_shares`)."""
 
     inner_state: Any
     total: ObservedStats
     groups: dict[str, ObservedStats]
     clip: Optional[ObservedClip]
-    pending_update_sq: Tensor
+    pending_sq: Tensor
 
 
 # --------------------------------------------------------------------------- grouping
@@ -246,10 +251,10 @@ def _host_clip_stats(found: Any, inner_state: Any, dtype: torch.dtype, norm: Ten
 # --------------------------------------------------------------------------- the transformation
 
 
-def _param_sq(layout: stats_lib.GroupLayout, counted_params: Optional[list[Any]], like: Tensor, device: torch.device, tally: Any = None) -> Tensor:
+def _param_sq(layout: stats_lib.GroupLayout, counted_params: Optional[list[Any]], device: torch.device, tally: Any = None) -> Tensor:
     """The params' ``[total, per group]`` sums of squares (NaN when no params were given)."""
     if counted_params is None:
-        return torch.full_like(like, float("nan"))
+        return torch.full((len(layout.names) + 1,), float("nan"), dtype=torch.float64, device=device)
     return stats_lib.squared_sums(layout, counted_params, device, tally)
 
 
@@ -352,30 +357,29 @@ class _Extremes:
         return found  # type: ignore[return-value]
 
 
-def _stats_of(sums: Tensor, maxima: Tensor, column: int, dtype: torch.dtype, previous: ObservedStats) -> ObservedStats:
+def _stats_of(sums: Tensor, maxima: Tensor, column: int, dtype: torch.dtype) -> ObservedStats:
     grad, update, param = (sums[k, column].sqrt().to(dtype) for k in range(3))
-    ratio = update / previous.param_norm.to(dtype)
-    return ObservedStats(grad, update, param, ratio, maxima[column].to(dtype), sums[3, column].to(torch.int64))
+    return ObservedStats(grad, update, param, update / param, maxima[column].to(dtype), sums[3, column].to(torch.int64))
 
 
-def _all_stats(sums: Tensor, maxima: Tensor, dtype: torch.dtype, previous: list[ObservedStats]) -> list[ObservedStats]:
+def _all_stats(sums: Tensor, maxima: Tensor, dtype: torch.dtype) -> list[ObservedStats]:
     """:func:`_stats_of` of every column (total, then the groups). Eagerly on the CPU the values are
     read back and finished on the host (:func:`_host_stats`), so each statistic is still a tensor of
     its own, made from its value, instead of six operations per group."""
     if torch.compiler.is_compiling() or sums.device.type != "cpu" or torch_internals.functorch_active():
-        return [_stats_of(sums, maxima, column, dtype, before) for column, before in enumerate(previous)]
-    return _host_stats(sums.tolist(), maxima.tolist(), dtype, previous)
+        return [_stats_of(sums, maxima, column, dtype) for column in range(sums.shape[1])]
+    return _host_stats(sums.tolist(), maxima.tolist(), dtype)
 
 
-def _host_stats(rows: list[list[float]], maxima: list[float], dtype: torch.dtype, previous: list[ObservedStats]) -> list[ObservedStats]:
+def _host_stats(rows: list[list[float]], maxima: list[float], dtype: torch.dtype) -> list[ObservedStats]:
     """:func:`_stats_of` of every column, from host floats: ``rows`` are the float64 sums (gradients'
-    squares, the previous updates' squares, the params' squares, non-finite counts), ``maxima`` the
-    ``max |g|``, one value per column. The same roundings as the tensor ops (a float64 square root,
-    one rounding to ``dtype``, the ratio divided in ``dtype``), in numpy's vector ops."""
+    squares, the previous updates' squares, the previous params' squares, non-finite counts),
+    ``maxima`` the ``max |g|``, one value per column. The same roundings as the tensor ops (a float64
+    square root, one rounding to ``dtype``, the ratio divided in ``dtype``), in numpy's vector ops."""
     kind = np.float32 if dtype == torch.float32 else np.float64
     with np.errstate(all="ignore"):  # overflow to inf and 0 / 0 as the tensor ops give them
         roots = np.sqrt(np.array(rows[:3], dtype=np.float64)).astype(kind)
-        ratios = roots[1] / np.array([float(before.param_norm) for before in previous], dtype=np.float64).astype(kind)
+        ratios = roots[1] / roots[2]
         largest = np.array(maxima, dtype=np.float64).astype(kind)
     return [
         ObservedStats(*(torch.scalar_tensor(value, dtype=dtype) for value in values[:5]), torch.scalar_tensor(int(values[5]), dtype=torch.int64))
@@ -427,11 +431,13 @@ def observe(
         included when it has the same ``spec``. A leading clip with a spec beside no ``spec`` here
         is a ``ValueError``.
 
-    The state is an :class:`ObserveState`; read it with :func:`observations`. The gradient and
-    param statistics belong to the step that produced the state; ``prev_update_norm`` and
-    ``prev_update_ratio`` to the step before (NaN after the first step): the statistics reduce
-    before ``inner`` runs, in the all-reduce that also gives a leading ``clip_by_global_norm`` its
-    norm. Leaves whose gradient is ``None`` are left out.
+    The state is an :class:`ObserveState`; read it with :func:`observations`. The gradient
+    statistics belong to the step that produced the state; ``prev_update_norm``,
+    ``prev_param_norm`` and ``prev_update_ratio`` to the step before (NaN after the first step):
+    the statistics reduce before ``inner`` runs, in the all-reduce that also gives a leading
+    ``clip_by_global_norm`` its norm, and the params' sums of squares are taken in ``inner``'s own
+    passes over them, so reading them costs no pass before the step. Leaves whose gradient is
+    ``None`` are left out.
     """
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"observe: inner must be a GradientTransformation, got {type(inner).__name__}")
@@ -482,7 +488,7 @@ def observe(
         clip_stats = None
         if clip is not None:
             clip_stats = ObservedClip(*(torch.zeros((), dtype=kind, device=device) for kind in (dtype, dtype, torch.bool)))
-        pending = torch.full((len(layout.names) + 1,), float("nan"), dtype=torch.float64, device=device)
+        pending = torch.full((2, len(layout.names) + 1), float("nan"), dtype=torch.float64, device=device)
         groups = {name: _empty_stats(device, dtype) for name in layout.names}
         return ObserveState(inner_state, _empty_stats(device, dtype), groups, clip_stats, pending)
 
@@ -509,16 +515,19 @@ def observe(
             error = exc
         dtype = torch.float32 if error is not None else tree_lib.accumulation_dtype(tree_lib.real_dtypes(grads))
         forwarded = extra_args if extra else {}
-        pending = state.pending_update_sq
-        if pending.shape != (len(layout.names) + 1,):  # a new tree structure: no update of its own before
-            pending = torch.full((len(layout.names) + 1,), float("nan"), dtype=torch.float64, device=device)
+        columns = len(layout.names) + 1
+        pending = state.pending_sq
+        if pending.shape != (2, columns):  # a new tree structure: no step of its own before
+            pending = torch.full((2, columns), float("nan"), dtype=torch.float64, device=device)
         fused = _fusable(lead, layout, spec)
         p = lead.norm_type if fused else 2.0  # type: ignore[union-attr]
-        # the params' sums may be taken after ``inner`` (from its tally) when nothing it may write holds them
-        params_kept = counted_params is None or not inplace or _apart(counted_params, grads, state.inner_state)
-        previous = [state.total] + [state.groups.get(name) or _empty_stats(device, dtype) for name in layout.names]
+        # the params' sums are taken after ``inner`` (from its tally) when nothing it may write holds
+        # them, eagerly; else before it. Either way they wait in the state for the next step.
+        late = eager and (counted_params is None or not inplace or _apart(counted_params, grads, state.inner_state))
+        on_host = late and _on_host(device, grads, counted_params)  # a few dozen leaves' values: host floats, not tensor ops
+        param_sq: Optional[Tensor] = None  # the params' sums taken before ``inner``
         stats: Optional[list[ObservedStats]] = None  # finished on the host, with the two below
-        if error is None and fused == "local" and p == 2.0 and eager and params_kept and native_observed.usable() is not None:
+        if error is None and fused == "local" and p == 2.0 and late and native_observed.usable() is not None:
             # nothing is sharded, so no statistic waits for a collective: all are read in the passes
             # the step makes (the clip's norm, its scaling, the Adam kernel's tally), none of their own
             norms = stats_lib.counted_norms(layout, grads)
@@ -527,34 +536,30 @@ def observe(
             with native_observed.tallying() as tally:
                 run = lead.given(clip_norm, extremes)  # type: ignore[union-attr]
                 new_updates, inner_state = run(updates, state.inner_state, params, inplace=inplace, **forwarded)
-            if _on_host(device, grads, counted_params):  # a few dozen leaves' values: host floats, not tensor ops
+            if on_host:
                 grad_sq, nonfinite, host_maxima = stats_lib.host_gradient_partials(layout, grads, norms, extremes.host_of)
-                param_sq = [math.nan] * len(grad_sq) if counted_params is None else stats_lib.host_squared_sums(layout, counted_params, tally)
-                stats = _host_stats([grad_sq, pending.tolist(), param_sq, nonfinite], host_maxima, dtype, previous)
-                new_pending = stats_lib.host_squared_sums(layout, tree_lib.leaves(new_updates), tally)
-                pending_update_sq = torch.tensor(new_pending, dtype=torch.float64, device=device)
+                stats = _host_stats([grad_sq, *pending.tolist(), nonfinite], host_maxima, dtype)
                 clip_stats = _host_clip_stats(clip, inner_state, dtype, clip_norm, extremes)
             else:
                 partials = stats_lib.gradient_partials(layout, grads, device, norms, extremes.of)
-                sums = torch.stack([partials.sq, pending.to(device), _param_sq(layout, counted_params, partials.sq, device, tally), partials.nonfinite])
+                sums = torch.cat([partials.sq[None], pending.to(device), partials.nonfinite[None]])
                 maxima = partials.max
         else:
-            # without a collective the params' sums may wait for the step's tally; with one they ride in it
-            late = eager and params_kept and not collective
             try:
                 if error is not None:
                     raise error
                 partials = stats_lib.gradient_partials(layout, grads, device)
-                param_sq = torch.full_like(partials.sq, float("nan")) if late else _param_sq(layout, counted_params, partials.sq, device)
+                if not late:
+                    param_sq = _param_sq(layout, counted_params, device)
                 share = stats_lib.norm_share(layout, grads, p) if fused == "reduced" else None
             except (TypeError, ValueError, RuntimeError) as exc:
                 if not collective:
                     raise
                 error = exc  # this rank's share is zeros of the shapes every rank sends
-                zeros = torch.zeros(len(layout.names) + 1, dtype=torch.float64, device=device)
-                partials, param_sq = stats_lib.GradientPartials(zeros, zeros, zeros, [], None), zeros
+                zeros = torch.zeros(columns, dtype=torch.float64, device=device)
+                partials = stats_lib.GradientPartials(zeros, zeros, zeros, [], None)
                 share = zeros[:1] if fused == "reduced" and p not in (2.0, math.inf) else None
-            rows = torch.stack([partials.sq, pending.to(device), param_sq, partials.nonfinite]).reshape(-1)
+            rows = torch.cat([partials.sq[None], pending.to(device), partials.nonfinite[None]]).reshape(-1)
             buffer = rows if share is None else torch.cat([rows, share.reshape(1)])
             buffer, maxima = stats_lib.reduce_statistics(layout, buffer, partials.max, what="observe", error=error)
             sums = buffer[: rows.numel()].reshape(4, -1)
@@ -569,14 +574,19 @@ def observe(
             run = inner_update if clip_norm is None else lead.given(clip_norm)  # type: ignore[union-attr]
             with native_observed.tallying() if eager else contextlib.nullcontext() as tally:
                 new_updates, inner_state = run(updates, state.inner_state, params, inplace=inplace, **forwarded)
-            if late:
-                sums = torch.stack([sums[0], sums[1], _param_sq(layout, counted_params, partials.sq, device, tally), sums[3]])
         if stats is None:
-            pending_update_sq = stats_lib.squared_sums(layout, tree_lib.leaves(new_updates), device, tally)
-            stats = _all_stats(sums, maxima, dtype, previous)
+            stats = _all_stats(sums, maxima, dtype)
             clip_stats = _clip_stats(clip, inner_state, dtype, clip_norm)
+        if on_host:
+            param_sq_host = [math.nan] * columns if counted_params is None else stats_lib.host_squared_sums(layout, counted_params, tally)
+            update_sq_host = stats_lib.host_squared_sums(layout, tree_lib.leaves(new_updates), tally)
+            pending_sq = torch.tensor([update_sq_host, param_sq_host], dtype=torch.float64, device=device)
+        else:
+            if param_sq is None:
+                param_sq = _param_sq(layout, counted_params, device, tally)
+            pending_sq = torch.stack([stats_lib.squared_sums(layout, tree_lib.leaves(new_updates), device, tally), param_sq])
         total, *group_stats = stats
-        return new_updates, ObserveState(inner_state, total, dict(zip(layout.names, group_stats)), clip_stats, pending_update_sq)
+        return new_updates, ObserveState(inner_state, total, dict(zip(layout.names, group_stats)), clip_stats, pending_sq)
 
     runs_inner(update_fn, inner)
     if takes_donated_updates(inner):
@@ -604,8 +614,9 @@ def observations(state: Any, *, prefix: str = "") -> dict[str, float]:
     """The statistics an :func:`observe` recorded, anywhere in ``state``, as a flat dict of floats.
 
     ``state`` is a chain's state, or an optimizer made by :func:`gradtx.wrap` (its ``tx_state`` is
-    read), or a wrapper of one that holds it as ``.optimizer`` (Lightning's, accelerate's). Keys: ``"grad_norm"``, ``"prev_update_norm"``, ``"param_norm"``, ``"prev_update_ratio"``
-    (the update statistics are those of the step before, NaN after the first step),
+    read), or a wrapper of one that holds it as ``.optimizer`` (Lightning's, accelerate's). Keys: ``"grad_norm"``, ``"prev_update_norm"``, ``"prev_param_norm"``,
+    ``"prev_update_ratio"`` (the update and param statistics are those of the step before, NaN after
+    the first step),
     ``"grad_max"``, ``"grad_nonfinite"`` for all leaves; the same with ``"/<group>"`` appended per group
     (``"grad_norm/layers.3"``); ``"clip/norm"``, ``"clip/coefficient"``, ``"clip/clipped"`` (1.0 or
     0.0) when the observed transformation has a global-norm clip; each key after ``prefix``. This is
