@@ -58,12 +58,15 @@ def n_elements(tree: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() for t in tree.values())
 
 
-def interleaved(candidates: dict[str, Callable[[], object]], *, rounds: int = 15, warmup: int = 2) -> dict[str, list[float]]:
+def interleaved(
+    candidates: dict[str, Callable[[], object]], *, rounds: int = 15, warmup: int = 2, before: Optional[Callable[[], object]] = None
+) -> dict[str, list[float]]:
     """Times each candidate once per round, ``rounds`` times; returns seconds per call.
 
     Every other round runs the candidates in reverse order (A B, B A, A B, ...), so that something
     that comes back every other call (a full garbage collection once per round, say) falls on
-    each candidate in turn instead of always on the same one."""
+    each candidate in turn instead of always on the same one. ``before`` runs, untimed, before
+    each timed call (a barrier, so that every rank of a world starts a call together)."""
     for _ in range(warmup):
         for fn in candidates.values():
             fn()
@@ -71,6 +74,8 @@ def interleaved(candidates: dict[str, Callable[[], object]], *, rounds: int = 15
     order = list(candidates.items())
     for round_index in range(rounds):
         for name, fn in order if round_index % 2 == 0 else reversed(order):
+            if before is not None:
+                before()
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)

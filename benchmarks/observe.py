@@ -4,14 +4,18 @@
    ``chain(clip_by_global_norm(1.0), adamw(1e-4, weight_decay=0.01)).update(grads, state, params)``,
    against the same chain inside ``observe(..., groups=2)`` (one group per layer and per top-level
    leaf: 7 groups). Both the pure path (new updates and state) and the donated one
-   (``inplace=True``, as ``wrap`` runs it). Interleaved rounds (``common.interleaved``), medians, and
-   the median of per-round ratios (statistics on over off, each pure or each donated, timed in the
-   same round); with 1 and 2 torch threads (target: ratio <= 1.05).
+   (``inplace=True``, as ``wrap`` runs it), each pair (statistics off, on) timed in rounds of its
+   own (``common.interleaved``: A B, B A, ...), so that a step follows a step of its own kind, as in
+   a training loop, and not one that allocates or frees a whole tree; medians, and the median of
+   per-round ratios (statistics on over off, timed in the same round); with 1 and 2 torch threads
+   (target: ratio <= 1.05).
    With ``--compiled``, the same two steps through ``gtx.compile_step`` as well (1 thread).
 2. Collectives per step in a world of 2 (gloo, one process per rank, ZeRO-style: every leaf split
    over ``dp`` along dim 0, declared by a ``ShardingSpec``): the sharded clip alone in the chain,
    against the chain with statistics (target: 1 and 1), counted from the gloo events of a
-   ``torch.profiler`` trace, and the sharded step time ratio.
+   ``torch.profiler`` trace, and the sharded step time ratio: each step is timed from a barrier
+   (every rank starts it together) to a barrier after it (the slowest rank has finished it), so a
+   rank that is late from the step before is not counted against the next step.
 
 Run from the repository root::
 
@@ -24,6 +28,7 @@ import argparse
 import datetime
 import gc
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -41,7 +46,9 @@ from benchmarks.sharded import count_collectives  # noqa: E402
 
 SMALL = dict(n_layer=4, d_model=256, vocab=8192, n_ctx=512)
 WORLD = 2
-BASELINE = "chain(clip, adamw)"
+BASELINE, OBSERVED = "chain(clip, adamw)", "observe(chain(clip, adamw), groups=2)"
+DONATED_BASELINE, DONATED_OBSERVED = "chain(clip, adamw), inplace=True", "observe(...), inplace=True"
+PAIRS = {"pure": (BASELINE, OBSERVED), "inplace": (DONATED_BASELINE, DONATED_OBSERVED)}
 
 
 def chain(spec=None) -> gtx.GradientTransformation:
@@ -58,18 +65,27 @@ def candidates(grads, params, spec=None) -> dict:
     grads_b = {k: g.clone() for k, g in grads.items()}
     return {
         BASELINE: lambda: plain.update(grads, plain_state, params),
-        "observe(chain(clip, adamw), groups=2)": lambda: observed.update(grads, observed_state, params),
-        "chain(clip, adamw), inplace=True": lambda: plain.update(grads_a, donated_plain, params, inplace=True),
-        "observe(...), inplace=True": lambda: observed.update(grads_b, donated_observed, params, inplace=True),
+        OBSERVED: lambda: observed.update(grads, observed_state, params),
+        DONATED_BASELINE: lambda: plain.update(grads_a, donated_plain, params, inplace=True),
+        DONATED_OBSERVED: lambda: observed.update(grads_b, donated_observed, params, inplace=True),
     }
 
 
-def ratios_text(times: dict[str, list[float]]) -> str:
-    """Statistics on / off, each the median over rounds of one round's ratio (on and off timed in
-    the same round)."""
-    pure = median_ratio(times, "observe(chain(clip, adamw), groups=2)", BASELINE)
-    donated = median_ratio(times, "observe(...), inplace=True", "chain(clip, adamw), inplace=True")
-    return f"statistics on / off: pure {pure:.3f}, inplace {donated:.3f} (target <= 1.05)"
+def timed_pairs(steps: dict, rounds: int, before=None) -> dict[str, list[float]]:
+    """Each pair of :data:`PAIRS` (statistics off, on) interleaved in rounds of its own."""
+    times: dict[str, list[float]] = {}
+    for off, on in PAIRS.values():
+        times.update(interleaved({off: steps[off], on: steps[on]}, rounds=rounds, before=before))
+    return times
+
+
+def report_pairs(title: str, times: dict[str, list[float]]) -> None:
+    """Medians, and statistics on / off as the median over rounds of one round's ratio."""
+    print(f"\n{title}")
+    for name, (off, on) in PAIRS.items():
+        print(f"  {name:8s} statistics off {statistics.median(times[off]) * 1e3:8.2f} ms, on {statistics.median(times[on]) * 1e3:8.2f} ms")
+    ratios = ", ".join(f"{name} {median_ratio(times, on, off):.3f}" for name, (off, on) in PAIRS.items())
+    print(f"  statistics on / off: {ratios} (target <= 1.05)")
 
 
 def local_timing(config: dict, rounds: int) -> None:
@@ -77,9 +93,7 @@ def local_timing(config: dict, rounds: int) -> None:
     print(f"{len(grads)} leaves, {n_elements(grads) / 1e6:.1f}M float32 elements, 7 groups")
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        times = interleaved(candidates(grads, params), rounds=rounds)
-        report(f"one step, {threads} thread(s) (unsharded)", times, BASELINE)
-        print("  " + ratios_text(times))
+        report_pairs(f"one step, {threads} thread(s) (unsharded)", timed_pairs(candidates(grads, params), rounds))
 
 
 def compiled_timing(config: dict, rounds: int) -> None:
@@ -88,7 +102,7 @@ def compiled_timing(config: dict, rounds: int) -> None:
     grads, params = make_tree(config, seed=1, scale=1e-2), make_tree(config, seed=2)
     torch.set_num_threads(1)
     runs = {}
-    for name, tx in ((BASELINE, chain()), ("observe(chain(clip, adamw), groups=2)", gtx.observe(chain(), groups=2))):
+    for name, tx in ((BASELINE, chain()), (OBSERVED, gtx.observe(chain(), groups=2))):
         step, carried = gtx.compile_step(tx), [params, tx.init(params)]
 
         def run(step=step, carried=carried) -> None:
@@ -102,7 +116,7 @@ def compiled_timing(config: dict, rounds: int) -> None:
     print(f"\ncompile_step: both steps compiled in {time.perf_counter() - start:.0f} s")
     times = interleaved(runs, rounds=rounds)
     ratios = report("one compile_step step, 1 thread (unsharded)", times, BASELINE)
-    print(f"  statistics on / off, compile_step: {ratios['observe(chain(clip, adamw), groups=2)']:.3f} (target <= 1.05)")
+    print(f"  statistics on / off, compile_step: {ratios[OBSERVED]:.3f} (target <= 1.05)")
 
 
 def worker(rank: int, store_path: str, config: dict, rounds: int) -> None:
@@ -121,11 +135,11 @@ def worker(rank: int, store_path: str, config: dict, rounds: int) -> None:
     for fn in steps.values():
         fn()  # plans, groups, checks: once
     counts = {name: count_collectives(fn) for name, fn in steps.items()}
-    times = interleaved(steps, rounds=rounds)
+    world_steps = {name: (lambda fn=fn: (fn(), dist.barrier())) for name, fn in steps.items()}
+    times = timed_pairs(world_steps, rounds, before=dist.barrier)
     if rank == 0:
         print(f"\nworld {WORLD} (gloo), every leaf split over dp along dim 0, {n_elements(dense_grads) / 1e6:.1f}M elements")
-        report("one sharded step (rank 0, 1 thread)", times, BASELINE)
-        print("  " + ratios_text(times))
+        report_pairs("one sharded step (every rank from one barrier to the next, 1 thread a rank)", times)
         print("\ncollectives per step (gloo events in a torch.profiler trace)")
         for name, count in counts.items():
             print(f"  {name:45s} {count}")
