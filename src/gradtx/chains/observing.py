@@ -13,10 +13,11 @@ each element counted once, as :func:`gradtx.global_norm` counts it, and every ra
 numbers. All statistics of a step travel in one all-reduce, run *before* ``inner``: so the update
 and param statistics reported at a step are those of the step before (this rank's share of them
 waits in the state until then: the params' sums are taken in the step's passes, after ``inner``,
-and need no pass of their own before it), and a ``clip_by_global_norm`` that sees ``inner``'s input first (``inner`` itself,
-or the first member of a ``chain`` / ``named_chain``, inside ``inject_hyperparams`` too: see
-:class:`gradtx.base.LeadingClip`) is handed its global norm from that same all-reduce instead of
-reducing its own: one collective per step, the clip's numbers bit for bit those it computes alone.
+and need no pass of their own before it), and a ``clip_by_global_norm`` that sees ``inner``'s
+input first (``inner`` itself, or the first member of a ``chain`` / ``named_chain``, inside
+``inject_hyperparams`` too: see :class:`gradtx.base.LeadingClip`) is handed its global norm from
+that same all-reduce instead of reducing its own: one collective per step, the clip's numbers bit
+for bit those it computes alone.
 Nothing is communicated when nothing is sharded; such a clip (of order 2 or ``inf``) then takes its
 norm from the statistics' per-leaf norms, the gradients being read for the norm once. Eagerly, with
 nothing sharded and float32 CPU tensors, the other statistics ride in the step's own passes
