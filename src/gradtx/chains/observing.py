@@ -615,9 +615,9 @@ def observations(state: Any, *, prefix: str = "") -> dict[str, float]:
     """The statistics an :func:`observe` recorded, anywhere in ``state``, as a flat dict of floats.
 
     ``state`` is a chain's state, or an optimizer made by :func:`gradtx.wrap` (its ``tx_state`` is
-    read), or a wrapper of one that holds it as ``.optimizer`` (Lightning's, accelerate's). Keys: ``"grad_norm"``, ``"prev_update_norm"``, ``"prev_param_norm"``,
-    ``"prev_update_ratio"`` (the update and param statistics are those of the step before, NaN after
-    the first step),
+    read), or a wrapper of one that holds it as ``.optimizer`` (Lightning's, accelerate's). Keys:
+    ``"grad_norm"``, ``"prev_update_norm"``, ``"prev_param_norm"``, ``"prev_update_ratio"`` (the
+    update and param statistics are those of the step before, NaN after the first step),
     ``"grad_max"``, ``"grad_nonfinite"`` for all leaves; the same with ``"/<group>"`` appended per group
     (``"grad_norm/layers.3"``); ``"clip/norm"``, ``"clip/coefficient"``, ``"clip/clipped"`` (1.0 or
     0.0) when the observed transformation has a global-norm clip; each key after ``prefix``. This is
